@@ -1,0 +1,1 @@
+"""prime_rl: asynchronous RL post-training for language models."""

@@ -1,0 +1,9 @@
+"""Configuration: pydantic models per process, composed from TOML files and CLI flags.
+
+See `base.py` for the model conventions and `cli.py` for how sources are merged.
+"""
+
+from prime_rl.config.base import BaseConfig, RootConfig
+from prime_rl.config.cli import ConfigError, parse_config
+
+__all__ = ["BaseConfig", "ConfigError", "RootConfig", "parse_config"]

@@ -1,0 +1,424 @@
+"""Turn a command line into a validated config.
+
+Sources, lowest to highest precedence: the model's defaults, then TOML files given as `@ a.toml`
+(several compose; later files win and tables deep-merge), then flags such as `--trainer.optim.lr 1e-5`,
+`--flag` and `--no-flag`. `--help` lists every field with its docstring; `--dry-run` prints the
+resolved config as TOML.
+
+Invariant: a user mistake (missing or malformed file, unknown key, wrong type) never produces a
+traceback. It becomes a `ConfigError` whose message names the key and where it came from, printed
+as one paragraph, and the process exits with status 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+EXIT_USAGE = 2
+"""Exit status for a bad command line or config, as argparse and most Unix tools use."""
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class ConfigError(Exception):
+    """A mistake in the user's config or flags; its message is shown as is, without a traceback."""
+
+
+@dataclass
+class Sources:
+    """The merged raw values and, for each key path, where its value came from."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    origin: dict[tuple[str, ...], str] = field(default_factory=dict)
+    dry_run: bool = False
+    help: bool = False
+
+    def where(self, path: tuple[str, ...]) -> str:
+        # A key set as part of a table inherits the table's origin.
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.origin:
+                return self.origin[path[:n]]
+        # A section validated as a whole: name whatever set keys inside it.
+        inside = sorted({v for k, v in self.origin.items() if k[: len(path)] == path})
+        return ", ".join(inside) if inside else "defaults"
+
+
+# --------------------------------------------------------------------------------------------------
+# Schema walking: which keys exist, and what type each leaf has.
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The concrete types an annotation may take (Optional, Union and Annotated removed)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        out = []
+        for arg in typing.get_args(annotation):
+            out.extend(_unwrap(arg))
+        return out
+    return [annotation]
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _model_members(annotation: Any) -> list[type[BaseModel]]:
+    return [tp for tp in _unwrap(annotation) if _is_model(tp)]
+
+
+def _fields_of(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
+    """Field name -> FieldInfo over one model, or over every member of a union of models."""
+    out: dict[str, Any] = {}
+    for model in models:
+        for name, info in model.model_fields.items():
+            out.setdefault(name, info)
+    return out
+
+
+def _lookup(cls: type[BaseModel], path: Sequence[str]) -> Any | None:
+    """The FieldInfo at a dotted path, or None if no such field exists."""
+    models: list[type[BaseModel]] = [cls]
+    info = None
+    for i, key in enumerate(path):
+        fields = _fields_of(models)
+        if key not in fields:
+            return None
+        info = fields[key]
+        models = _model_members(info.annotation)
+        if not models and i < len(path) - 1:
+            return None
+    return info
+
+
+def _leaf_paths(cls: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every field path under a model, depth first, sections included."""
+    out = []
+    for name, info in _fields_of([cls] if _is_model(cls) else cls).items():
+        path = (*prefix, name)
+        out.append((path, info))
+        members = _model_members(info.annotation)
+        if members:
+            out.extend(_leaf_paths(members, path))  # type: ignore[arg-type]
+    return out
+
+
+def _allows(info: Any, kind: type) -> bool:
+    return any(tp is kind for tp in _unwrap(info.annotation))
+
+
+def _is_structured(info: Any) -> bool:
+    """Whether a CLI value for this field must be written as a TOML value (list, table)."""
+    for tp in _unwrap(info.annotation):
+        origin = typing.get_origin(tp) or tp
+        if origin in (list, tuple, dict, set) or _is_model(origin):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources.
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Tables merge key by key; any other value in `update` replaces the one in `base`."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _record_origin(sources: Sources, data: dict[str, Any], label: str, prefix: tuple[str, ...] = ()) -> None:
+    for key, value in data.items():
+        path = (*prefix, key)
+        sources.origin[path] = label
+        if isinstance(value, dict):
+            _record_origin(sources, value, label, path)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Read one TOML config file, turning I/O and syntax problems into a `ConfigError`."""
+    if not path.is_file():
+        hint = " (it is a directory)" if path.is_dir() else ""
+        raise ConfigError(f"config file '{path}' not found{hint}.")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}.") from None
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}.") from None
+
+
+def _set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    for key in path[:-1]:
+        nxt = data.get(key)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            data[key] = nxt
+        data = nxt
+    data[path[-1]] = value
+
+
+def _parse_flag_value(cls: type[BaseModel], path: tuple[str, ...], raw: str, flag: str) -> Any:
+    info = _lookup(cls, path)
+    if info is None:
+        return raw  # reported as an unknown key later, with suggestions
+    if raw.lower() in ("none", "null") and _allows(info, type(None)):
+        return None
+    if _is_structured(info):
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(
+                f'{flag} expects a TOML value such as [1, 2], ["a", "b"] or {{ key = 1 }}; got {raw!r}.'
+            ) from None
+    return raw  # pydantic converts strings to numbers, bools and paths
+
+
+def collect_sources(cls: type[BaseModel], argv: Sequence[str]) -> Sources:
+    """Merge the TOML files and flags of a command line, in order, into one raw dict."""
+    sources = Sources()
+    toml_layers: list[tuple[str, dict[str, Any]]] = []
+    flag_values: dict[str, Any] = {}
+    flag_origin: dict[tuple[str, ...], str] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            sources.help = True
+        elif arg == "--dry-run":
+            sources.dry_run = True
+        elif arg.startswith("@"):
+            name = arg[1:]
+            if not name:
+                if i >= len(args):
+                    raise ConfigError("'@' must be followed by a TOML file, as in '@ configs/rl.toml'.")
+                name = args[i]
+                i += 1
+            path = Path(name)
+            toml_layers.append((str(path), read_toml(path)))
+        elif arg.startswith("--") and len(arg) > 2:
+            key, eq, inline = arg[2:].partition("=")
+            path = tuple(part.replace("-", "_") for part in key.split("."))
+            if eq:
+                value: Any = _parse_flag_value(cls, path, inline, f"--{key}")
+            else:
+                negated = _negated(cls, path)
+                info = _lookup(cls, path)
+                takes_value = i < len(args) and not args[i].startswith(("--", "@"))
+                if negated is not None:
+                    path, value = negated, False
+                elif info is not None and _allows(info, bool) and not takes_value:
+                    value = True
+                elif takes_value:
+                    value = _parse_flag_value(cls, path, args[i], f"--{key}")
+                    i += 1
+                else:
+                    raise ConfigError(f"--{key} needs a value, as in '--{key} VALUE'.")
+            _set_path(flag_values, path, value)
+            flag_origin[path] = f"--{'.'.join(path)}"
+        else:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: give TOML files as '@ file.toml' and settings as '--key value'."
+            )
+    for label, data in toml_layers:
+        sources.values = deep_merge(sources.values, data)
+        _record_origin(sources, data, label)
+    sources.values = deep_merge(sources.values, flag_values)
+    sources.origin.update(flag_origin)
+    return sources
+
+
+def _negated(cls: type[BaseModel], path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """For `--no-a.b` or `--a.no-b` naming a boolean field `a.b`, return `a.b`."""
+    if _lookup(cls, path) is not None:
+        return None
+    candidates = []
+    if path[0].startswith("no_"):
+        candidates.append((path[0][3:], *path[1:]))
+    if path[-1].startswith("no_"):
+        candidates.append((*path[:-1], path[-1][3:]))
+    for cand in candidates:
+        info = _lookup(cls, cand)
+        if info is not None and _allows(info, bool):
+            return cand
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation and error messages.
+
+
+def _dotted(path: Sequence[Any]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _check_unknown_keys(cls: type[BaseModel], sources: Sources) -> None:
+    """Reject keys that name no field, with the closest known key as a suggestion."""
+    known = [".".join(p) for p, _ in _leaf_paths(cls)]
+    problems = []
+
+    def walk(data: dict[str, Any], models: list[type[BaseModel]], prefix: tuple[str, ...]) -> None:
+        fields = _fields_of(models)
+        for key, value in data.items():
+            path = (*prefix, key)
+            if key not in fields:
+                problems.append(_unknown_key_message(path, list(fields), known, sources.where(path)))
+                continue
+            members = _model_members(fields[key].annotation)
+            if members and isinstance(value, dict):
+                walk(value, members, path)
+
+    walk(sources.values, [cls], ())
+    if problems:
+        raise ConfigError(" ".join(problems))
+
+
+def _unknown_key_message(path: tuple[str, ...], siblings: list[str], known: list[str], where: str) -> str:
+    dotted = ".".join(path)
+    close = difflib.get_close_matches(path[-1], siblings, n=1, cutoff=0.6)
+    if close:
+        hint = f" Did you mean '{'.'.join((*path[:-1], close[0]))}'?"
+    else:
+        same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == path[-1]]
+        near = same_leaf or difflib.get_close_matches(dotted, known, n=1, cutoff=0.75)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+    section = ".".join(path[:-1]) or "the top level"
+    return f"unknown key '{dotted}' (from {where}): there is no such setting in {section}.{hint}"
+
+
+def _validation_message(cls: type[BaseModel], err: ValidationError, sources: Sources) -> str:
+    lines = []
+    for e in err.errors(include_url=False):
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        dotted = _dotted(loc)
+        str_path = tuple(p for p in loc if isinstance(p, str))
+        where = sources.where(str_path) if loc else "the config"
+        msg = e["msg"].removeprefix("Value error, ").rstrip(".")
+        if e["type"] == "missing":
+            lines.append(f"'{dotted}' is required but not set.")
+        elif not loc:
+            lines.append(f"{msg}.")
+        else:
+            value = e.get("input")
+            shown = f" = {value!r}" if not isinstance(value, dict) else ""
+            lines.append(f"'{dotted}'{shown} (from {where}): {msg}.")
+    return " ".join(lines)
+
+
+def build_config(cls: type[C], sources: Sources) -> C:
+    """Validate merged sources into `cls`, or raise a `ConfigError` that names the key."""
+    _check_unknown_keys(cls, sources)
+    try:
+        return cls(**sources.values)
+    except ValidationError as e:
+        raise ConfigError(_validation_message(cls, e, sources)) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Output: --help and --dry-run.
+
+
+def to_toml(config: BaseModel) -> str:
+    """The config as TOML that, read back with `@`, gives the same config."""
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+
+
+def _type_name(info: Any) -> str:
+    names = []
+    for tp in _unwrap(info.annotation):
+        if tp is type(None):
+            continue
+        origin = typing.get_origin(tp)
+        if origin is typing.Literal:
+            names.append("|".join(str(a) for a in typing.get_args(tp)))
+        else:
+            name = getattr(origin or tp, "__name__", str(tp))
+            names.append(
+                {"str": "STR", "int": "INT", "float": "FLOAT", "bool": "BOOL"}.get(name, name.upper())
+            )
+    return " | ".join(names) or "VALUE"
+
+
+def format_help(cls: type[BaseModel], prog: str) -> str:
+    doc = (cls.__doc__ or "").strip()
+    lines = [
+        f"usage: {prog} [@ config.toml ...] [--key value ...] [--dry-run] [--help]",
+        "",
+        doc,
+        "",
+        "TOML files compose left to right (later wins, tables deep-merge); flags override files.",
+        "Booleans: --key / --no-key. Lists and tables: --key '[1, 2]'. --dry-run prints the resolved config.",
+        "",
+    ]
+    for path, info in _leaf_paths(cls):
+        dotted = ".".join(path)
+        desc = (info.description or "").strip()
+        if _model_members(info.annotation) and not _is_structured_leaf(info):
+            lines.append(f"[{dotted}]  {desc}")
+            continue
+        flag = f"--{dotted}"
+        if _allows(info, bool):
+            flag += f" / --no-{dotted}"
+        else:
+            flag += f" {_type_name(info)}"
+        default = info.get_default(call_default_factory=True)
+        shown = "" if default is None or _is_model(type(default)) else f" [default: {_show(default)}]"
+        lines.append(f"  {flag}\n      {desc}{shown}")
+    return "\n".join(lines) + "\n"
+
+
+def _is_structured_leaf(info: Any) -> bool:
+    return any(typing.get_origin(tp) in (list, dict, tuple) for tp in _unwrap(info.annotation))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, BaseModel):
+        return str(value.model_dump(mode="json"))
+    return repr(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point used by every console script.
+
+
+def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | None = None) -> C:
+    """Parse `argv` into `cls`. Handles --help and --dry-run (print, exit 0) and user errors (exit 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = prog or Path(sys.argv[0]).name
+    try:
+        sources = collect_sources(cls, argv)
+        if sources.help:
+            sys.stdout.write(format_help(cls, prog))
+            raise SystemExit(0)
+        config = build_config(cls, sources)
+    except ConfigError as e:
+        sys.stderr.write(f"{prog}: error: {e}\nRun '{prog} --help' to list the settings.\n")
+        raise SystemExit(EXIT_USAGE) from None
+    if sources.dry_run:
+        sys.stdout.write(to_toml(config))
+        raise SystemExit(0)
+    return config

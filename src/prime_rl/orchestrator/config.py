@@ -1,0 +1,182 @@
+"""Configuration of the orchestrator (`uv run orchestrator`)."""
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from prime_rl.config import BaseConfig, RootConfig
+from prime_rl.defaults import (
+    DEFAULT_MAX_ASYNC_LEVEL,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_MODEL,
+    DEFAULT_OUTPUT_DIR,
+    DEFAULT_SEQ_LEN,
+)
+from prime_rl.transport.config import TransportConfig
+
+
+class ModelConfig(BaseConfig):
+    """The policy being trained, as the inference server knows it."""
+
+    name: str = DEFAULT_MODEL
+    """Model name or local path; also the served model name and the tokenizer."""
+
+
+class SamplingConfig(BaseConfig):
+    """Sampling arguments sent with every rollout request of an env."""
+
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature (the trainer recomputes logprobs at this temperature)."""
+
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+
+    max_tokens: int = Field(default=128, ge=1)
+    """Maximum completion tokens per turn."""
+
+    extra_body: dict[str, Any] = {}
+    """Extra vLLM request fields, merged into the request as is (e.g. {min_tokens = 1})."""
+
+
+class GRPOAdvantage(BaseConfig):
+    """Reward minus the group mean, optionally divided by the group std."""
+
+    type: Literal["grpo"] = "grpo"
+    """Selects this advantage function."""
+
+    std_normalize: bool = False
+    """Divide by the group's reward std (plus a small epsilon)."""
+
+
+class RLOOAdvantage(BaseConfig):
+    """Reward minus the mean of the other rollouts of the group (leave-one-out baseline)."""
+
+    type: Literal["rloo"] = "rloo"
+    """Selects this advantage function."""
+
+
+class ReinforceBaselineAdvantage(BaseConfig):
+    """Reward minus the group mean, then divided by the std over the whole step's batch."""
+
+    type: Literal["reinforce_baseline"] = "reinforce_baseline"
+    """Selects this advantage function."""
+
+
+class CustomAdvantage(BaseConfig):
+    """A user function `fn(AdvantageInputs, **kwargs) -> AdvantageOutputs`, named by import path."""
+
+    type: Literal["custom"] = "custom"
+    """Selects a custom advantage function."""
+
+    import_path: str
+    """Where the function lives, as 'package.module:function'."""
+
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments passed to the function on every call."""
+
+
+AdvantageConfig = Annotated[
+    GRPOAdvantage | RLOOAdvantage | ReinforceBaselineAdvantage | CustomAdvantage,
+    Field(discriminator="type"),
+]
+
+
+class EnvConfig(BaseConfig):
+    """One verifiers environment mixed into training."""
+
+    id: str
+    """Environment id passed to `verifiers.load_environment` (an importable module or package)."""
+
+    name: str | None = None
+    """Name used in logs, metrics and rollouts; defaults to the id."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments for the env's `load_environment`."""
+
+    ratio: float = Field(default=1.0, gt=0)
+    """Relative share of this env's groups in each step."""
+
+    group_size: int = Field(default=8, ge=1)
+    """Rollouts per example (the G of GRPO)."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling arguments for this env's rollouts."""
+
+    state_columns: list[str] = []
+    """Extra rollout state fields saved with this env's rollouts."""
+
+    advantage: AdvantageConfig | None = None
+    """Advantage function for this env; defaults to the orchestrator's `advantage`."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.id
+
+
+class ClientConfig(BaseConfig):
+    """How the orchestrator reaches the inference servers."""
+
+    base_urls: list[str] = ["http://127.0.0.1:8000/v1"]
+    """OpenAI-compatible base URLs of the inference servers; rollouts spread over them."""
+
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds before a rollout request counts as failed."""
+
+    max_retries: int = Field(default=0, ge=0)
+    """Retries of a failed HTTP request inside one rollout."""
+
+
+class OrchestratorConfig(RootConfig):
+    """Orchestrator: keeps inference busy with rollouts and streams training batches to the trainer."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+
+    output_dir: Path = DEFAULT_OUTPUT_DIR
+    """Run folder: rollouts, metrics, progress checkpoints."""
+
+    max_steps: int = Field(default=DEFAULT_MAX_STEPS, ge=1)
+    """Number of training steps to produce batches for."""
+
+    seq_len: int = Field(default=DEFAULT_SEQ_LEN, ge=8)
+    """Tokens per packed micro-batch (the trainer's sequence length)."""
+
+    max_async_level: int = Field(default=DEFAULT_MAX_ASYNC_LEVEL, ge=0)
+    """A rollout from policy version v may train step s only if s - v <= this (0 = synchronous)."""
+
+    batch_size: int = Field(default=64, ge=1)
+    """Rollouts per training step (a multiple of the groups' sizes)."""
+
+    max_inflight_rollouts: int = Field(default=128, ge=1)
+    """Upper bound on rollouts in flight across all inference servers."""
+
+    seed: int = 0
+    """Seed for example sampling."""
+
+    envs: list[EnvConfig] = [EnvConfig(id="reverse-text")]
+    """Environments to train on."""
+
+    advantage: AdvantageConfig = GRPOAdvantage()
+    """Default advantage function, for envs that do not set their own."""
+
+    client: ClientConfig = ClientConfig()
+    """Inference servers."""
+
+    transport: TransportConfig = TransportConfig()
+    """Where micro-batches go."""
+
+    trainer_ranks: int = Field(default=1, ge=1)
+    """Data-parallel trainer ranks to balance micro-batches across."""
+
+    @model_validator(mode="after")
+    def _check_env_names(self):
+        names = [env.resolved_name for env in self.envs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(
+                f"env names must be unique, but {dup} appear more than once in 'envs'; set 'name'"
+            )
+        if "all" in names:
+            raise ValueError("'all' is reserved for metrics over all envs; give the env another 'name'")
+        return self

@@ -1,0 +1,1 @@
+"""`uv run rl`: one config resolved into inference, orchestrator and trainer, launched together."""

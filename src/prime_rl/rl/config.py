@@ -1,0 +1,117 @@
+"""The combined config of `uv run rl`.
+
+Invariant: a shared setting (model, output dir, max steps, seq len, max async level) has one value in
+all three processes. It is set once at the top level and handed down; a process section may repeat
+it only with the same value, and conflicting explicit values are an error that names both keys.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, TypeAdapter, model_validator
+
+from prime_rl.config import RootConfig
+from prime_rl.defaults import (
+    DEFAULT_MAX_ASYNC_LEVEL,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_MODEL,
+    DEFAULT_OUTPUT_DIR,
+    DEFAULT_SEQ_LEN,
+)
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.trainer.config import TrainerConfig
+
+SHARED: dict[str, list[tuple[str, ...]]] = {
+    "model": [
+        ("trainer", "model", "name"),
+        ("orchestrator", "model", "name"),
+        ("inference", "model", "name"),
+    ],
+    "output_dir": [("trainer", "output_dir"), ("orchestrator", "output_dir"), ("inference", "output_dir")],
+    "max_steps": [("trainer", "max_steps"), ("orchestrator", "max_steps")],
+    "seq_len": [("trainer", "seq_len"), ("orchestrator", "seq_len")],
+    "max_async_level": [("orchestrator", "max_async_level")],
+}
+"""Each shared top-level field and the process fields it is handed down to."""
+
+
+class RLConfig(RootConfig):
+    """rl: starts inference, orchestrator and trainer on one machine from one config."""
+
+    model: str = DEFAULT_MODEL
+    """Model name or local path, for all three processes."""
+
+    output_dir: Path = DEFAULT_OUTPUT_DIR
+    """Run folder shared by the three processes."""
+
+    max_steps: int = Field(default=DEFAULT_MAX_STEPS, ge=1)
+    """Number of training steps."""
+
+    seq_len: int = Field(default=DEFAULT_SEQ_LEN, ge=8)
+    """Tokens per packed micro-batch, for the orchestrator's packing and the trainer."""
+
+    max_async_level: int = Field(default=DEFAULT_MAX_ASYNC_LEVEL, ge=0)
+    """Largest allowed lag between the policy that sampled a rollout and the step that trains on it."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer settings."""
+
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """Orchestrator settings."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """Inference server settings."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hand_down_shared(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = _copy_tables(data)
+        for key, targets in SHARED.items():
+            adapter = TypeAdapter(cls.model_fields[key].annotation)
+            explicit: dict[str, Any] = {}
+            if key in data:
+                explicit[key] = data[key]
+            for path in targets:
+                found, value = _get(data, path)
+                if found:
+                    explicit[".".join(path)] = value
+            try:
+                distinct = {repr(adapter.validate_python(v)) for v in explicit.values()}
+            except ValueError:
+                continue  # a malformed value: the field's own validation reports it by name
+            if len(distinct) > 1:
+                shown = ", ".join(f"{k} = {v!r}" for k, v in explicit.items())
+                raise ValueError(
+                    f"conflicting values for the shared setting '{key}': {shown}. "
+                    f"Set it once, as the top-level '{key}'"
+                )
+            value = next(iter(explicit.values())) if explicit else cls.model_fields[key].default
+            data[key] = value
+            for path in targets:
+                _put(data, path, str(value) if isinstance(value, Path) else value)
+        return data
+
+
+def _copy_tables(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _copy_tables(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def _get(data: dict[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return False, None
+        data = data[key]
+    return True, data
+
+
+def _put(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        if not isinstance(data.get(key), dict):
+            if key in data and data[key] is not None:
+                return  # not a table: leave it for validation to report
+            data[key] = {}
+        data = data[key]
+    data[path[-1]] = value

@@ -1,0 +1,1 @@
+"""The trainer: receives micro-batches, trains the policy, checkpoints and publishes weights."""

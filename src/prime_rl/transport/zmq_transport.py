@@ -1,0 +1,110 @@
+"""ZeroMQ PUSH/PULL transport: the orchestrator pushes, each trainer rank pulls from its own port.
+
+Back-pressure: each socket queues at most `hwm` messages. When the trainer falls behind, the
+orchestrator's send waits instead of piling data up in memory, and fails with `TransportTimeout`
+after `timeout_s` if nobody takes the message (the trainer is gone or stuck).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from prime_rl.transport.base import TransportTimeout, check_run
+from prime_rl.transport.config import TransportConfig
+from prime_rl.transport.messages import Message, decode, encode
+
+
+def rank_address(config: TransportConfig, rank: int) -> str:
+    return f"tcp://{config.host}:{config.port + rank}"
+
+
+def _setup(sock: zmq.Socket, hwm: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)  # never hang at exit on undelivered data; loss is detected upstream
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+
+
+class ZmqSender:
+    """Binds a PUSH socket on one rank's address and sends messages to it (blocking)."""
+
+    def __init__(self, address: str, hwm: int = 16, timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        _setup(self._sock, hwm)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise TransportTimeout(f"cannot bind {address}: {e} (is another run using this port?)") from None
+
+    def send(self, message: Message) -> None:
+        try:
+            self._sock.send(encode(message), copy=False)
+        except zmq.Again:
+            raise TransportTimeout(
+                f"no trainer took a message on {self.address} for {self.timeout_s:.0f} s "
+                f"(step {message.header.step}, rank {message.header.rank}): is the trainer running and connected?"
+            ) from None
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class AsyncZmqSender:
+    """Like `ZmqSender`, for the orchestrator's event loop: waiting for the trainer never blocks it."""
+
+    def __init__(self, address: str, hwm: int = 16, timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        _setup(self._sock, hwm)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise TransportTimeout(f"cannot bind {address}: {e} (is another run using this port?)") from None
+
+    async def send(self, message: Message) -> None:
+        try:
+            await asyncio.wait_for(self._sock.send(encode(message), copy=False), self.timeout_s)
+        except TimeoutError:
+            raise TransportTimeout(
+                f"no trainer took a message on {self.address} for {self.timeout_s:.0f} s "
+                f"(step {message.header.step}, rank {message.header.rank}): is the trainer running and connected?"
+            ) from None
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class ZmqReceiver:
+    """Connects a PULL socket to one rank's address and returns that run's messages in order."""
+
+    def __init__(self, address: str, run_id: str, hwm: int = 16, timeout_s: float = 600.0):
+        self.address = address
+        self.run_id = run_id
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        _setup(self._sock, hwm)
+        self._sock.connect(address)
+
+    def recv(self, timeout_s: float | None = None) -> Message:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not self._sock.poll(int(timeout * 1000), zmq.POLLIN):
+            raise TransportTimeout(
+                f"no message from the orchestrator on {self.address} for {timeout:.0f} s: "
+                "is the orchestrator running, and are the inference servers producing rollouts?"
+            )
+        data = self._sock.recv(copy=False)
+        return check_run(decode(data.buffer), self.run_id, self.address)
+
+    def close(self) -> None:
+        self._sock.close()

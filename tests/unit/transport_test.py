@@ -1,0 +1,172 @@
+"""Transports: round trips, order, back-pressure, slow consumers and foreign runs, over real sockets."""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from prime_rl.transport import ForeignRunError, TransportConfig, TransportTimeout, make_receiver, make_sender
+from prime_rl.transport.file_transport import FileReceiver, FileSender
+from prime_rl.transport.messages import Header, MicroBatch, TrainingBatch, TrainingSample, decode, encode
+from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender
+
+RUN = "run-a"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def micro_batch(
+    step: int, index: int = 0, count: int = 1, n: int = 16, run: str = RUN, rank: int = 0
+) -> MicroBatch:
+    rng = np.random.default_rng(step * 1000 + index)
+    return MicroBatch.from_arrays(
+        Header(run, step, rank),
+        index,
+        count,
+        input_ids=rng.integers(0, 512, n),
+        position_ids=np.concatenate([np.arange(n // 2), np.arange(n - n // 2)]),
+        loss_mask=rng.integers(0, 2, n),
+        advantages=rng.standard_normal(n),
+        logprobs=-rng.random(n),
+        sample_lens=[n // 2, n - n // 2],
+        env_names=["reverse-text", "sum-digits"],
+    )
+
+
+def assert_same(a: MicroBatch, b: MicroBatch) -> None:
+    assert a.header == b.header and (a.index, a.count) == (b.index, b.count)
+    for key, value in a.arrays().items():
+        np.testing.assert_array_equal(value, b.arrays()[key])
+    assert (a.sample_lens, a.env_names) == (b.sample_lens, b.env_names)
+
+
+def test_messages_round_trip_through_msgpack():
+    mb = micro_batch(3, n=64)
+    mb.validate(seq_len=64)
+    assert_same(decode(encode(mb)), mb)
+    sample = TrainingSample([1, 2], [3, 4, 5], [1, 0, 1], [-0.1, -0.2, -0.3], 0.5, 1.0, "env", 7, 2)
+    batch = TrainingBatch(Header(RUN, 1), [sample])
+    assert decode(encode(batch)) == batch
+
+
+def test_micro_batch_validation_names_the_field():
+    mb = micro_batch(0, n=16)
+    broken = MicroBatch(**{**{f: getattr(mb, f) for f in mb.__struct_fields__}, "logprobs": mb.logprobs[:-8]})
+    with pytest.raises(ValueError, match="per-token fields disagree"):
+        broken.validate()
+    with pytest.raises(ValueError, match="longer than seq_len"):
+        mb.validate(seq_len=8)
+    with pytest.raises(ValueError, match="equal lengths"):
+        TrainingSample([1], [2, 3], [1], [0.0, 0.0], 0.0, 0.0, "env").validate()
+
+
+@pytest.mark.parametrize("kind", ["zmq", "filesystem"])
+def test_round_trip_and_order(kind, tmp_path):
+    config = TransportConfig(type=kind, port=free_port(), timeout_s=10)
+    sender = make_sender(config, rank=0, output_dir=tmp_path)
+    receiver = make_receiver(config, RUN, rank=0, output_dir=tmp_path)
+    sent = [micro_batch(step, i, 3) for step in range(4) for i in range(3)]
+    for mb in sent:
+        sender.send(mb)
+    got = [receiver.recv() for _ in sent]
+    for a, b in zip(got, sent, strict=True):
+        assert_same(a, b)
+    sender.close()
+    receiver.close()
+
+
+def test_zmq_back_pressure_bounds_the_queue_and_times_out_clearly():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    sender = ZmqSender(address, hwm=2, timeout_s=0.5)
+    receiver = ZmqReceiver(address, RUN, hwm=2, timeout_s=5)  # connected but never reading
+    big = micro_batch(0, n=250_000)  # ~4 MB each, more than the kernel's socket buffers
+    sent = 0
+    with pytest.raises(TransportTimeout, match="no trainer took a message"):
+        for _ in range(100):
+            sender.send(big)
+            sent += 1
+    assert 0 < sent < 20, f"a stalled consumer should stop the sender after a few messages, not {sent}"
+    # Nothing queued was lost: the receiver still gets every accepted message.
+    for _ in range(sent):
+        assert receiver.recv(timeout_s=5).header.step == 0
+    sender.close()
+    receiver.close()
+
+
+def test_zmq_sender_without_a_trainer_times_out_clearly():
+    sender = ZmqSender(f"tcp://127.0.0.1:{free_port()}", hwm=1, timeout_s=0.3)
+    with pytest.raises(TransportTimeout, match="is the trainer running"):
+        for _ in range(5):
+            sender.send(micro_batch(0))
+    sender.close()
+
+
+def test_zmq_receiver_without_an_orchestrator_times_out_clearly():
+    receiver = ZmqReceiver(f"tcp://127.0.0.1:{free_port()}", RUN, timeout_s=0.2)
+    with pytest.raises(TransportTimeout, match="no message from the orchestrator"):
+        receiver.recv()
+    receiver.close()
+
+
+def test_zmq_slow_consumer_loses_nothing():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    sender = ZmqSender(address, hwm=2, timeout_s=30)
+    receiver = ZmqReceiver(address, RUN, hwm=2, timeout_s=30)
+    n = 60
+    got: list[int] = []
+
+    def consume():
+        for _ in range(n):
+            got.append(receiver.recv().header.step)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    for step in range(n):
+        sender.send(micro_batch(step, n=20_000))
+    thread.join(timeout=60)
+    assert got == list(range(n))
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("kind", ["zmq", "filesystem"])
+def test_message_from_another_run_is_rejected(kind, tmp_path):
+    config = TransportConfig(type=kind, port=free_port(), timeout_s=5)
+    sender = make_sender(config, rank=0, output_dir=tmp_path)
+    receiver = make_receiver(config, RUN, rank=0, output_dir=tmp_path)
+    sender.send(micro_batch(0, run="run-b"))
+    with pytest.raises(ForeignRunError, match=r"run 'run-b'.*this is run 'run-a'"):
+        receiver.recv()
+    sender.close()
+    receiver.close()
+
+
+def test_file_transport_never_exposes_partial_files(tmp_path):
+    sender = FileSender(tmp_path)
+    receiver = FileReceiver(tmp_path, RUN, timeout_s=5, poll_s=0.001)
+    n = 20
+    writer = threading.Thread(target=lambda: [sender.send(micro_batch(s, n=50_000)) for s in range(n)])
+    writer.start()
+    steps = [receiver.recv().header.step for _ in range(n)]  # a partial file would fail to decode
+    writer.join()
+    assert steps == list(range(n))
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_file_receiver_can_replay_from_a_later_step(tmp_path):
+    sender = FileSender(tmp_path)
+    for step in range(3):
+        for i in range(2):
+            sender.send(micro_batch(step, i, 2))
+    receiver = FileReceiver(tmp_path, RUN, start_step=1, timeout_s=1)
+    got = [(m.header.step, m.index) for m in (receiver.recv() for _ in range(4))]
+    assert got == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    with pytest.raises(TransportTimeout):
+        receiver.recv(timeout_s=0.05)
