@@ -69,3 +69,24 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
         # Otherwise the first logprob request compiles a kernel with gcc (8-16 s on 2 cores).
         env.setdefault("TORCH_COMPILE_DISABLE", "1")
     return env
+
+
+def wait_until_healthy(base_url: str, timeout_s: float = 300.0, process=None, poll_s: float = 0.5) -> None:
+    """Block until `<base_url>/health` answers 200; fail early if `process` (a Popen) exits."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(
+                f"the inference server exited with status {process.returncode} before it was healthy"
+            )
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"the inference server at {base_url} was not healthy after {timeout_s:.0f} s")
