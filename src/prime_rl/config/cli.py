@@ -231,6 +231,8 @@ def collect_sources(cls: type[BaseModel], argv: Sequence[str]) -> Sources:
                 elif takes_value:
                     value = _parse_flag_value(cls, path, args[i], f"--{key}")
                     i += 1
+                elif info is None:
+                    value = True  # an unknown key: reported by name, with a suggestion, at validation
                 else:
                     raise ConfigError(f"--{key} needs a value, as in '--{key} VALUE'.")
             _set_path(flag_values, path, value)

@@ -114,6 +114,68 @@ class EnvConfig(BaseConfig):
         return self.name or self.id
 
 
+class FilterConfig(BaseConfig):
+    """A rule that keeps rollouts out of training (they are counted as filtered)."""
+
+    type: Literal["zero_advantage", "truncated"]
+    """'zero_advantage': groups whose advantages are all zero; 'truncated': rollouts cut at max_tokens."""
+
+    monitor_only: bool = False
+    """Only count what the filter would drop, and train on it anyway."""
+
+
+class EvalEnvConfig(BaseConfig):
+    """One env evaluated on its eval dataset."""
+
+    id: str
+    """Environment id passed to `verifiers.load_environment`."""
+
+    name: str | None = None
+    """Name in metrics (`eval/<name>/...`); defaults to the id."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments for the env's `load_environment`."""
+
+    num_examples: int = Field(default=32, ge=1)
+    """Examples from the eval dataset per evaluation."""
+
+    rollouts_per_example: int = Field(default=1, ge=1)
+    """Rollouts per eval example."""
+
+    sampling: SamplingConfig = SamplingConfig(temperature=0.0)
+    """Sampling for evaluation (greedy by default)."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.id
+
+
+class EvalConfig(BaseConfig):
+    """Periodic evaluation; it runs beside training and never holds up a step."""
+
+    envs: list[EvalEnvConfig] = []
+    """Envs to evaluate; empty disables evaluation."""
+
+    interval: int = Field(default=10, ge=1)
+    """Evaluate every this many steps."""
+
+    at_start: bool = False
+    """Also evaluate the initial policy before the first step."""
+
+
+class WandbConfig(BaseConfig):
+    """Weights & Biases logging (offline when no API key is set)."""
+
+    enabled: bool = False
+    """Log metrics to W&B."""
+
+    project: str = "prime-rl"
+    """W&B project."""
+
+    name: str | None = None
+    """Run name; defaults to the output folder's name."""
+
+
 class ClientConfig(BaseConfig):
     """How the orchestrator reaches the inference servers."""
 
@@ -125,6 +187,9 @@ class ClientConfig(BaseConfig):
 
     max_retries: int = Field(default=0, ge=0)
     """Retries of a failed HTTP request inside one rollout."""
+
+    health_timeout_s: float = Field(default=600.0, gt=0)
+    """How long to wait, with back-off, for every server to answer /health before giving up."""
 
 
 class OrchestratorConfig(RootConfig):
@@ -168,6 +233,24 @@ class OrchestratorConfig(RootConfig):
 
     trainer_ranks: int = Field(default=1, ge=1)
     """Data-parallel trainer ranks to balance micro-batches across."""
+
+    min_group_size: int = Field(default=1, ge=1)
+    """Groups with fewer surviving rollouts than this are dropped (counted as filtered)."""
+
+    filters: list[FilterConfig] = [FilterConfig(type="zero_advantage")]
+    """Filters applied to finalized groups, in order."""
+
+    eval: EvalConfig = EvalConfig()
+    """Periodic evaluation."""
+
+    wandb: WandbConfig = WandbConfig()
+    """W&B logging."""
+
+    weights_poll_s: float = Field(default=0.2, gt=0)
+    """How often to look for newly published trainer weights."""
+
+    resume: bool = True
+    """Continue from the progress checkpoint in output_dir when there is one."""
 
     @model_validator(mode="after")
     def _check_env_names(self):

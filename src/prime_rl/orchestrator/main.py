@@ -1,12 +1,34 @@
 """`uv run orchestrator @ orch.toml`."""
 
+import asyncio
+import logging
+import os
 import sys
 
 from prime_rl.config import parse_config
+from prime_rl.logging_setup import setup_logging
+from prime_rl.orchestrator.advantage import AdvantageError
+from prime_rl.orchestrator.client import InferenceUnavailable
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs import EnvError
+from prime_rl.orchestrator.weights import WeightSyncError
+from prime_rl.transport import TransportError
+
+# Failures whose message says all the user needs: shown without a traceback.
+USER_ERRORS = (EnvError, AdvantageError, InferenceUnavailable, TransportError, WeightSyncError)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parse_config(OrchestratorConfig, argv, prog="orchestrator")
-    sys.stderr.write("orchestrator: not implemented yet (the config above is valid; try --dry-run).\n")
-    raise SystemExit(1)
+    config = parse_config(OrchestratorConfig, argv, prog="orchestrator")
+    setup_logging("orchestrator")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from prime_rl.orchestrator.orchestrator import Orchestrator
+
+    try:
+        asyncio.run(Orchestrator(config).run())
+    except USER_ERRORS as e:
+        sys.stderr.write(f"orchestrator: error: {e}\n")
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        logging.getLogger("prime_rl").info("interrupted")
+        raise SystemExit(130) from None

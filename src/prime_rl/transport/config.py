@@ -28,3 +28,16 @@ class TransportConfig(BaseConfig):
 
     dir: Path | None = None
     """Folder of the filesystem transport; defaults to <output_dir>/transport."""
+
+    run_id: str | None = None
+    """Stamped on every message and checked by the receiver; defaults to a hash of the output folder."""
+
+
+def resolve_run_id(config: TransportConfig, output_dir: Path) -> str:
+    """The run id both ends derive from the same config (set it explicitly across machines)."""
+    if config.run_id:
+        return config.run_id
+    import hashlib
+
+    path = str(Path(output_dir).resolve())
+    return f"{Path(path).name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"

@@ -43,6 +43,7 @@ class TrainingSample(msgspec.Struct):
     env_name: str
     example_id: int | str = 0
     policy_version: int = 0
+    temperature: float = 1.0
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)

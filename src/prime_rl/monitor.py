@@ -1,0 +1,85 @@
+"""Metrics out of a process: a local JSONL always, W&B when configured, one console line per step.
+
+Invariant: logging never fails a run. W&B runs offline when no API key is set, so it never waits on
+the network; a W&B error is reported once and W&B is then skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def stats(prefix: str, values: list[float]) -> dict[str, float]:
+    """`<prefix>/mean`, `/std`, `/min`, `/max` of the values (nothing for an empty list)."""
+    if not values:
+        return {}
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / n)
+    return {
+        f"{prefix}/mean": mean,
+        f"{prefix}/std": std,
+        f"{prefix}/min": min(values),
+        f"{prefix}/max": max(values),
+    }
+
+
+def _finite(value: Any) -> Any:
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class MetricsLogger:
+    def __init__(
+        self, path: Path, wandb_config=None, run_name: str | None = None, config: dict | None = None
+    ):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._wandb = None
+        if wandb_config is not None and wandb_config.enabled:
+            self._wandb = self._init_wandb(wandb_config, run_name or self.path.parent.name, config)
+
+    def _init_wandb(self, wandb_config, run_name: str, config: dict | None):
+        try:
+            import wandb
+
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            return wandb.init(
+                project=wandb_config.project,
+                name=wandb_config.name or run_name,
+                config=config,
+                mode=mode,
+                dir=str(self.path.parent),
+            )
+        except Exception as e:
+            log.warning("W&B disabled: %s", e)
+            return None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            try:
+                self._wandb.log(metrics, step=step)
+            except Exception as e:
+                log.warning("W&B logging failed, skipping W&B from now on: %s", e)
+                self._wandb = None
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            with contextlib.suppress(Exception):
+                self._wandb.finish()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics JSONL, in order."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

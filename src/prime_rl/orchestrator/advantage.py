@@ -1,0 +1,160 @@
+"""Advantage functions: called once per group, they return one float per rollout.
+
+Contract: `advantage_fn(AdvantageInputs, **kwargs) -> AdvantageOutputs`, where `inputs.rollouts` is
+one group (the surviving rollouts of one (env_name, example_id)) and `outputs.advantages` has one
+finite float per rollout, in the same order. Built-ins: `grpo`, `rloo`, `reinforce_baseline`;
+custom functions are named by import path in the config.
+
+Invariant: an advantage that reaches training was validated here; a wrong length, NaN or inf raises
+`AdvantageError` naming the env, the example and the function. A singleton group gets 0.0 without
+calling the function (no baseline exists for it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prime_rl.orchestrator.config import AdvantageConfig, CustomAdvantage, GRPOAdvantage
+from prime_rl.orchestrator.rollout import Rollout
+
+STD_EPS = 1e-6
+
+
+@dataclass
+class AdvantageInputs:
+    """What an advantage function sees: one group."""
+
+    rollouts: list[Rollout]
+    env_name: str
+    example_id: int | str
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+
+@dataclass
+class AdvantageOutputs:
+    """What an advantage function returns: one advantage per rollout, in order."""
+
+    advantages: list[float]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+AdvantageFn = Callable[..., AdvantageOutputs]
+
+
+class AdvantageError(ValueError):
+    """An advantage function returned something unusable, or could not be loaded."""
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _std(xs: list[float]) -> float:
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def grpo(inputs: AdvantageInputs, std_normalize: bool = False) -> AdvantageOutputs:
+    """Reward minus the group mean; optionally divided by the group std."""
+    rewards = inputs.rewards
+    mean = _mean(rewards)
+    adv = [r - mean for r in rewards]
+    if std_normalize:
+        std = _std(rewards)
+        adv = [a / (std + STD_EPS) for a in adv]
+    return AdvantageOutputs(adv)
+
+
+def rloo(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """Reward minus the mean reward of the other rollouts of the group."""
+    rewards = inputs.rewards
+    n, total = len(rewards), sum(rewards)
+    return AdvantageOutputs([r - (total - r) / (n - 1) for r in rewards])
+
+
+def reinforce_baseline(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """Group-mean baseline; the division by the batch std happens once the step's batch is known."""
+    return grpo(inputs)
+
+
+BUILTINS: dict[str, AdvantageFn] = {"grpo": grpo, "rloo": rloo, "reinforce_baseline": reinforce_baseline}
+
+
+def load_function(import_path: str) -> Callable[..., Any]:
+    """Resolve 'package.module:function' (or 'package.module.function')."""
+    module_name, sep, attr = import_path.partition(":")
+    if not sep:
+        module_name, _, attr = import_path.rpartition(".")
+    if not module_name or not attr:
+        raise AdvantageError(
+            f"advantage import_path '{import_path}' must look like 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise AdvantageError(
+            f"advantage import_path '{import_path}': cannot import '{module_name}': {e}"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise AdvantageError(
+            f"advantage import_path '{import_path}': '{module_name}' has no function '{attr}'"
+        )
+    return fn
+
+
+@dataclass
+class Advantage:
+    """A configured advantage function, validated on every call."""
+
+    name: str
+    fn: AdvantageFn
+    kwargs: dict[str, Any]
+    batch_std_normalize: bool = False
+    """Divide this function's advantages by their std over the whole step (reinforce_baseline)."""
+
+    @classmethod
+    def from_config(cls, config: AdvantageConfig | None) -> Advantage:
+        config = config or GRPOAdvantage()
+        if isinstance(config, CustomAdvantage):
+            return cls(config.import_path, load_function(config.import_path), dict(config.kwargs))
+        kwargs = config.model_dump(exclude={"type"})
+        return cls(config.type, BUILTINS[config.type], kwargs, config.type == "reinforce_baseline")
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageOutputs:
+        where = f"advantage function '{self.name}' on env '{inputs.env_name}', example {inputs.example_id!r}"
+        n = len(inputs.rollouts)
+        if n == 1:
+            return AdvantageOutputs([0.0])
+        try:
+            out = self.fn(inputs, **self.kwargs)
+        except Exception as e:
+            raise AdvantageError(f"{where} raised {type(e).__name__}: {e}") from e
+        advantages = out.advantages if isinstance(out, AdvantageOutputs) else None
+        if advantages is None:
+            raise AdvantageError(f"{where} returned {type(out).__name__}, expected AdvantageOutputs")
+        if len(advantages) != n:
+            raise AdvantageError(f"{where} returned {len(advantages)} advantages for a group of {n} rollouts")
+        try:
+            values = [float(a) for a in advantages]
+        except (TypeError, ValueError):
+            raise AdvantageError(f"{where} returned a non-number among {advantages!r}") from None
+        bad = [i for i, a in enumerate(values) if not math.isfinite(a)]
+        if bad:
+            raise AdvantageError(f"{where} returned non-finite advantages at positions {bad}: {values}")
+        return AdvantageOutputs(values, dict(out.metrics))
+
+
+def batch_std_normalize(advantages: list[float]) -> list[float]:
+    """Divide by the std over the batch (used by reinforce_baseline across a step's groups)."""
+    if len(advantages) < 2:
+        return advantages
+    std = _std(advantages)
+    return [a / (std + STD_EPS) for a in advantages]

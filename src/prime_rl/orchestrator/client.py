@@ -1,0 +1,97 @@
+"""The inference servers as the orchestrator sees them: health, load, and the verifiers clients.
+
+Invariant: a group's rollouts all go to one server (they share a prompt, so its prefix cache helps),
+and each new group goes to the server with the fewest rollouts in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from prime_rl.orchestrator.config import ClientConfig
+
+log = logging.getLogger(__name__)
+
+
+class InferenceUnavailable(RuntimeError):
+    """An inference server never became healthy."""
+
+
+@dataclass
+class Server:
+    base_url: str
+    """OpenAI base URL, e.g. http://127.0.0.1:8000/v1."""
+    client: Any
+    """The verifiers client for this server."""
+    inflight: int = 0
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/").removesuffix("/v1")
+
+
+def make_vf_client(base_url: str, config: ClientConfig):
+    import verifiers as vf
+    from openai import AsyncOpenAI
+
+    openai = AsyncOpenAI(
+        base_url=base_url,
+        api_key="prime-rl",
+        max_retries=config.max_retries,
+        timeout=config.timeout_s,
+        http_client=httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        ),
+    )
+    return vf.OpenAIChatCompletionsClient(openai)
+
+
+class ServerPool:
+    def __init__(self, config: ClientConfig):
+        self.config = config
+        self.servers = [Server(url, make_vf_client(url, config)) for url in config.base_urls]
+
+    def pick(self) -> Server:
+        return min(self.servers, key=lambda s: s.inflight)
+
+    @property
+    def inflight(self) -> int:
+        return sum(s.inflight for s in self.servers)
+
+    async def wait_healthy(self) -> None:
+        await asyncio.gather(*(wait_healthy(s.root_url, self.config.health_timeout_s) for s in self.servers))
+
+
+async def wait_healthy(
+    root_url: str, timeout_s: float, first_delay_s: float = 0.5, max_delay_s: float = 10.0
+) -> None:
+    """Poll `<root_url>/health` with exponential back-off; raise `InferenceUnavailable` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    delay, last = first_delay_s, "no answer"
+    warned = False
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            try:
+                resp = await http.get(f"{root_url}/health")
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}"
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise InferenceUnavailable(
+                    f"inference server {root_url} was not healthy after {timeout_s:.0f} s (last: {last}); "
+                    "is `uv run inference` running there, and is client.base_urls right?"
+                )
+            if not warned and time.monotonic() > deadline - timeout_s + 5:
+                log.info("waiting for inference server %s (%s)", root_url, last)
+                warned = True
+            await asyncio.sleep(min(delay, remaining))
+            delay = min(delay * 2, max_delay_s)

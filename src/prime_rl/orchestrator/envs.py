@@ -1,0 +1,137 @@
+"""Load verifiers environments and stream their examples.
+
+Invariant: examples are drawn without holding the dataset in Python memory (rows are read one at a
+time from the Arrow-backed dataset), in an order fixed by the seed and the epoch, from a cursor that
+the progress checkpoint saves, so a resumed run continues with the same next example.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
+
+REQUIRED_COLUMNS = ("prompt", "example_id")
+
+
+class EnvError(ValueError):
+    """An environment cannot be loaded or used; the message names it."""
+
+
+def load_vf_env(env_id: str, args: dict[str, Any]):
+    """`verifiers.load_environment`, with failures turned into an `EnvError` naming the env."""
+    import verifiers as vf
+
+    # verifiers logs a traceback-like error before raising; our message says it better.
+    logging.getLogger("verifiers").setLevel(logging.CRITICAL)
+    try:
+        env = vf.load_environment(env_id, **args)
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise EnvError(
+            f"env '{env_id}' could not be loaded: {type(cause).__name__}: {cause}. "
+            f"It must be an installed package or importable module exposing load_environment(**args)."
+        ) from None
+    finally:
+        logging.getLogger("verifiers").setLevel(logging.WARNING)
+    return env
+
+
+def check_columns(dataset, env_id: str, which: str) -> None:
+    missing = [c for c in REQUIRED_COLUMNS if c not in dataset.column_names]
+    if missing:
+        raise EnvError(
+            f"env '{env_id}': its {which} dataset lacks the column(s) {missing} (it has {dataset.column_names}); "
+            "a classic verifiers env needs 'prompt' (or 'question') and gets 'example_id' from verifiers"
+        )
+    if len(dataset) == 0:
+        raise EnvError(f"env '{env_id}': its {which} dataset is empty")
+
+
+@dataclass
+class Cursor:
+    """Position in an env's example order: which epoch, and how far into it."""
+
+    epoch: int = 0
+    position: int = 0
+
+
+class ExampleSource:
+    """Endless, seeded, epoch-shuffled stream of one dataset's rows."""
+
+    def __init__(self, dataset, seed: int, cursor: Cursor | None = None):
+        self.dataset = dataset
+        self.seed = seed
+        self.cursor = cursor or Cursor()
+        self._order = self._permutation(self.cursor.epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def next(self) -> dict[str, Any]:
+        if self.cursor.position >= len(self._order):
+            self.cursor = Cursor(self.cursor.epoch + 1, 0)
+            self._order = self._permutation(self.cursor.epoch)
+        row = self.dataset[self._order[self.cursor.position]]
+        self.cursor.position += 1
+        return row
+
+
+@dataclass
+class Env:
+    """A loaded training env with its config and example stream."""
+
+    config: EnvConfig
+    vf_env: Any
+    examples: ExampleSource
+
+    @property
+    def name(self) -> str:
+        return self.config.resolved_name
+
+    @property
+    def group_scoring(self) -> bool:
+        """Whether the rubric scores the group together (then one `run_group` call per group)."""
+        return bool(getattr(self.vf_env, "requires_group_rollouts", False))
+
+
+def load_env(config: EnvConfig, seed: int, cursor: Cursor | None = None) -> Env:
+    vf_env = load_vf_env(config.id, config.args)
+    try:
+        dataset = vf_env.get_dataset()
+    except Exception as e:
+        raise EnvError(f"env '{config.id}': its training dataset cannot be built: {e}") from None
+    check_columns(dataset, config.id, "training")
+    return Env(config, vf_env, ExampleSource(dataset, seed, cursor))
+
+
+@dataclass
+class EvalEnv:
+    config: EvalEnvConfig
+    vf_env: Any
+    dataset: Any
+
+    @property
+    def name(self) -> str:
+        return self.config.resolved_name
+
+
+def load_eval_env(config: EvalEnvConfig) -> EvalEnv:
+    vf_env = load_vf_env(config.id, config.args)
+    try:
+        dataset = vf_env.get_eval_dataset(n=config.num_examples)
+    except Exception as e:
+        raise EnvError(f"eval env '{config.id}': its eval dataset cannot be built: {e}") from None
+    check_columns(dataset, config.id, "eval")
+    return EvalEnv(config, vf_env, dataset)
+
+
+def rollout_input(row: dict[str, Any]) -> dict[str, Any]:
+    """The fields verifiers' run_rollout needs from a dataset row."""
+    keys = ("prompt", "example_id", "answer", "info", "task")
+    return {k: row[k] for k in keys if k in row and row[k] is not None}

@@ -1,0 +1,95 @@
+"""Periodic evaluation on each eval env's eval dataset, beside training.
+
+Invariant: an evaluation runs as a background task that shares the inference servers with training
+and never holds up a training step; at most one evaluation runs at a time (a new one waits for the
+previous to finish), and the last one is awaited before the orchestrator exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prime_rl.monitor import MetricsLogger, stats
+from prime_rl.orchestrator.client import ServerPool
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs import EvalEnv, load_eval_env, rollout_input
+from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.orchestrator.scheduler import sampling_args
+from prime_rl.orchestrator.verifiers_adapter import from_verifiers
+
+log = logging.getLogger("prime_rl.orchestrator")
+
+
+class Evaluator:
+    def __init__(self, config: OrchestratorConfig, pool: ServerPool, metrics: MetricsLogger):
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.envs: list[EvalEnv] = [load_eval_env(e) for e in config.eval.envs]
+        self._task: asyncio.Task | None = None
+        self._limit = asyncio.Semaphore(max(1, config.max_inflight_rollouts // 2))
+
+    def start(self, step: int, policy_version: int) -> None:
+        previous = self._task
+        self._task = asyncio.create_task(self._run(step, policy_version, previous), name=f"eval-{step}")
+
+    async def finish(self) -> None:
+        if self._task is not None:
+            await self._task
+
+    async def _run(self, step: int, version: int, previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await previous
+        metrics = {}
+        for env in self.envs:
+            rollouts = await self._evaluate(env, version)
+            ok = [r for r in rollouts if not r.failed]
+            name = env.name
+            metrics.update(stats(f"eval/{name}/reward", [r.reward for r in ok]))
+            metrics.update(stats(f"eval/{name}/completion_len", [float(r.num_completion_tokens) for r in ok]))
+            metrics[f"eval/{name}/failed"] = len(rollouts) - len(ok)
+            metrics[f"eval/{name}/rollouts"] = len(rollouts)
+        metrics["eval/policy_version"] = version
+        self.metrics.log(step, metrics)
+        log.info(
+            "eval at step %d | %s",
+            step,
+            " ".join(
+                f"{e.name} reward {metrics.get(f'eval/{e.name}/reward/mean', float('nan')):.3f}"
+                for e in self.envs
+            ),
+        )
+
+    async def _evaluate(self, env: EvalEnv, version: int) -> list[Rollout]:
+        args = sampling_args(env.config.sampling)
+        model = self.config.model.name
+        n = env.config.rollouts_per_example
+        group_scoring = bool(getattr(env.vf_env, "requires_group_rollouts", False))
+
+        async def example(row) -> list[Rollout]:
+            inp = rollout_input(row)
+            server = self.pool.pick()
+            async with self._limit:
+                server.inflight += n
+                try:
+                    if group_scoring:
+                        outs = await env.vf_env.run_group([dict(inp) for _ in range(n)], server.client, model, args,
+                                                          state_columns=["trajectory"])  # fmt: skip
+                    else:
+                        outs = await asyncio.gather(
+                            *(env.vf_env.run_rollout(dict(inp), server.client, model, args, state_columns=["trajectory"])
+                              for _ in range(n))
+                        )  # fmt: skip
+                    return [from_verifiers(o, env.name, version, []) for o in outs]
+                except Exception as e:
+                    return [
+                        failed_rollout(
+                            env.name, inp.get("example_id", -1), version, f"{type(e).__name__}: {e}"
+                        )
+                    ] * n
+                finally:
+                    server.inflight -= n
+
+        results = await asyncio.gather(*(example(env.dataset[i]) for i in range(len(env.dataset))))
+        return [r for rs in results for r in rs]

@@ -1,0 +1,312 @@
+"""The orchestrator's step loop: collect a step's groups, build its batch, save, send, log.
+
+One asyncio process. The loop per step: follow the trainer's weights, drop what is stale, dispatch
+what the policy lag allows, and wait for groups until the step's batch is full. Then the batch is
+built (advantages, samples, packing) in a worker thread, saved with the progress checkpoint, and
+streamed to the trainer ranks. Generation for the next steps continues meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from prime_rl.monitor import MetricsLogger, stats
+from prime_rl.orchestrator.advantage import Advantage, batch_std_normalize
+from prime_rl.orchestrator.client import ServerPool
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs import Env, load_env
+from prime_rl.orchestrator.eval import Evaluator
+from prime_rl.orchestrator.packing import pack
+from prime_rl.orchestrator.progress import (
+    Progress,
+    cursor_from_json,
+    load_batch,
+    load_progress,
+    rng_from_json,
+    rng_to_json,
+    save_batch,
+    save_progress,
+)
+from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.orchestrator.samples import rollout_to_samples
+from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Group, Scheduler
+from prime_rl.orchestrator.weights import WeightSync, weights_dir
+from prime_rl.transport import transport_dir
+from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.file_transport import FileSender
+from prime_rl.transport.messages import Header, MicroBatch, TrainingBatch, TrainingSample
+from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
+
+log = logging.getLogger("prime_rl.orchestrator")
+
+
+class BatchSender:
+    """Sends each rank its micro-batches, over zmq (async) or the filesystem (in a thread)."""
+
+    def __init__(self, config: OrchestratorConfig):
+        t = config.transport
+        if t.type == "zmq":
+            self._zmq = [
+                AsyncZmqSender(rank_address(t, r), hwm=t.hwm, timeout_s=t.timeout_s)
+                for r in range(config.trainer_ranks)
+            ]
+            self._files = None
+        else:
+            self._zmq = None
+            self._files = FileSender(transport_dir(t, config.output_dir))
+
+    async def send(self, per_rank: list[list[MicroBatch]]) -> None:
+        if self._zmq is not None:
+            await asyncio.gather(
+                *(self._send_rank(sender, mbs) for sender, mbs in zip(self._zmq, per_rank, strict=True))
+            )
+        else:
+            await asyncio.to_thread(lambda: [self._files.send(mb) for mbs in per_rank for mb in mbs])
+
+    @staticmethod
+    async def _send_rank(sender: AsyncZmqSender, mbs: list[MicroBatch]) -> None:
+        for mb in mbs:
+            await sender.send(mb)
+
+    def close(self) -> None:
+        for s in self._zmq or []:
+            s.close()
+
+
+def build_batch(
+    groups: list[Group],
+    advantages: dict[str, Advantage],
+    temperatures: dict[str, float],
+    run_id: str,
+    step: int,
+) -> TrainingBatch:
+    """Advantages finished at batch level (reinforce_baseline), then training samples; filtered rollouts excluded."""
+    by_fn: dict[str, list[Rollout]] = defaultdict(list)
+    for g in groups:
+        if advantages[g.env_name].batch_std_normalize:
+            by_fn[advantages[g.env_name].name].extend(g.rollouts)
+    for rollouts in by_fn.values():
+        for r, a in zip(rollouts, batch_std_normalize([r.advantage for r in rollouts]), strict=True):
+            r.advantage = a
+    samples: list[TrainingSample] = []
+    for g in groups:
+        for i, r in enumerate(g.rollouts):
+            if i not in g.filtered:
+                samples.extend(rollout_to_samples(r, temperatures[g.env_name]))
+    return TrainingBatch(Header(run_id, step), samples)
+
+
+def rollout_record(r: Rollout, step: int, trained: bool | None) -> dict[str, Any]:
+    return {
+        "step": step,
+        "env": r.env_name,
+        "example_id": r.example_id,
+        "policy_version": r.policy_version,
+        "reward": r.reward,
+        "advantage": r.advantage,
+        "trained": trained,
+        "prompt": r.prompt,
+        "completion": r.completion,
+        "completion_tokens": r.num_completion_tokens,
+        "is_truncated": r.is_truncated,
+        "stop_condition": r.stop_condition,
+        "metrics": r.metrics,
+        "error": r.error,
+        **r.state,
+    }
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec, default=str) + "\n")
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig):
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.run_id = resolve_run_id(config.transport, config.output_dir)
+        self.prev_acc = Accounting()
+
+    # ------------------------------------------------------------------ setup
+
+    def _restore(self) -> tuple[Progress, random.Random, Accounting]:
+        progress = load_progress(self.output_dir) if self.config.resume else None
+        if progress is None:
+            return Progress(), random.Random(self.config.seed), Accounting()
+        acc = Accounting.from_snapshot(progress.accounting)
+        # Rollouts that were in flight or waiting when the previous process died are gone: stale.
+        for env, n in acc.dispatched.items():
+            lost = n - sum(acc.buckets[b][env] for b in BUCKETS)
+            acc.add("stale", env, lost)
+        log.info("resuming at step %d from %s", progress.step, self.output_dir / "orchestrator")
+        return progress, rng_from_json(progress.rng_state), acc
+
+    async def setup(self) -> Progress:
+        c = self.config
+        progress, rng, acc = self._restore()
+        self.envs: list[Env] = [
+            load_env(e, c.seed, cursor_from_json(progress.cursors.get(e.resolved_name))) for e in c.envs
+        ]
+        self.advantages = {
+            e.config.resolved_name: Advantage.from_config(e.config.advantage or c.advantage)
+            for e in self.envs
+        }
+        self.temperatures = {e.name: e.config.sampling.temperature for e in self.envs}
+        self.pool = ServerPool(c.client)
+        log.info("waiting for inference at %s", ", ".join(c.client.base_urls))
+        await self.pool.wait_healthy()
+        self.scheduler = Scheduler(c, self.envs, self.pool, self.advantages, rng, acc)
+        self.prev_acc = Accounting.from_snapshot(acc.snapshot())
+        self.weights = WeightSync(weights_dir(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
+        self.sender = BatchSender(c)
+        self.metrics = MetricsLogger(
+            self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
+        )
+        self.evaluator = Evaluator(c, self.pool, self.metrics) if c.eval.envs else None
+        return progress
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self) -> None:
+        progress = await self.setup()
+        c = self.config
+        try:
+            if progress.step > 0:
+                await self._resend(progress.step - 1)
+            if self.evaluator and c.eval.at_start and progress.step == 0:
+                self.evaluator.start(0, self.scheduler.policy_version)
+            for step in range(progress.step, c.max_steps):
+                await self._step(step)
+                if self.evaluator and (step + 1) % c.eval.interval == 0:
+                    self.evaluator.start(step + 1, self.scheduler.policy_version)
+        finally:
+            await self.scheduler.shutdown()
+            if self.evaluator:
+                await self.evaluator.finish()
+            self.sender.close()
+            self.metrics.close()
+
+    async def _resend(self, step: int) -> None:
+        """After a restart: send the last saved batch again (the trainer skips a step it has)."""
+        batch = await asyncio.to_thread(load_batch, self.output_dir, step)
+        if batch is not None:
+            per_rank = await asyncio.to_thread(self._pack, batch)
+            await self.sender.send(per_rank)
+            log.info("re-sent the saved batch of step %d", step)
+
+    def _pack(self, batch: TrainingBatch) -> list[list[MicroBatch]]:
+        return pack(
+            batch.samples, self.config.seq_len, self.config.trainer_ranks, self.run_id, batch.header.step
+        )
+
+    async def _step(self, step: int) -> None:
+        c, sched = self.config, self.scheduler
+        t0 = time.perf_counter()
+        waited_for_weights = 0.0
+        while True:
+            version = await self.weights.poll()
+            sched.policy_version = version
+            sched.drop_stale(step)
+            sched.fill(step)
+            groups = sched.take_batch()
+            if groups is not None:
+                break
+            if not sched.inflight and step - version > c.max_async_level:
+                waited_for_weights += c.weights_poll_s
+                if waited_for_weights >= 10 and int(waited_for_weights / c.weights_poll_s) % 100 == 0:
+                    log.info(
+                        "step %d waits for the trainer's weights of step %d", step, step - c.max_async_level
+                    )
+            await sched.wait(timeout=c.weights_poll_s)
+        t_collect = time.perf_counter() - t0
+
+        batch = await asyncio.to_thread(
+            build_batch, groups, self.advantages, self.temperatures, self.run_id, step
+        )
+        per_rank = await asyncio.to_thread(self._pack, batch)
+        await asyncio.to_thread(self._save, batch, step)
+        t1 = time.perf_counter()
+        await self.sender.send(per_rank)
+        t_send = time.perf_counter() - t1
+        failures, sched.failures = sched.failures, []
+        await asyncio.to_thread(self._write_rollouts, step, groups, failures)
+        sched.check_accounting()
+        self._log_step(step, groups, per_rank, t_collect, t_send, time.perf_counter() - t0)
+
+    def _save(self, batch: TrainingBatch, step: int) -> None:
+        save_batch(self.output_dir, batch)
+        progress = Progress(
+            step=step + 1,
+            accounting=self.scheduler.acc.snapshot(),
+            cursors={e.name: [e.examples.cursor.epoch, e.examples.cursor.position] for e in self.envs},
+            rng_state=rng_to_json(self.scheduler.rng),
+        )
+        save_progress(self.output_dir, progress)
+
+    def _write_rollouts(self, step: int, groups: list[Group], failures: list[Rollout]) -> None:
+        records = [
+            rollout_record(r, step, i not in g.filtered) for g in groups for i, r in enumerate(g.rollouts)
+        ]
+        records += [rollout_record(r, step, None) for r in failures]
+        write_jsonl(self.output_dir / "rollouts" / f"step_{step:06d}.jsonl", records)
+
+    # ------------------------------------------------------------------ metrics
+
+    def _log_step(self, step, groups, per_rank, t_collect, t_send, t_step) -> None:
+        sched, c = self.scheduler, self.config
+        rollouts = [(g, r) for g in groups for r in g.rollouts]
+        m: dict[str, Any] = {}
+        env_names = ["all", *[e.name for e in self.envs]]
+        for env in env_names:
+            rs = [r for g, r in rollouts if env == "all" or g.env_name == env]
+            m.update(stats(f"reward/{env}", [r.reward for r in rs]))
+            m.update(stats(f"advantage/{env}", [r.advantage for r in rs]))
+            m.update(
+                stats(f"seq_len/{env}", [float(r.num_prompt_tokens + r.num_completion_tokens) for r in rs])
+            )
+            m.update(stats(f"completion_len/{env}", [float(r.num_completion_tokens) for r in rs]))
+            m.update(stats(f"off_policy_lag/{env}", [float(step - r.policy_version) for r in rs]))
+            if rs:
+                m[f"truncated/{env}"] = sum(r.is_truncated for r in rs) / len(rs)
+        acc, prev = sched.acc, self.prev_acc
+        for bucket in ("dispatched", *BUCKETS):
+            now = acc.dispatched if bucket == "dispatched" else acc.buckets[bucket]
+            before = prev.dispatched if bucket == "dispatched" else prev.buckets[bucket]
+            for env in env_names[1:]:
+                m[f"rollouts/{env}/{bucket}"] = now[env] - before[env]
+            m[f"rollouts/all/{bucket}"] = sum(now.values()) - sum(before.values())
+            m[f"rollouts/all/{bucket}_total"] = sum(now.values())
+        m["rollouts/all/inflight"] = sched.inflight_rollouts
+        m["rollouts/all/waiting"] = sched.ready_rollouts
+        for key, n in sched.monitor_counts.items():
+            m[f"filter/{key}"] = n
+        sched.monitor_counts = Counter()
+        self.prev_acc = Accounting.from_snapshot(acc.snapshot())
+        tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
+        m["batch/micro_batches_per_rank"] = len(per_rank[0])
+        m["batch/tokens"] = tokens
+        m["batch/packing_efficiency"] = tokens / (c.seq_len * len(per_rank) * max(1, len(per_rank[0])))
+        m["policy_version"] = sched.policy_version
+        m["time/step"] = t_step
+        m["time/collect"] = t_collect
+        m["time/send"] = t_send
+        m["throughput/tokens_per_s"] = tokens / max(t_step, 1e-9)
+        self.metrics.log(step, m)
+        trained, filtered = m["rollouts/all/trained"], m["rollouts/all/filtered"]
+        failed, stale = m["rollouts/all/failed"], m["rollouts/all/stale"]
+        per_env = " ".join(f"{e}={m.get(f'reward/{e}/mean', float('nan')):.3f}" for e in env_names[1:])
+        log.info(
+            "step %d | reward %.3f (%s) | trained %d filtered %d failed %d stale %d | lag %.2f | %.1fs (collect %.1fs)",
+            step, m.get("reward/all/mean", float("nan")), per_env, trained, filtered, failed, stale,
+            m.get("off_policy_lag/all/mean", 0.0), t_step, t_collect,
+        )  # fmt: skip

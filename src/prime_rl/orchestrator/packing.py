@@ -1,0 +1,114 @@
+"""Pack training samples into micro-batches and spread them over the trainer's ranks.
+
+Invariants:
+- a micro-batch holds at most `seq_len` tokens, and only samples of one sampling temperature;
+- samples are whole (never split), position ids restart at 0 for each sample;
+- every rank gets the same number of micro-batches (filler micro-batches have loss mask 0), and the
+  ranks' token counts are balanced greedily (largest bin to the lightest rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
+
+FILLER_TOKENS = 1
+"""Length of a filler micro-batch: one pad token, fully masked."""
+
+
+@dataclass
+class Bin:
+    samples: list[TrainingSample] = field(default_factory=list)
+    tokens: int = 0
+
+
+def pack_bins(samples: list[TrainingSample], seq_len: int) -> list[Bin]:
+    """First-fit decreasing, per temperature. A sample longer than seq_len is a ValueError."""
+    bins: list[Bin] = []
+    by_temperature: dict[float, list[TrainingSample]] = {}
+    for s in samples:
+        if len(s) > seq_len:
+            raise ValueError(
+                f"a training sample of env '{s.env_name}' has {len(s)} tokens, more than seq_len = {seq_len}"
+            )
+        by_temperature.setdefault(s.temperature, []).append(s)
+    for group in by_temperature.values():
+        open_bins: list[Bin] = []
+        for s in sorted(group, key=len, reverse=True):
+            n = len(s)
+            target = next((b for b in open_bins if b.tokens + n <= seq_len), None)
+            if target is None:
+                target = Bin()
+                open_bins.append(target)
+            target.samples.append(s)
+            target.tokens += n
+        bins.extend(open_bins)
+    return bins
+
+
+def assign_ranks(bins: list[Bin], num_ranks: int) -> list[list[Bin]]:
+    """Same number of bins per rank (short ranks are padded later), token counts balanced."""
+    per_rank = max(1, -(-len(bins) // num_ranks))
+    ranks: list[list[Bin]] = [[] for _ in range(num_ranks)]
+    loads = [0] * num_ranks
+    for b in sorted(bins, key=lambda b: b.tokens, reverse=True):
+        open_ranks = [r for r in range(num_ranks) if len(ranks[r]) < per_rank]
+        r = min(open_ranks, key=lambda r: loads[r])
+        ranks[r].append(b)
+        loads[r] += b.tokens
+    return ranks
+
+
+def bin_arrays(b: Bin) -> dict[str, np.ndarray]:
+    ids, pos, mask, adv, lps = [], [], [], [], []
+    for s in b.samples:
+        n_p, n_c = len(s.prompt_ids), len(s.completion_ids)
+        ids += s.prompt_ids + s.completion_ids
+        pos += list(range(n_p + n_c))
+        mask += [0] * n_p + s.completion_mask
+        adv += [s.advantage] * (n_p + n_c)
+        lps += [0.0] * n_p + s.completion_logprobs
+    return {
+        "input_ids": np.asarray(ids),
+        "position_ids": np.asarray(pos),
+        "loss_mask": np.asarray(mask),
+        "advantages": np.asarray(adv, dtype=np.float32),
+        "logprobs": np.asarray(lps, dtype=np.float32),
+    }
+
+
+def filler_arrays(pad_id: int) -> dict[str, np.ndarray]:
+    return {
+        "input_ids": np.full(FILLER_TOKENS, pad_id),
+        "position_ids": np.arange(FILLER_TOKENS),
+        "loss_mask": np.zeros(FILLER_TOKENS),
+        "advantages": np.zeros(FILLER_TOKENS, dtype=np.float32),
+        "logprobs": np.zeros(FILLER_TOKENS, dtype=np.float32),
+    }
+
+
+def pack(
+    samples: list[TrainingSample], seq_len: int, num_ranks: int, run_id: str, step: int, pad_id: int = 0
+) -> list[list[MicroBatch]]:
+    """The micro-batches of one step, as one list per trainer rank."""
+    ranks = assign_ranks(pack_bins(samples, seq_len), num_ranks)
+    count = max(len(r) for r in ranks)
+    out: list[list[MicroBatch]] = []
+    for rank, rank_bins in enumerate(ranks):
+        header = Header(run_id, step, rank)
+        mbs = []
+        for index in range(count):
+            if index < len(rank_bins):
+                b = rank_bins[index]
+                arrays = bin_arrays(b)
+                lens, envs = [len(s) for s in b.samples], [s.env_name for s in b.samples]
+                temperature = b.samples[0].temperature
+            else:
+                arrays, lens, envs, temperature = filler_arrays(pad_id), [FILLER_TOKENS], [""], 1.0
+            mbs.append(MicroBatch.from_arrays(header, index, count, **arrays, sample_lens=lens, env_names=envs,
+                                              temperature=temperature))  # fmt: skip
+        out.append(mbs)
+    return out

@@ -1,0 +1,82 @@
+"""The orchestrator's progress checkpoint, so a restarted orchestrator resumes where it stopped.
+
+`<output_dir>/orchestrator/progress.json` holds the next step to build, the bucket counts, each
+env's dataset cursor and the RNG state; `batches/step_<N>.msgpack` holds the training batch of the
+last built step. Invariant: progress is saved (atomically) after a step's batch is saved and before
+it is sent, so after a crash the restarted orchestrator re-sends exactly that batch (the trainer
+ignores a step it already has) and continues with the next step: no step is skipped, and no step is
+trained on two different batches.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prime_rl.orchestrator.envs import Cursor
+from prime_rl.transport.file_transport import write_atomic
+from prime_rl.transport.messages import TrainingBatch, decode, encode
+
+KEEP_BATCHES = 2
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    """The next step to build."""
+    accounting: dict[str, dict[str, int]] = field(default_factory=dict)
+    cursors: dict[str, list[int]] = field(default_factory=dict)
+    rng_state: Any = None
+
+
+def progress_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "orchestrator"
+
+
+def save_progress(output_dir: Path, progress: Progress) -> None:
+    write_atomic(progress_dir(output_dir) / "progress.json", json.dumps(asdict(progress)).encode())
+
+
+def load_progress(output_dir: Path) -> Progress | None:
+    path = progress_dir(output_dir) / "progress.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return Progress(**data)
+
+
+def batch_path(output_dir: Path, step: int) -> Path:
+    return progress_dir(output_dir) / "batches" / f"step_{step:06d}.msgpack"
+
+
+def save_batch(output_dir: Path, batch: TrainingBatch) -> None:
+    write_atomic(batch_path(output_dir, batch.header.step), encode(batch))
+    old = batch_path(output_dir, batch.header.step - KEEP_BATCHES)
+    old.unlink(missing_ok=True)
+
+
+def load_batch(output_dir: Path, step: int) -> TrainingBatch | None:
+    path = batch_path(output_dir, step)
+    if not path.exists():
+        return None
+    batch = decode(path.read_bytes())
+    assert isinstance(batch, TrainingBatch)
+    return batch
+
+
+def rng_to_json(rng: random.Random) -> Any:
+    version, state, gauss = rng.getstate()
+    return [version, list(state), gauss]
+
+
+def rng_from_json(data: Any) -> random.Random:
+    rng = random.Random()
+    rng.setstate((data[0], tuple(data[1]), data[2]))
+    return rng
+
+
+def cursor_from_json(data: list[int] | None) -> Cursor | None:
+    return Cursor(*data) if data else None

@@ -1,0 +1,60 @@
+"""The orchestrator's own rollout type, independent of the env library that produced it.
+
+Invariant: a `Rollout` either has `error` set (it failed and never trains) or has at least one turn
+whose token ids, masks and sampling logprobs have matching lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Turn:
+    """One model call: the exact prompt tokens sent and the completion tokens sampled."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_mask: list[int]
+    completion_logprobs: list[float]
+
+
+@dataclass
+class Rollout:
+    """One finished attempt at an example."""
+
+    env_name: str
+    example_id: int | str
+    policy_version: int
+    """The policy version (trainer step of the weights) that was served when it started."""
+    reward: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    turns: list[Turn] = field(default_factory=list)
+    prompt: Any = None
+    """The prompt messages, JSON-ready (for the rollouts log)."""
+    completion: Any = None
+    """The completion messages, JSON-ready (for the rollouts log)."""
+    is_truncated: bool = False
+    stop_condition: str | None = None
+    error: str | None = None
+    """Why the rollout failed (exception, HTTP error, timeout, env error, missing tokens), or None."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """The env's `state_columns`, JSON-ready."""
+    advantage: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(t.completion_ids) for t in self.turns)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.turns[0].prompt_ids) if self.turns else 0
+
+
+def failed_rollout(env_name: str, example_id: int | str, policy_version: int, error: str) -> Rollout:
+    return Rollout(env_name=env_name, example_id=example_id, policy_version=policy_version, error=error)

@@ -1,0 +1,309 @@
+"""Keep the inference servers busy with groups of rollouts, within the policy-lag bound.
+
+A group is the `group_size` rollouts of one (env_name, example_id), dispatched together to one
+server at the current policy version v. It may train step s only if `s - v <= max_async_level`.
+New groups are dispatched while the step they would land in is within that bound and fewer than
+`max_inflight_rollouts` are in flight; so generation runs ahead of the trainer by at most
+`max_async_level` steps, and `max_async_level = 0` is fully synchronous.
+
+Finalization (when every rollout of a group is back):
+- individual scoring: failed rollouts are dropped, the survivors form a (partial) group;
+- group scoring: any failure drops the whole group;
+- no survivors, or fewer than `min_group_size`: dropped.
+Then advantages are computed and the filters applied.
+
+Invariant (checked every step): every dispatched rollout is in exactly one place: in flight,
+finalized and waiting for a batch, or counted once as trained, filtered, failed or stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from prime_rl.orchestrator.advantage import Advantage, AdvantageInputs
+from prime_rl.orchestrator.client import Server, ServerPool
+from prime_rl.orchestrator.config import OrchestratorConfig, SamplingConfig
+from prime_rl.orchestrator.envs import Env, rollout_input
+from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.orchestrator.samples import sample_lengths
+from prime_rl.orchestrator.verifiers_adapter import from_verifiers
+
+log = logging.getLogger(__name__)
+
+BUCKETS = ("trained", "filtered", "failed", "stale")
+
+
+def sampling_args(config: SamplingConfig) -> dict[str, Any]:
+    """Sampling args that make vLLM return token ids and logprobs (needed for training)."""
+    return {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "max_tokens": config.max_tokens,
+        "logprobs": True,
+        "extra_body": {**config.extra_body, "return_token_ids": True},
+    }
+
+
+@dataclass
+class Group:
+    id: int
+    env: Env
+    example_id: int | str
+    policy_version: int
+    size: int
+    server: Server
+    rollouts: list[Rollout] = field(default_factory=list)
+    """After finalization: the surviving rollouts, with advantages."""
+    filtered: set[int] = field(default_factory=set)
+    """Indices into `rollouts` that a filter keeps out of training."""
+
+    @property
+    def env_name(self) -> str:
+        return self.env.name
+
+
+@dataclass
+class Accounting:
+    """Per-env bucket counts; `dispatched` minus the buckets is what is still in flight or waiting."""
+
+    dispatched: Counter = field(default_factory=Counter)
+    buckets: dict[str, Counter] = field(default_factory=lambda: {b: Counter() for b in BUCKETS})
+
+    def add(self, bucket: str, env: str, n: int = 1) -> None:
+        if n:
+            self.buckets[bucket][env] += n
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {"dispatched": dict(self.dispatched), **{b: dict(c) for b, c in self.buckets.items()}}
+
+    @classmethod
+    def from_snapshot(cls, data: dict[str, dict[str, int]]) -> Accounting:
+        acc = cls(Counter(data.get("dispatched", {})))
+        for b in BUCKETS:
+            acc.buckets[b] = Counter(data.get(b, {}))
+        return acc
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        envs: list[Env],
+        pool: ServerPool,
+        advantages: dict[str, Advantage],
+        rng: random.Random,
+        accounting: Accounting | None = None,
+    ):
+        self.config = config
+        self.envs = envs
+        self.pool = pool
+        self.advantages = advantages
+        self.rng = rng
+        self.acc = accounting or Accounting()
+        self.policy_version = 0
+        self.inflight: dict[asyncio.Task, Group] = {}
+        self.ready: deque[Group] = deque()
+        self._next_group_id = 0
+        self._next_env: Env | None = None
+        self.failures: list[Rollout] = []
+        """Failed rollouts since the last step (for the rollouts log), without tokens."""
+        self._weights = [e.config.ratio for e in envs]
+        self._filters = {f.type: f.monitor_only for f in config.filters}
+        self.monitor_counts: Counter = Counter()
+        """Rollouts that monitor-only filters would have dropped, per '<filter>/<env>'."""
+
+    # ---------------------------------------------------------------- counts
+
+    @property
+    def inflight_rollouts(self) -> int:
+        return sum(g.size for g in self.inflight.values())
+
+    @property
+    def ready_rollouts(self) -> int:
+        return sum(len(g.rollouts) for g in self.ready)
+
+    def check_accounting(self) -> None:
+        accounted = sum(sum(c.values()) for c in self.acc.buckets.values())
+        dispatched = sum(self.acc.dispatched.values())
+        pending = self.inflight_rollouts + self.ready_rollouts
+        if dispatched != accounted + pending:
+            raise AssertionError(
+                f"rollout accounting broken: dispatched {dispatched} != accounted {accounted} + pending {pending}"
+            )
+
+    # ---------------------------------------------------------------- dispatch
+
+    def fill(self, step: int) -> int:
+        """Dispatch groups while the policy lag and the in-flight limit allow; return how many."""
+        n = 0
+        c = self.config
+        while True:
+            # The env is drawn once and kept until it can be dispatched, so that the RNG advances
+            # only with dispatches (a resumed run then draws the same sequence).
+            if self._next_env is None:
+                self._next_env = self.rng.choices(self.envs, weights=self._weights)[0]
+            env = self._next_env
+            if (
+                self.pool.inflight + env.config.group_size > c.max_inflight_rollouts
+                and self.pool.inflight > 0
+            ):
+                return n
+            target = step + (self.inflight_rollouts + self.ready_rollouts) // c.batch_size
+            if target >= c.max_steps or target - self.policy_version > c.max_async_level:
+                return n
+            self._next_env = None
+            self._dispatch(env)
+            n += 1
+
+    def _dispatch(self, env: Env) -> None:
+        row = env.examples.next()
+        server = self.pool.pick()
+        group = Group(
+            self._next_group_id, env, row["example_id"], self.policy_version, env.config.group_size, server
+        )
+        self._next_group_id += 1
+        server.inflight += group.size
+        self.acc.dispatched[env.name] += group.size
+        task = asyncio.create_task(self._run(group, rollout_input(row)), name=f"group-{group.id}")
+        self.inflight[task] = group
+
+    async def _run(self, group: Group, inp: dict[str, Any]) -> list[Rollout]:
+        """All rollouts of a group; never raises (failures become failed rollouts)."""
+        env, server = group.env, group.server
+        args = sampling_args(env.config.sampling)
+        columns = ["trajectory", *env.config.state_columns]
+        model = self.config.model.name
+
+        def convert(output) -> Rollout:
+            return from_verifiers(output, env.name, group.policy_version, env.config.state_columns)
+
+        def failed(e: BaseException) -> Rollout:
+            return failed_rollout(
+                env.name, group.example_id, group.policy_version, f"{type(e).__name__}: {e}"
+            )
+
+        try:
+            if env.group_scoring:
+                inputs = [dict(inp) for _ in range(group.size)]
+                try:
+                    outputs = await env.vf_env.run_group(
+                        inputs, server.client, model, args, state_columns=columns
+                    )
+                    return [convert(o) for o in outputs]
+                except Exception as e:
+                    return [failed(e)] * group.size
+
+            async def one() -> Rollout:
+                try:
+                    output = await env.vf_env.run_rollout(
+                        dict(inp), server.client, model, args, state_columns=columns
+                    )
+                    return convert(output)
+                except Exception as e:
+                    return failed(e)
+
+            return list(await asyncio.gather(*(one() for _ in range(group.size))))
+        finally:
+            server.inflight -= group.size
+
+    # ---------------------------------------------------------------- collect
+
+    async def wait(self, timeout: float) -> None:
+        """Wait until at least one group finishes (or the timeout passes), and finalize what finished."""
+        if not self.inflight:
+            await asyncio.sleep(timeout)
+            return
+        done, _ = await asyncio.wait(
+            self.inflight.keys(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in done:
+            group = self.inflight.pop(task)
+            self._finalize(group, task.result())
+
+    def _finalize(self, group: Group, rollouts: list[Rollout]) -> None:
+        name = group.env_name
+        failures = [r for r in rollouts if r.failed]
+        self.failures.extend(failures)
+        if failures and group.env.group_scoring:
+            self.acc.add("failed", name, len(rollouts))
+            return
+        survivors = [r for r in rollouts if not r.failed]
+        self.acc.add("failed", name, len(failures))
+        if not survivors:
+            return
+        if len(survivors) < self.config.min_group_size:
+            self.acc.add("filtered", name, len(survivors))
+            return
+        out = self.advantages[name](AdvantageInputs(survivors, name, group.example_id))
+        for r, a in zip(survivors, out.advantages, strict=True):
+            r.advantage = a
+        group.rollouts = survivors
+        self._apply_filters(group)
+        self.ready.append(group)
+
+    def _apply_filters(self, group: Group) -> None:
+        # Always on: a sample longer than seq_len cannot be packed (raise max_tokens or seq_len).
+        drop = {i for i, r in enumerate(group.rollouts) if max(sample_lengths(r)) > self.config.seq_len}
+        self.monitor_counts[f"overlong/{group.env_name}"] += len(drop)
+        for kind, monitor_only in self._filters.items():
+            if kind == "zero_advantage":
+                hit = (
+                    set(range(len(group.rollouts)))
+                    if all(r.advantage == 0.0 for r in group.rollouts)
+                    else set()
+                )
+            else:  # truncated
+                hit = {i for i, r in enumerate(group.rollouts) if r.is_truncated}
+            self.monitor_counts[f"{kind}/{group.env_name}"] += len(hit)
+            if not monitor_only:
+                drop |= hit
+        group.filtered = drop
+
+    def drop_stale(self, step: int) -> int:
+        """Drop finalized groups and cancel in-flight ones that can no longer train step >= `step`."""
+        oldest = step - self.config.max_async_level
+        n = 0
+        keep: deque[Group] = deque()
+        for g in self.ready:
+            if g.policy_version < oldest:
+                self.acc.add("stale", g.env_name, len(g.rollouts))
+                n += len(g.rollouts)
+            else:
+                keep.append(g)
+        self.ready = keep
+        for task, g in list(self.inflight.items()):
+            if g.policy_version < oldest:
+                task.cancel()
+                del self.inflight[task]
+                self.acc.add("stale", g.env_name, g.size)
+                n += g.size
+        return n
+
+    def take_batch(self) -> list[Group] | None:
+        """Whole groups, oldest first, once they hold at least `batch_size` rollouts; else None."""
+        if self.ready_rollouts < self.config.batch_size:
+            return None
+        batch, n = [], 0
+        while n < self.config.batch_size:
+            g = self.ready.popleft()
+            batch.append(g)
+            n += len(g.rollouts)
+            self.acc.add("filtered", g.env_name, len(g.filtered))
+            self.acc.add("trained", g.env_name, len(g.rollouts) - len(g.filtered))
+        return batch
+
+    async def shutdown(self) -> None:
+        """Cancel what is in flight and count it, and what waits unused, as stale."""
+        for task, g in self.inflight.items():
+            task.cancel()
+            self.acc.add("stale", g.env_name, g.size)
+        await asyncio.gather(*self.inflight.keys(), return_exceptions=True)
+        self.inflight.clear()
+        for g in self.ready:
+            self.acc.add("stale", g.env_name, len(g.rollouts))
+        self.ready.clear()
