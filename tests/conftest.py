@@ -1,8 +1,12 @@
 """Shared fixtures: the tiny model is built once per test session (it takes ~10 s)."""
 
+import sys
 from pathlib import Path
 
 import pytest
+
+# Test-only verifiers environments and plugins (importable by name, as users' packages would be).
+sys.path.insert(0, str(Path(__file__).parent / "envs"))
 
 
 @pytest.fixture(scope="session")

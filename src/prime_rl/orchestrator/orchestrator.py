@@ -212,7 +212,7 @@ class Orchestrator:
     async def _step(self, step: int) -> None:
         c, sched = self.config, self.scheduler
         t0 = time.perf_counter()
-        waited_for_weights = 0.0
+        next_notice = t0 + 10.0
         while True:
             version = await self.weights.poll()
             sched.policy_version = version
@@ -221,12 +221,18 @@ class Orchestrator:
             groups = sched.take_batch()
             if groups is not None:
                 break
-            if not sched.inflight and step - version > c.max_async_level:
-                waited_for_weights += c.weights_poll_s
-                if waited_for_weights >= 10 and int(waited_for_weights / c.weights_poll_s) % 100 == 0:
+            if time.perf_counter() > next_notice:
+                if not sched.inflight and step - version > c.max_async_level:
                     log.info(
                         "step %d waits for the trainer's weights of step %d", step, step - c.max_async_level
                     )
+                else:
+                    log.info(
+                        "step %d still collecting: %d/%d rollouts ready, %d in flight, %d failed so far",
+                        step, sched.ready_rollouts, c.batch_size, sched.inflight_rollouts,
+                        sum(sched.acc.buckets["failed"].values()),
+                    )  # fmt: skip
+                next_notice = time.perf_counter() + 30.0
             await sched.wait(timeout=c.weights_poll_s)
         t_collect = time.perf_counter() - t0
 

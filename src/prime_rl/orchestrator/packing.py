@@ -95,7 +95,7 @@ def pack(
 ) -> list[list[MicroBatch]]:
     """The micro-batches of one step, as one list per trainer rank."""
     ranks = assign_ranks(pack_bins(samples, seq_len), num_ranks)
-    count = max(len(r) for r in ranks)
+    count = max(1, max(len(r) for r in ranks))  # a step with nothing to train still reaches every rank
     out: list[list[MicroBatch]] = []
     for rank, rank_bins in enumerate(ranks):
         header = Header(run_id, step, rank)

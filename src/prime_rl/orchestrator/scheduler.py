@@ -236,14 +236,18 @@ class Scheduler:
         self.acc.add("failed", name, len(failures))
         if not survivors:
             return
-        if len(survivors) < self.config.min_group_size:
-            self.acc.add("filtered", name, len(survivors))
-            return
-        out = self.advantages[name](AdvantageInputs(survivors, name, group.example_id))
-        for r, a in zip(survivors, out.advantages, strict=True):
-            r.advantage = a
         group.rollouts = survivors
-        self._apply_filters(group)
+        if len(survivors) < self.config.min_group_size:
+            # Kept as a fully filtered group: it counts toward the batch like any filtered rollout.
+            for r in survivors:
+                r.advantage = 0.0
+            group.filtered = set(range(len(survivors)))
+            self.monitor_counts[f"min_group_size/{name}"] += len(survivors)
+        else:
+            out = self.advantages[name](AdvantageInputs(survivors, name, group.example_id))
+            for r, a in zip(survivors, out.advantages, strict=True):
+                r.advantage = a
+            self._apply_filters(group)
         self.ready.append(group)
 
     def _apply_filters(self, group: Group) -> None:

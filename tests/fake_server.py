@@ -1,0 +1,128 @@
+"""A fake OpenAI-compatible inference server for orchestrator unit tests.
+
+It speaks the chat-completions route the way vLLM does when asked for token ids and logprobs, plus
+/health and the weight-reload route. A `script(request, index)` decides, per request, whether to
+answer, fail (HTTP status), delay, or truncate (drop the token ids and logprobs). Answers are the
+reversed user text (right for reverse-text), or text chosen by the script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+
+@dataclass
+class Reply:
+    text: str | None = None
+    """Completion text; None answers the reversed last user message."""
+    status: int = 200
+    """An HTTP error status to fail with instead of answering."""
+    delay_s: float = 0.0
+    truncate: bool = False
+    """Leave out token ids and logprobs, as a server that was not asked properly would."""
+
+
+Script = Callable[[dict, int], Reply]
+
+
+def user_text(request: dict) -> str:
+    content = request["messages"][-1]["content"]
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+@dataclass
+class FakeServer:
+    script: Script = field(default=lambda req, i: Reply())
+    requests: list[dict] = field(default_factory=list)
+    loads: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return {}
+
+        @app.post("/prime_rl/load_weights")
+        async def load(req: Request):
+            body = await req.json()
+            self.loads.append(body)
+            return {"step": body["step"]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(req: Request):
+            body = await req.json()
+            index = len(self.requests)
+            self.requests.append(body)
+            reply = self.script(body, index)
+            if reply.delay_s:
+                await asyncio.sleep(reply.delay_s)
+            if reply.status != 200:
+                return JSONResponse({"error": {"message": "injected failure"}}, status_code=reply.status)
+            text = user_text(body)[::-1] if reply.text is None else reply.text
+            prompt = "".join(str(m.get("content")) for m in body["messages"])
+            ids = encode(text)
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
+            out = {
+                "id": f"chatcmpl-{index}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(ids),
+                    "total_tokens": len(prompt) + len(ids),
+                },
+            }
+            if not reply.truncate:
+                choice["token_ids"] = ids
+                choice["logprobs"] = {
+                    "content": [
+                        {"token": chr(t), "logprob": -0.5, "bytes": [t], "top_logprobs": []} for t in ids
+                    ]
+                }
+                out["prompt_token_ids"] = encode(prompt)
+            return out
+
+        self.app = app
+
+    def __enter__(self) -> FakeServer:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"

@@ -1,0 +1,251 @@
+"""The orchestrator end to end in one process, against a fake inference server that fails, delays or
+truncates chosen requests, with real verifiers envs and the filesystem transport."""
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+from fake_server import FakeServer, Reply, user_text
+
+from prime_rl.monitor import read_metrics
+from prime_rl.orchestrator.advantage import AdvantageError
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs import EnvError
+from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.transport.file_transport import FileReceiver
+from prime_rl.transport.messages import MicroBatch
+
+
+def make_config(tmp_path: Path, server: FakeServer, **overrides) -> OrchestratorConfig:
+    base = {
+        "output_dir": str(tmp_path / "run"),
+        "max_steps": 3,
+        "batch_size": 8,
+        "max_async_level": 10,  # no trainer publishes weights here: never wait for them
+        "seq_len": 256,
+        "envs": [{"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16}}],
+        "client": {"base_urls": [server.base_url], "timeout_s": 10, "health_timeout_s": 10},
+        "transport": {"type": "filesystem", "run_id": "test"},
+        "filters": [],
+    }
+    return OrchestratorConfig(**{**base, **overrides})
+
+
+def run(config: OrchestratorConfig) -> list[dict]:
+    asyncio.run(Orchestrator(config).run())
+    return read_metrics(Path(config.output_dir) / "orchestrator" / "metrics.jsonl")
+
+
+def rollouts(config: OrchestratorConfig, step: int) -> list[dict]:
+    path = Path(config.output_dir) / "rollouts" / f"step_{step:06d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_accounting(metrics: list[dict]) -> None:
+    for m in metrics:
+        buckets = sum(m[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+        pending = m["rollouts/all/inflight"] + m["rollouts/all/waiting"]
+        assert m["rollouts/all/dispatched_total"] == buckets + pending, m
+
+
+def received(config: OrchestratorConfig, steps: int, rank: int = 0) -> list[MicroBatch]:
+    receiver = FileReceiver(Path(config.output_dir) / "transport", "test", rank=rank, timeout_s=1)
+    out = []
+    while True:
+        mb = receiver.recv()
+        out.append(mb)
+        if mb.header.step == steps - 1 and mb.index == mb.count - 1:
+            return out
+
+
+def test_steps_stream_micro_batches_and_log(tmp_path):
+    with FakeServer() as server:
+        config = make_config(tmp_path, server, envs=[
+            {"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16}, "state_columns": ["answer"]}
+        ])  # fmt: skip
+        metrics = run(config)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(m["reward/all/mean"] == 1.0 for m in metrics)  # the fake server answers correctly
+    assert_accounting(metrics)
+    mbs = received(config, 3)
+    assert {mb.header.step for mb in mbs} == {0, 1, 2}
+    for mb in mbs:
+        mb.validate(seq_len=256)
+    # Rollouts log: one line per rollout with the env's state column.
+    recs = rollouts(config, 0)
+    assert len(recs) >= 8 and all(r["answer"] == r["prompt"][-1]["content"][::-1] for r in recs)
+    # Every request asked for what training needs.
+    req = server.requests[0]
+    assert (
+        req["logprobs"] is True
+        and req["return_token_ids"] is True
+        and req.get("max_completion_tokens", req.get("max_tokens")) == 16
+    )
+
+
+def test_partial_groups_train_on_survivors(tmp_path):
+    def script(req, i):
+        # For every example, the 1st and 3rd request fail: each group of 4 loses 2.
+        return Reply(status=500) if i % 4 in (0, 2) else Reply(text="wrong" if i % 8 == 1 else None)
+
+    with FakeServer(script) as server:
+        config = make_config(tmp_path, server, max_inflight_rollouts=4, max_steps=2)
+        metrics = run(config)
+    assert_accounting(metrics)
+    assert sum(m["rollouts/all/failed"] for m in metrics) > 0
+    recs = rollouts(config, 0)
+    trained = [r for r in recs if r["trained"]]
+    failed = [r for r in recs if r["trained"] is None]
+    assert trained and failed and all(r["error"] for r in failed)
+    by_example: dict = {}
+    for r in trained:
+        by_example.setdefault(r["example_id"], []).append(r)
+    assert all(len(g) == 2 for g in by_example.values())  # partial groups of the 2 survivors
+    for g in by_example.values():  # advantages are computed over the survivors only
+        assert math.isclose(sum(r["advantage"] for r in g), 0.0, abs_tol=1e-9)
+
+
+def test_group_scoring_drops_the_whole_group_on_any_failure(tmp_path):
+    def script(req, i):
+        return Reply(status=500) if int(user_text(req).split()[1]) % 3 == 0 else Reply()
+
+    with FakeServer(script) as server:
+        config = make_config(
+            tmp_path, server, max_steps=4, envs=[{"id": "group-scored-env", "group_size": 3}]
+        )
+        metrics = run(config)
+    assert_accounting(metrics)
+    trained = [r for s in range(4) for r in rollouts(config, s) if r["trained"]]
+    assert trained and not any(int(r["prompt"][-1]["content"].split()[1]) % 3 == 0 for r in trained)
+    failures = sum(m["rollouts/all/failed"] for m in metrics)
+    assert (
+        failures % 3 == 0 and failures > 0
+    )  # whole groups: a successful rollout of such a group is dropped too
+
+
+def test_all_failed_and_truncated_responses_are_dropped_not_crashing(tmp_path):
+    def script(req, i):
+        text = user_text(req)
+        if text[0] <= "h":
+            return Reply(status=503)
+        if text[0] <= "p":
+            return Reply(truncate=True)  # no token ids: untrainable
+        return Reply()
+
+    with FakeServer(script) as server:
+        config = make_config(tmp_path, server, max_steps=2)
+        metrics = run(config)
+    assert_accounting(metrics)
+    recs = [r for s in range(2) for r in rollouts(config, s)]
+    trained = [r for r in recs if r["trained"]]
+    assert trained and not any(r["prompt"][-1]["content"][0] <= "p" for r in trained)
+    errors = [r["error"] for r in recs if r["trained"] is None]
+    assert any("token ids" in e for e in errors) and any("503" in e or "Error" in e for e in errors)
+
+
+def test_min_group_size_and_zero_advantage_filter(tmp_path):
+    def script(req, i):
+        return Reply(status=500) if i % 4 == 0 else Reply()
+
+    with FakeServer(script) as server:
+        config = make_config(
+            tmp_path, server, max_steps=2, min_group_size=4, max_inflight_rollouts=4,
+            filters=[{"type": "zero_advantage"}],
+        )  # fmt: skip
+        metrics = run(config)
+    assert_accounting(metrics)
+    # Groups of 3 survivors fall below min_group_size 4 and are filtered; full groups all answer
+    # correctly (reward 1.0, advantage 0) and are filtered by zero_advantage: nothing trains.
+    assert sum(m["rollouts/all/trained"] for m in metrics) == 0
+    assert sum(m["rollouts/all/filtered"] for m in metrics) >= 16
+    mbs = received(config, 2)
+    assert all(not any(mb.arrays()["loss_mask"]) for mb in mbs)
+
+
+def test_monitor_only_filter_counts_but_trains(tmp_path):
+    with FakeServer() as server:
+        config = make_config(
+            tmp_path, server, max_steps=1, filters=[{"type": "zero_advantage", "monitor_only": True}]
+        )
+        metrics = run(config)
+    assert metrics[0]["rollouts/all/trained"] >= 8 and metrics[0]["rollouts/all/filtered"] == 0
+    assert metrics[0]["filter/zero_advantage/reverse-text"] >= 8
+
+
+def test_custom_advantage_plugin_is_called_with_kwargs(tmp_path):
+    def script(req, i):
+        return Reply(text=user_text(req)[::-1][: 1 + i % 4])  # prefixes of the answer: distinct rewards
+
+    with FakeServer(script) as server:
+        config = make_config(
+            tmp_path, server, max_steps=1, max_inflight_rollouts=4,
+            advantage={"type": "custom", "import_path": "custom_advantages:scaled_rank", "kwargs": {"scale": 2.0}},
+        )  # fmt: skip
+        run(config)
+    recs = rollouts(config, 0)
+    by_example: dict = {}
+    for r in recs:
+        by_example.setdefault(r["example_id"], []).append(r)
+    for group in by_example.values():
+        ranked = sorted(group, key=lambda r: r["reward"])
+        advs = [r["advantage"] for r in ranked]
+        if len({r["reward"] for r in group}) == len(group):
+            assert advs == [-3.0, -1.0, 1.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("import_path", "message"),
+    [
+        ("custom_advantages:missing", "has no function 'missing'"),
+        ("no_such_module:fn", "cannot import 'no_such_module'"),
+        ("custom_advantages:wrong_length", "returned 1 advantages for a group of 4"),
+        ("custom_advantages:not_finite", "non-finite"),
+    ],
+)
+def test_bad_custom_advantage_is_a_clear_error(tmp_path, import_path, message):
+    with FakeServer() as server:
+        config = make_config(
+            tmp_path, server, max_steps=1, advantage={"type": "custom", "import_path": import_path}
+        )
+        with pytest.raises(AdvantageError, match=message) as exc:
+            run(config)
+    assert "custom_advantages" in str(exc.value) or "no_such_module" in str(exc.value)
+    if "returned" in message or "non-finite" in message:
+        assert "env 'reverse-text'" in str(exc.value) and "example" in str(exc.value)
+
+
+def test_bad_env_id_and_bad_dataset_are_clear_errors(tmp_path):
+    with FakeServer() as server:
+        with pytest.raises(EnvError, match="env 'no-such-env' could not be loaded"):
+            run(make_config(tmp_path, server, envs=[{"id": "no-such-env"}]))
+        with pytest.raises(EnvError, match="no-prompt-env"):
+            run(make_config(tmp_path, server, envs=[{"id": "no-prompt-env"}]))
+
+
+def test_unreachable_inference_is_a_clear_error_after_backoff(tmp_path):
+    from prime_rl.orchestrator.client import InferenceUnavailable
+
+    config = OrchestratorConfig(
+        output_dir=str(tmp_path),
+        client={"base_urls": ["http://127.0.0.1:9/v1"], "health_timeout_s": 1.5},
+    )
+    with pytest.raises(InferenceUnavailable, match=r"127.0.0.1:9 was not healthy after 2 s"):
+        run(config)
+
+
+def test_resume_continues_at_the_next_step_and_resends_the_last_batch(tmp_path):
+    with FakeServer() as server:
+        first = make_config(tmp_path, server, max_steps=2)
+        run(first)
+        before = (
+            Path(first.output_dir) / "transport" / "step_000001" / "rank_0" / "0000.msgpack"
+        ).read_bytes()
+        second = make_config(tmp_path, server, max_steps=4)
+        metrics = run(second)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]  # appended: no step repeated or skipped
+    assert_accounting(metrics)
+    after = (Path(first.output_dir) / "transport" / "step_000001" / "rank_0" / "0000.msgpack").read_bytes()
+    assert after == before  # the re-sent batch of step 1 is the saved one, not a new one
+    assert {mb.header.step for mb in received(second, 4)} == {0, 1, 2, 3}
