@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-from fake_server import FakeServer, Reply, user_text
 
+from fake_server import FakeServer, Reply, user_text
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.advantage import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
