@@ -1,0 +1,74 @@
+"""Built-in advantage functions and the validation every advantage function goes through."""
+
+import math
+
+import pytest
+
+from prime_rl.orchestrator.advantage import (
+    Advantage,
+    AdvantageError,
+    AdvantageInputs,
+    AdvantageOutputs,
+    batch_std_normalize,
+)
+from prime_rl.orchestrator.config import (
+    CustomAdvantage,
+    GRPOAdvantage,
+    ReinforceBaselineAdvantage,
+    RLOOAdvantage,
+)
+from prime_rl.orchestrator.rollout import Rollout
+
+
+def group(*rewards: float) -> AdvantageInputs:
+    return AdvantageInputs([Rollout("env", 7, 0, reward=r) for r in rewards], "env", 7)
+
+
+def test_grpo_is_reward_minus_group_mean_optionally_std_normalized():
+    assert Advantage.from_config(GRPOAdvantage())(group(1, 0, 0, 1)).advantages == [0.5, -0.5, -0.5, 0.5]
+    out = Advantage.from_config(GRPOAdvantage(std_normalize=True))(group(1, 0, 0, 1)).advantages
+    assert all(math.isclose(abs(a), 1.0, rel_tol=1e-5) for a in out)
+
+
+def test_rloo_uses_the_mean_of_the_others():
+    assert Advantage.from_config(RLOOAdvantage())(group(1, 0, 0)).advantages == [1.0, -0.5, -0.5]
+
+
+def test_reinforce_baseline_normalizes_by_the_batch_std():
+    fn = Advantage.from_config(ReinforceBaselineAdvantage())
+    assert fn.batch_std_normalize
+    advs = fn(group(2, 0)).advantages + fn(group(1, 1)).advantages
+    out = batch_std_normalize(advs)
+    assert math.isclose(sum(x * x for x in out) / len(out), 1.0, rel_tol=1e-4)
+
+
+def test_singleton_group_gets_zero_without_calling_the_function():
+    def boom(inputs):
+        raise RuntimeError("must not be called")
+
+    adv = Advantage("boom", boom, {})
+    assert adv(group(0.3)).advantages == [0.0]
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (lambda inputs: AdvantageOutputs([0.0]), "returned 1 advantages for a group of 2"),
+        (lambda inputs: AdvantageOutputs([math.inf, 0.0]), "non-finite advantages at positions \\[0\\]"),
+        (lambda inputs: [0.0, 0.0], "returned list, expected AdvantageOutputs"),
+        (lambda inputs: AdvantageOutputs(["x", 0.0]), "non-number"),
+    ],
+)
+def test_bad_outputs_name_the_env_example_and_function(fn, message):
+    with pytest.raises(AdvantageError, match=message) as exc:
+        Advantage("my.module:fn", fn, {})(group(1, 0))
+    assert (
+        "'my.module:fn'" in str(exc.value) and "env 'env'" in str(exc.value) and "example 7" in str(exc.value)
+    )
+
+
+def test_custom_import_path_errors():
+    with pytest.raises(AdvantageError, match="must look like"):
+        Advantage.from_config(CustomAdvantage(import_path="nodots"))
+    with pytest.raises(AdvantageError, match="cannot import"):
+        Advantage.from_config(CustomAdvantage(import_path="no_such_pkg.mod:fn"))

@@ -1,0 +1,90 @@
+"""Packing: bounds, whole samples, restarting positions, rank balance and equal micro-batch counts."""
+
+import random
+
+import numpy as np
+import pytest
+
+from prime_rl.orchestrator.packing import pack, pack_bins
+from prime_rl.transport.messages import TrainingSample
+
+
+def sample(n_prompt: int, n_completion: int, env: str = "e", temperature: float = 1.0) -> TrainingSample:
+    return TrainingSample(
+        prompt_ids=[1] * n_prompt,
+        completion_ids=[2] * n_completion,
+        completion_mask=[1] * n_completion,
+        completion_logprobs=[-0.5] * n_completion,
+        advantage=0.25,
+        reward=1.0,
+        env_name=env,
+        temperature=temperature,
+    )
+
+
+def random_samples(n: int, seed: int = 0) -> list[TrainingSample]:
+    rng = random.Random(seed)
+    return [sample(rng.randint(5, 60), rng.randint(1, 200), env=rng.choice(["a", "b"])) for _ in range(n)]
+
+
+def test_micro_batches_respect_seq_len_and_keep_samples_whole():
+    samples = random_samples(200)
+    per_rank = pack(samples, seq_len=512, num_ranks=1, run_id="r", step=0)
+    total = 0
+    for mb in per_rank[0]:
+        mb.validate(seq_len=512)
+        arrays = mb.arrays()
+        starts = np.cumsum([0, *mb.sample_lens[:-1]])
+        # Positions restart at 0 at every sample boundary and count up inside it.
+        for start, n in zip(starts, mb.sample_lens, strict=True):
+            assert list(arrays["position_ids"][start : start + n]) == list(range(n))
+        total += mb.num_tokens
+    assert total == sum(len(s) for s in samples)  # nothing lost, nothing duplicated
+
+
+def test_first_fit_decreasing_packs_tightly():
+    samples = random_samples(300, seed=1)
+    bins = pack_bins(samples, seq_len=1024)
+    tokens = sum(len(s) for s in samples)
+    lower_bound = -(-tokens // 1024)
+    assert len(bins) <= lower_bound + 1
+
+
+def test_ranks_get_equal_counts_and_balanced_tokens():
+    samples = random_samples(101, seed=2)
+    per_rank = pack(samples, seq_len=256, num_ranks=4, run_id="r", step=3)
+    counts = {len(mbs) for mbs in per_rank}
+    assert len(counts) == 1
+    loads = [sum(mb.num_tokens for mb in mbs) for mbs in per_rank]
+    assert max(loads) - min(loads) <= 256
+    for rank, mbs in enumerate(per_rank):
+        assert all(mb.header.rank == rank and mb.header.step == 3 for mb in mbs)
+        assert [mb.index for mb in mbs] == list(range(len(mbs)))
+
+
+def test_filler_micro_batches_carry_no_loss():
+    per_rank = pack([sample(10, 10)], seq_len=64, num_ranks=3, run_id="r", step=0)
+    assert [len(mbs) for mbs in per_rank] == [1, 1, 1]
+    fillers = [mbs[0] for mbs in per_rank if mbs[0].sample_lens == [1]]
+    assert len(fillers) == 2 and all(not mb.arrays()["loss_mask"].any() for mb in fillers)
+    # An empty step still sends one (filler) micro-batch to every rank.
+    assert [len(mbs) for mbs in pack([], 64, 2, "r", 0)] == [1, 1]
+
+
+def test_loss_mask_advantages_and_logprobs_are_aligned_to_tokens():
+    mb = pack([sample(3, 2)], seq_len=64, num_ranks=1, run_id="r", step=0)[0][0]
+    a = mb.arrays()
+    assert list(a["loss_mask"]) == [0, 0, 0, 1, 1]
+    assert list(a["logprobs"]) == [0, 0, 0, -0.5, -0.5]
+    assert list(a["advantages"]) == [0.25] * 5
+
+
+def test_different_temperatures_never_share_a_micro_batch():
+    samples = [sample(5, 5, temperature=1.0), sample(5, 5, temperature=0.7)]
+    mbs = pack(samples, seq_len=64, num_ranks=1, run_id="r", step=0)[0]
+    assert sorted(mb.temperature for mb in mbs) == [0.7, 1.0]
+
+
+def test_overlong_sample_is_an_error_naming_the_env():
+    with pytest.raises(ValueError, match=r"env 'long'.*seq_len = 16"):
+        pack([sample(10, 10, env="long")], seq_len=16, num_ranks=1, run_id="r", step=0)

@@ -1,0 +1,108 @@
+"""Scheduler semantics that need control over time: policy lag, stale cancellation, weight sync."""
+
+import asyncio
+import random
+
+from fake_server import FakeServer, Reply
+from prime_rl.orchestrator.advantage import Advantage
+from prime_rl.orchestrator.client import ServerPool
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs import load_env
+from prime_rl.orchestrator.scheduler import Scheduler
+from prime_rl.orchestrator.weights import READY, WeightSync
+
+
+def make(server: FakeServer, **overrides) -> Scheduler:
+    config = OrchestratorConfig(
+        **{
+            "batch_size": 8,
+            "max_async_level": 1,
+            "max_steps": 100,
+            "envs": [{"id": "reverse-text", "group_size": 4}],
+            "client": {"base_urls": [server.base_url]},
+            **overrides,
+        }
+    )
+    envs = [load_env(e, 0) for e in config.envs]
+    advantages = {e.name: Advantage.from_config(None) for e in envs}
+    return Scheduler(config, envs, ServerPool(config.client), advantages, random.Random(0))
+
+
+def test_generation_runs_ahead_by_at_most_max_async_level_steps():
+    async def scenario():
+        with FakeServer(lambda req, i: Reply(delay_s=5)) as server:
+            for level in (0, 1, 2):
+                sched = make(server, max_async_level=level)
+                sched.fill(step=0)
+                # batch 8 = two groups of 4 per step: steps 0..level may be in flight at version 0.
+                assert sched.inflight_rollouts == 8 * (level + 1)
+                sched.policy_version = 1
+                sched.fill(step=0)
+                assert sched.inflight_rollouts == 8 * (level + 2)
+                await sched.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_in_flight_limit_is_respected():
+    async def scenario():
+        with FakeServer(lambda req, i: Reply(delay_s=5)) as server:
+            sched = make(server, max_async_level=10, max_inflight_rollouts=12)
+            sched.fill(step=0)
+            assert sched.inflight_rollouts == 12 and sched.pool.inflight == 12
+            await sched.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_stale_groups_are_cancelled_and_counted():
+    async def scenario():
+        with FakeServer(lambda req, i: Reply(delay_s=30)) as server:
+            sched = make(server, max_async_level=1)
+            sched.fill(step=0)
+            tasks = list(sched.inflight)
+            assert sched.inflight_rollouts == 16
+            # Weights moved on to version 2: step 2 cannot use rollouts of version 0.
+            sched.policy_version = 2
+            dropped = sched.drop_stale(step=2)
+            assert dropped == 16 and sched.inflight_rollouts == 0
+            await asyncio.sleep(0)
+            assert all(t.cancelled() or t.cancelling() for t in tasks)
+            assert sched.acc.buckets["stale"]["reverse-text"] == 16
+            sched.check_accounting()
+            await sched.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_finished_groups_become_stale_too():
+    async def scenario():
+        with FakeServer() as server:
+            sched = make(server, max_async_level=0)
+            sched.fill(step=0)
+            while sched.inflight:
+                await sched.wait(timeout=5)
+            assert sched.ready_rollouts == 8
+            assert sched.drop_stale(step=1) == 8
+            sched.check_accounting()
+
+    asyncio.run(scenario())
+
+
+def test_weight_sync_loads_the_newest_ready_step_on_every_server(tmp_path):
+    async def scenario():
+        with FakeServer() as a, FakeServer() as b:
+            config = OrchestratorConfig(client={"base_urls": [a.base_url, b.base_url]})
+            sync = WeightSync(tmp_path, ServerPool(config.client))
+            assert await sync.poll() == 0 and not a.loads
+            for step in (1, 2, 3):
+                (tmp_path / f"step_{step}").mkdir()
+            (tmp_path / "step_1" / READY).touch()
+            (tmp_path / "step_2" / READY).touch()  # step 3 is still being written: no marker
+            assert await sync.poll() == 2
+            for server in (a, b):
+                assert [x["step"] for x in server.loads] == [2]
+                assert server.loads[0]["path"].endswith("step_2")
+            assert await sync.poll() == 2 and len(a.loads) == 1  # nothing new: no reload
+
+    asyncio.run(scenario())
