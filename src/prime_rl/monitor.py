@@ -62,13 +62,21 @@ class MetricsLogger:
             log.warning("W&B disabled: %s", e)
             return None
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], axis: str | None = None) -> None:
+        """Append one record. `axis` names a separate step metric (e.g. 'eval/step') for records that
+        arrive out of order with the training steps, which W&B's own step must never go back on."""
         record = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             try:
-                self._wandb.log(metrics, step=step)
+                if axis is None:
+                    self._wandb.log(metrics, step=step)
+                else:
+                    prefix = axis.split("/")[0]
+                    self._wandb.define_metric(axis)
+                    self._wandb.define_metric(f"{prefix}/*", step_metric=axis)
+                    self._wandb.log({**metrics, axis: step})
             except Exception as e:
                 log.warning("W&B logging failed, skipping W&B from now on: %s", e)
                 self._wandb = None

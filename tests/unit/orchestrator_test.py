@@ -249,3 +249,35 @@ def test_resume_continues_at_the_next_step_and_resends_the_last_batch(tmp_path):
     after = (Path(first.output_dir) / "transport" / "step_000001" / "rank_0" / "0000.msgpack").read_bytes()
     assert after == before  # the re-sent batch of step 1 is the saved one, not a new one
     assert {mb.header.step for mb in received(second, 4)} == {0, 1, 2, 3}
+
+
+def test_eval_runs_beside_training_with_its_own_sampling(tmp_path):
+    with FakeServer() as server:
+        config = make_config(
+            tmp_path, server, max_steps=2,
+            eval={"interval": 1, "at_start": True, "envs": [{"id": "reverse-text", "name": "rt-eval", "num_examples": 5}]},
+        )  # fmt: skip
+        metrics = run(config)
+    evals = [m for m in metrics if "eval/rt-eval/reward/mean" in m]
+    assert [m["step"] for m in evals] == [0, 1, 2]
+    assert all(m["eval/rt-eval/rollouts"] == 5 and m["eval/rt-eval/reward/mean"] == 1.0 for m in evals)
+    eval_requests = [r for r in server.requests if r.get("temperature") == 0.0]
+    assert len(eval_requests) == 15  # greedy by default, 5 examples x 3 evaluations
+
+
+def test_zero_advantage_filter_sees_through_float_noise(tmp_path):
+    # Every answer is equally (partly) right: rewards are equal but not 0 or 1, so the group mean
+    # leaves ~1e-17 residues that must still count as zero advantage.
+    with FakeServer(lambda req, i: Reply(text=user_text(req)[::-1][:2])) as server:
+        config = make_config(tmp_path, server, max_steps=1, filters=[{"type": "zero_advantage"}])
+        metrics = run(config)
+    assert metrics[0]["rollouts/all/trained"] == 0 and metrics[0]["rollouts/all/filtered"] >= 8
+
+
+def test_fresh_start_refuses_a_used_output_dir(tmp_path):
+    from prime_rl.orchestrator.orchestrator import RunDirError
+
+    with FakeServer() as server:
+        run(make_config(tmp_path, server, max_steps=1))
+        with pytest.raises(RunDirError, match="holds a previous run"):
+            run(make_config(tmp_path, server, max_steps=1, resume=False))

@@ -170,3 +170,33 @@ def test_file_receiver_can_replay_from_a_later_step(tmp_path):
     assert got == [(1, 0), (1, 1), (2, 0), (2, 1)]
     with pytest.raises(TransportTimeout):
         receiver.recv(timeout_s=0.05)
+
+
+SENDER = """
+import sys
+sys.path.insert(0, {tests!r})
+from transport_test import micro_batch
+from prime_rl.transport.zmq_transport import ZmqSender
+sender = ZmqSender({address!r}, hwm=64, timeout_s=30)
+for step in range(20):
+    sender.send(micro_batch(step, n=500_000))
+sender.close()
+"""
+
+
+def test_zmq_sender_delivers_everything_queued_before_its_process_exits():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    receiver = ZmqReceiver(address, RUN, hwm=2, timeout_s=30)
+    code = SENDER.format(tests=str(Path(__file__).parent), address=address)
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    steps = []
+    for _ in range(20):
+        steps.append(receiver.recv().header.step)
+        time.sleep(0.05)  # slower than the sender: most messages are still queued when it exits
+    assert proc.wait(timeout=60) == 0
+    assert steps == list(range(20))
+    receiver.close()

@@ -28,7 +28,8 @@ class Evaluator:
         self.metrics = metrics
         self.envs: list[EvalEnv] = [load_eval_env(e) for e in config.eval.envs]
         self._task: asyncio.Task | None = None
-        self._limit = asyncio.Semaphore(max(1, config.max_inflight_rollouts // 2))
+        # Evaluation uses at most half the in-flight budget, counted in examples of n rollouts.
+        self._budget = max(1, config.max_inflight_rollouts // 2)
 
     def start(self, step: int, policy_version: int) -> None:
         previous = self._task
@@ -37,6 +38,10 @@ class Evaluator:
     async def finish(self) -> None:
         if self._task is not None:
             await self._task
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
     async def _run(self, step: int, version: int, previous: asyncio.Task | None) -> None:
         if previous is not None:
@@ -51,7 +56,7 @@ class Evaluator:
             metrics[f"eval/{name}/failed"] = len(rollouts) - len(ok)
             metrics[f"eval/{name}/rollouts"] = len(rollouts)
         metrics["eval/policy_version"] = version
-        self.metrics.log(step, metrics)
+        self.metrics.log(step, metrics, axis="eval/step")
         log.info(
             "eval at step %d | %s",
             step,
@@ -66,11 +71,12 @@ class Evaluator:
         model = self.config.model.name
         n = env.config.rollouts_per_example
         group_scoring = bool(getattr(env.vf_env, "requires_group_rollouts", False))
+        limit = asyncio.Semaphore(max(1, self._budget // n))
 
         async def example(row) -> list[Rollout]:
             inp = rollout_input(row)
-            server = self.pool.pick()
-            async with self._limit:
+            async with limit:
+                server = self.pool.pick()
                 server.inflight += n
                 try:
                     if group_scoring:

@@ -11,19 +11,18 @@ from prime_rl.orchestrator.advantage import AdvantageError
 from prime_rl.orchestrator.client import InferenceUnavailable
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError
+from prime_rl.orchestrator.orchestrator import Orchestrator, RunDirError
 from prime_rl.orchestrator.weights import WeightSyncError
 from prime_rl.transport import TransportError
 
 # Failures whose message says all the user needs: shown without a traceback.
-USER_ERRORS = (EnvError, AdvantageError, InferenceUnavailable, TransportError, WeightSyncError)
+USER_ERRORS = (EnvError, AdvantageError, InferenceUnavailable, TransportError, WeightSyncError, RunDirError)
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(OrchestratorConfig, argv, prog="orchestrator")
     setup_logging("orchestrator")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from prime_rl.orchestrator.orchestrator import Orchestrator
-
     try:
         asyncio.run(Orchestrator(config).run())
     except USER_ERRORS as e:

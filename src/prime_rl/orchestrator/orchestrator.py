@@ -47,6 +47,10 @@ from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
 log = logging.getLogger("prime_rl.orchestrator")
 
 
+class RunDirError(RuntimeError):
+    """The output folder does not fit the requested start (fresh or resumed)."""
+
+
 class BatchSender:
     """Sends each rank its micro-batches, over zmq (async) or the filesystem (in a thread)."""
 
@@ -75,9 +79,10 @@ class BatchSender:
         for mb in mbs:
             await sender.send(mb)
 
-    def close(self) -> None:
+    async def close(self, deliver: bool) -> None:
+        """Close the sockets; with `deliver`, first wait (up to the timeout) for queued micro-batches."""
         for s in self._zmq or []:
-            s.close()
+            await asyncio.to_thread(s.close, None if deliver else 0.0)
 
 
 def build_batch(
@@ -91,7 +96,9 @@ def build_batch(
     by_fn: dict[str, list[Rollout]] = defaultdict(list)
     for g in groups:
         if advantages[g.env_name].batch_std_normalize:
-            by_fn[advantages[g.env_name].name].extend(g.rollouts)
+            by_fn[advantages[g.env_name].name].extend(
+                r for i, r in enumerate(g.rollouts) if i not in g.filtered
+            )
     for rollouts in by_fn.values():
         for r, a in zip(rollouts, batch_std_normalize([r.advantage for r in rollouts]), strict=True):
             r.advantage = a
@@ -140,6 +147,17 @@ class Orchestrator:
     # ------------------------------------------------------------------ setup
 
     def _restore(self) -> tuple[Progress, random.Random, Accounting]:
+        if not self.config.resume:
+            leftovers = [
+                p
+                for p in ("orchestrator/progress.json", "weights", "transport")
+                if (self.output_dir / p).exists()
+            ]
+            if leftovers:
+                raise RunDirError(
+                    f"output_dir '{self.output_dir}' holds a previous run ({', '.join(leftovers)}) and resume = false: "
+                    "choose a new output_dir, delete the old one, or set resume = true to continue it"
+                )
         progress = load_progress(self.output_dir) if self.config.resume else None
         if progress is None:
             return Progress(), random.Random(self.config.seed), Accounting()
@@ -168,6 +186,7 @@ class Orchestrator:
         self.scheduler = Scheduler(c, self.envs, self.pool, self.advantages, rng, acc)
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         self.weights = WeightSync(weights_dir(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
+        self.scheduler.policy_version = await self.weights.poll()
         self.sender = BatchSender(c)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
@@ -181,27 +200,39 @@ class Orchestrator:
         progress = await self.setup()
         c = self.config
         try:
-            if progress.step > 0:
-                await self._resend(progress.step - 1)
+            await self._resend(progress.step)
             if self.evaluator and c.eval.at_start and progress.step == 0:
                 self.evaluator.start(0, self.scheduler.policy_version)
             for step in range(progress.step, c.max_steps):
                 await self._step(step)
                 if self.evaluator and (step + 1) % c.eval.interval == 0:
                     self.evaluator.start(step + 1, self.scheduler.policy_version)
-        finally:
-            await self.scheduler.shutdown()
+        except BaseException:
             if self.evaluator:
-                await self.evaluator.finish()
-            self.sender.close()
+                self.evaluator.cancel()
+            await self.scheduler.shutdown()
+            await self.sender.close(deliver=False)
             self.metrics.close()
+            raise
+        await self.scheduler.shutdown()
+        if self.evaluator:
+            await self.evaluator.finish()
+        await self.sender.close(deliver=True)
+        self.metrics.close()
 
-    async def _resend(self, step: int) -> None:
-        """After a restart: send the last saved batch again (the trainer skips a step it has)."""
-        batch = await asyncio.to_thread(load_batch, self.output_dir, step)
-        if batch is not None:
-            per_rank = await asyncio.to_thread(self._pack, batch)
-            await self.sender.send(per_rank)
+    async def _resend(self, next_step: int) -> None:
+        """After a restart: send again the saved batches the trainer may not have trained yet.
+
+        Those are the steps from the newest published weights (the trainer finished every step
+        before it) up to the last built one; the trainer skips any step it already has.
+        """
+        trained = self.weights.version
+        for step in range(trained, next_step):
+            batch = await asyncio.to_thread(load_batch, self.output_dir, step)
+            if batch is None:
+                log.warning("the saved batch of step %d is missing: it cannot be re-sent", step)
+                continue
+            await self.sender.send(await asyncio.to_thread(self._pack, batch))
             log.info("re-sent the saved batch of step %d", step)
 
     def _pack(self, batch: TrainingBatch) -> list[list[MicroBatch]]:
@@ -227,10 +258,11 @@ class Orchestrator:
                         "step %d waits for the trainer's weights of step %d", step, step - c.max_async_level
                     )
                 else:
+                    last_error = f"; last failure: {sched.failures[-1].error}" if sched.failures else ""
                     log.info(
-                        "step %d still collecting: %d/%d rollouts ready, %d in flight, %d failed so far",
+                        "step %d still collecting: %d/%d rollouts ready, %d in flight, %d failed so far%s",
                         step, sched.ready_rollouts, c.batch_size, sched.inflight_rollouts,
-                        sum(sched.acc.buckets["failed"].values()),
+                        sum(sched.acc.buckets["failed"].values()), last_error[:300],
                     )  # fmt: skip
                 next_notice = time.perf_counter() + 30.0
             await sched.wait(timeout=c.weights_poll_s)
@@ -250,7 +282,7 @@ class Orchestrator:
         self._log_step(step, groups, per_rank, t_collect, t_send, time.perf_counter() - t0)
 
     def _save(self, batch: TrainingBatch, step: int) -> None:
-        save_batch(self.output_dir, batch)
+        save_batch(self.output_dir, batch, keep_from=self.weights.version)
         progress = Progress(
             step=step + 1,
             accounting=self.scheduler.acc.snapshot(),

@@ -1,11 +1,12 @@
 """The orchestrator's progress checkpoint, so a restarted orchestrator resumes where it stopped.
 
 `<output_dir>/orchestrator/progress.json` holds the next step to build, the bucket counts, each
-env's dataset cursor and the RNG state; `batches/step_<N>.msgpack` holds the training batch of the
-last built step. Invariant: progress is saved (atomically) after a step's batch is saved and before
-it is sent, so after a crash the restarted orchestrator re-sends exactly that batch (the trainer
-ignores a step it already has) and continues with the next step: no step is skipped, and no step is
-trained on two different batches.
+env's dataset cursor and the RNG state; `batches/step_<N>.msgpack` holds the training batches of the
+steps the trainer may not have finished. Invariant: progress is saved (atomically) after a step's
+batch is saved and before it is sent, so after a crash the restarted orchestrator re-sends exactly
+the saved batches from the newest published weights on (the trainer ignores a step it already has)
+and continues with the next step: no step is skipped, and no step is trained on two different
+batches. Examples that were in flight at the crash are not drawn again (they count as stale).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from prime_rl.orchestrator.envs import Cursor
 from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import TrainingBatch, decode, encode
 
-KEEP_BATCHES = 2
+KEEP_BATCHES = 4
+"""Saved batches kept before the newest published weights (for a trainer resuming from a checkpoint)."""
 
 
 @dataclass
@@ -52,10 +54,12 @@ def batch_path(output_dir: Path, step: int) -> Path:
     return progress_dir(output_dir) / "batches" / f"step_{step:06d}.msgpack"
 
 
-def save_batch(output_dir: Path, batch: TrainingBatch) -> None:
+def save_batch(output_dir: Path, batch: TrainingBatch, keep_from: int = 0) -> None:
+    """Save a step's batch; forget batches the trainer finished long ago (before `keep_from` - KEEP)."""
     write_atomic(batch_path(output_dir, batch.header.step), encode(batch))
-    old = batch_path(output_dir, batch.header.step - KEEP_BATCHES)
-    old.unlink(missing_ok=True)
+    for path in batch_path(output_dir, 0).parent.glob("step_*.msgpack"):
+        if int(path.stem.removeprefix("step_")) < keep_from - KEEP_BATCHES:
+            path.unlink(missing_ok=True)
 
 
 def load_batch(output_dir: Path, step: int) -> TrainingBatch | None:

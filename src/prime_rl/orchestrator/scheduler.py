@@ -36,6 +36,7 @@ from prime_rl.orchestrator.verifiers_adapter import from_verifiers
 log = logging.getLogger(__name__)
 
 BUCKETS = ("trained", "filtered", "failed", "stale")
+ZERO_ADVANTAGE = 1e-8
 
 
 def sampling_args(config: SamplingConfig) -> dict[str, Any]:
@@ -144,13 +145,13 @@ class Scheduler:
         c = self.config
         while True:
             # The env is drawn once and kept until it can be dispatched, so that the RNG advances
-            # only with dispatches (a resumed run then draws the same sequence).
+            # only with dispatches, not with how often the loop happens to look.
             if self._next_env is None:
                 self._next_env = self.rng.choices(self.envs, weights=self._weights)[0]
             env = self._next_env
             if (
-                self.pool.inflight + env.config.group_size > c.max_inflight_rollouts
-                and self.pool.inflight > 0
+                # Training's own in-flight count: evaluation borrows the servers without blocking it.
+                self.inflight_rollouts + env.config.group_size > c.max_inflight_rollouts and self.inflight
             ):
                 return n
             target = step + (self.inflight_rollouts + self.ready_rollouts) // c.batch_size
@@ -194,6 +195,10 @@ class Scheduler:
                     outputs = await env.vf_env.run_group(
                         inputs, server.client, model, args, state_columns=columns
                     )
+                    if len(outputs) != group.size:
+                        raise RuntimeError(
+                            f"run_group returned {len(outputs)} outputs for {group.size} inputs"
+                        )
                     return [convert(o) for o in outputs]
                 except Exception as e:
                     return [failed(e)] * group.size
@@ -258,7 +263,7 @@ class Scheduler:
             if kind == "zero_advantage":
                 hit = (
                     set(range(len(group.rollouts)))
-                    if all(r.advantage == 0.0 for r in group.rollouts)
+                    if all(abs(r.advantage) < ZERO_ADVANTAGE for r in group.rollouts)  # float noise is 0
                     else set()
                 )
             else:  # truncated

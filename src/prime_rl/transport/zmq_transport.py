@@ -22,7 +22,7 @@ def rank_address(config: TransportConfig, rank: int) -> str:
 
 
 def _setup(sock: zmq.Socket, hwm: int) -> None:
-    sock.setsockopt(zmq.LINGER, 0)  # never hang at exit on undelivered data; loss is detected upstream
+    sock.setsockopt(zmq.LINGER, 0)  # close() of a sender sets its own linger: see `close`
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
 
@@ -33,7 +33,7 @@ class ZmqSender:
     def __init__(self, address: str, hwm: int = 16, timeout_s: float = 600.0):
         self.address = address
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()  # its own, so that close() can wait for delivery by terminating it
         self._sock = self._ctx.socket(zmq.PUSH)
         _setup(self._sock, hwm)
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
@@ -41,6 +41,7 @@ class ZmqSender:
             self._sock.bind(address)
         except zmq.ZMQError as e:
             self._sock.close()
+            self._ctx.term()
             raise TransportTimeout(f"cannot bind {address}: {e} (is another run using this port?)") from None
 
     def send(self, message: Message) -> None:
@@ -52,8 +53,15 @@ class ZmqSender:
                 f"(step {message.header.step}, rank {message.header.rank}): is the trainer running and connected?"
             ) from None
 
-    def close(self) -> None:
-        self._sock.close()
+    def close(self, linger_s: float | None = None) -> None:
+        """Close; by default wait up to `timeout_s` for queued messages to reach the trainer.
+
+        A send returns once zmq has queued the message, so closing without linger could drop the
+        last step's micro-batches. Pass `linger_s=0` when giving up (an error is already raised).
+        """
+        linger = self.timeout_s if linger_s is None else linger_s
+        self._sock.close(linger=int(linger * 1000))
+        self._ctx.term()  # blocks until the queue is delivered or the linger time is up
 
 
 class AsyncZmqSender:
@@ -62,13 +70,14 @@ class AsyncZmqSender:
     def __init__(self, address: str, hwm: int = 16, timeout_s: float = 600.0):
         self.address = address
         self.timeout_s = timeout_s
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = zmq.asyncio.Context()  # its own, so that close() can wait for delivery
         self._sock = self._ctx.socket(zmq.PUSH)
         _setup(self._sock, hwm)
         try:
             self._sock.bind(address)
         except zmq.ZMQError as e:
             self._sock.close()
+            self._ctx.term()
             raise TransportTimeout(f"cannot bind {address}: {e} (is another run using this port?)") from None
 
     async def send(self, message: Message) -> None:
@@ -80,8 +89,15 @@ class AsyncZmqSender:
                 f"(step {message.header.step}, rank {message.header.rank}): is the trainer running and connected?"
             ) from None
 
-    def close(self) -> None:
-        self._sock.close()
+    def close(self, linger_s: float | None = None) -> None:
+        """Close; by default wait up to `timeout_s` for queued messages to reach the trainer.
+
+        A send returns once zmq has queued the message, so closing without linger could drop the
+        last step's micro-batches. Pass `linger_s=0` when giving up (an error is already raised).
+        """
+        linger = self.timeout_s if linger_s is None else linger_s
+        self._sock.close(linger=int(linger * 1000))
+        self._ctx.term()  # blocks until the queue is delivered or the linger time is up
 
 
 class ZmqReceiver:
