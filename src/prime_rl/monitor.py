@@ -14,7 +14,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from prime_rl.config import BaseConfig
+
 log = logging.getLogger(__name__)
+
+
+class WandbConfig(BaseConfig):
+    """Weights & Biases logging (offline when no API key is set)."""
+
+    enabled: bool = False
+    """Log metrics to W&B."""
+
+    project: str = "prime-rl"
+    """W&B project."""
+
+    name: str | None = None
+    """Run name; defaults to the output folder's name."""
 
 
 def stats(prefix: str, values: list[float]) -> dict[str, float]:

@@ -13,6 +13,7 @@ from prime_rl.defaults import (
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
+from prime_rl.monitor import WandbConfig
 from prime_rl.transport.config import TransportConfig
 
 
@@ -161,19 +162,6 @@ class EvalConfig(BaseConfig):
 
     at_start: bool = False
     """Also evaluate the initial policy before the first step."""
-
-
-class WandbConfig(BaseConfig):
-    """Weights & Biases logging (offline when no API key is set)."""
-
-    enabled: bool = False
-    """Log metrics to W&B."""
-
-    project: str = "prime-rl"
-    """W&B project."""
-
-    name: str | None = None
-    """Run name; defaults to the output folder's name."""
 
 
 class ClientConfig(BaseConfig):

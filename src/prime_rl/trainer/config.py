@@ -1,12 +1,13 @@
 """Configuration of the trainer (`uv run trainer`) and of SFT (`uv run sft`)."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_MODEL, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
+from prime_rl.monitor import WandbConfig
 from prime_rl.transport.config import TransportConfig
 
 
@@ -21,6 +22,9 @@ class ModelConfig(BaseConfig):
 
     activation_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (less memory, one more all-gather in backward)."""
 
 
 class OptimizerConfig(BaseConfig):
@@ -65,6 +69,54 @@ class CheckpointConfig(BaseConfig):
     """Resume from this step; -1 means the latest checkpoint; unset starts fresh."""
 
 
+class LossConfig(BaseConfig):
+    """The RL loss: importance ratio between trainer and sampling logprobs, with clipping and masking."""
+
+    ratio_type: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or one per sample (geometric mean of its token ratios, GSPO-style)."""
+
+    clip_low: float = Field(default=0.2, ge=0)
+    """PPO clip: the ratio is clipped below at 1 - clip_low."""
+
+    clip_high: float = Field(default=0.28, ge=0)
+    """PPO clip: the ratio is clipped above at 1 + clip_high."""
+
+    mask_low: float = Field(default=0.125, ge=0)
+    """Tokens whose ratio is below this are masked out of the loss (trainer and sampler disagree)."""
+
+    mask_high: float = Field(default=8.0, gt=0)
+    """Tokens whose ratio is above this are masked out of the loss."""
+
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of a KL penalty to the frozen starting model (0 disables it and the reference model)."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of the KL to the reference model."""
+
+    top_entropy_fraction: float = Field(default=1.0, gt=0, le=1)
+    """Train only on this fraction of loss tokens with the highest entropy (per micro-batch)."""
+
+    custom_import_path: str | None = None
+    """A custom loss 'pkg.module:fn(LossInputs, **custom_kwargs) -> LossOutputs' replacing the built-in."""
+
+    custom_kwargs: dict[str, Any] = {}
+    """Keyword arguments of the custom loss."""
+
+
+class PublishConfig(BaseConfig):
+    """Weights published after every step for inference to load."""
+
+    keep: int = Field(default=3, ge=1)
+    """Keep only the newest this many published steps."""
+
+
+class ExportConfig(BaseConfig):
+    """Per-token export of what the loss saw (opt-in)."""
+
+    enabled: bool = False
+    """Write <output_dir>/trainer/tokens/step_<N>/rank_<r>.jsonl, one line per packed sample."""
+
+
 class TrainerConfig(RootConfig):
     """Trainer: trains the policy on the orchestrator's micro-batches and publishes its weights."""
 
@@ -92,5 +144,20 @@ class TrainerConfig(RootConfig):
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpoints."""
 
+    loss: LossConfig = LossConfig()
+    """The RL loss."""
+
+    publish: PublishConfig = PublishConfig()
+    """Weight publishing."""
+
+    export: ExportConfig = ExportConfig()
+    """Token export."""
+
     transport: TransportConfig = TransportConfig()
     """Where micro-batches come from."""
+
+    max_nan_steps: int = Field(default=3, ge=1)
+    """Consecutive steps with a non-finite loss (each skipped) after which training stops."""
+
+    wandb: WandbConfig = WandbConfig()
+    """W&B logging."""

@@ -1,0 +1,107 @@
+"""The RL loss of one micro-batch, per token.
+
+Invariant: `rl_loss` returns the per-token loss *before* normalization; the trainer sums it over
+the loss tokens and divides by the global loss-token count (all ranks, all micro-batches of the
+step), so the gradient is that of the per-token mean over the whole global batch. Tokens that a
+mask drops (ratio out of bounds, low entropy) contribute 0 but stay in the count.
+
+The importance ratio compares the trainer's logprobs (current weights, sampling temperature) with
+the sampling logprobs from inference: ratio = exp(trainer - sampling), per token or per sample
+(GSPO). PPO-style clipping bounds the update; masking drops tokens whose ratio says trainer and
+sampler disagree too much to trust the sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from prime_rl.trainer.config import LossConfig
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch, all of shape [T]."""
+
+    trainer_logprobs: torch.Tensor
+    """Differentiable."""
+    sampling_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    """Bool: tokens the policy sampled (completion tokens)."""
+    entropy: torch.Tensor
+    sample_lens: list[int]
+    ref_logprobs: torch.Tensor | None = None
+    """Logprobs of the frozen starting model, when a KL penalty is configured."""
+
+
+@dataclass
+class LossOutputs:
+    token_loss: torch.Tensor
+    """Per-token loss, 0 outside the effective mask."""
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Bool per-token flags for metrics (e.g. 'masked_low', 'clipped_high')."""
+
+
+def sample_ids(sample_lens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(sample_lens), device=device), torch.tensor(sample_lens, device=device))
+
+
+def importance_log_ratio(inputs: LossInputs, ratio_type: str) -> torch.Tensor:
+    log_ratio = (inputs.trainer_logprobs - inputs.sampling_logprobs) * inputs.loss_mask
+    if ratio_type == "token":
+        return log_ratio
+    # GSPO: one ratio per sample (mean log-ratio over its loss tokens), gradients flowing per token.
+    ids = sample_ids(inputs.sample_lens, log_ratio.device)
+    n = len(inputs.sample_lens)
+    sums = torch.zeros(n, device=log_ratio.device).index_add(0, ids, log_ratio.detach())
+    counts = torch.zeros(n, device=log_ratio.device).index_add(0, ids, inputs.loss_mask.float())
+    seq = (sums / counts.clamp(min=1))[ids]
+    return seq + log_ratio - log_ratio.detach()
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    return torch.exp(-d) + d - 1  # k3: unbiased, always >= 0
+
+
+def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    if fraction >= 1.0 or not mask.any():
+        return mask
+    threshold = torch.quantile(entropy[mask].float(), 1.0 - fraction)
+    return mask & (entropy >= threshold)
+
+
+def rl_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
+    mask = inputs.loss_mask
+    log_ratio = importance_log_ratio(inputs, config.ratio_type)
+    ratio = torch.exp(log_ratio)
+    r = ratio.detach()
+    masked_low = mask & (r < config.mask_low)
+    masked_high = mask & (r > config.mask_high)
+    keep = mask & ~masked_low & ~masked_high
+    keep = top_entropy_mask(inputs.entropy, keep, config.top_entropy_fraction)
+    adv = inputs.advantages
+    clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    objective = torch.minimum(ratio * adv, clipped * adv)
+    loss = -objective
+    if config.kl_coef > 0 and inputs.ref_logprobs is not None:
+        loss = loss + config.kl_coef * kl_penalty(inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator)
+    masks = {
+        "masked_low": masked_low,
+        "masked_high": masked_high,
+        "clipped_low": keep & (adv < 0) & (r < 1.0 - config.clip_low),
+        "clipped_high": keep & (adv > 0) & (r > 1.0 + config.clip_high),
+    }
+    return LossOutputs(loss * keep, masks)
+
+
+def sft_loss(inputs: LossInputs, config: LossConfig | None = None) -> LossOutputs:
+    """Cross-entropy on the loss tokens (the completion), for `uv run sft`."""
+    return LossOutputs(-inputs.trainer_logprobs * inputs.loss_mask)
