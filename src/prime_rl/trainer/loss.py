@@ -45,7 +45,9 @@ class LossOutputs:
 
 
 def sample_ids(sample_lens: list[int], device: torch.device) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(len(sample_lens), device=device), torch.tensor(sample_lens, device=device))
+    return torch.repeat_interleave(
+        torch.arange(len(sample_lens), device=device), torch.tensor(sample_lens, device=device)
+    )
 
 
 def importance_log_ratio(inputs: LossInputs, ratio_type: str) -> torch.Tensor:
@@ -92,7 +94,9 @@ def rl_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
     objective = torch.minimum(ratio * adv, clipped * adv)
     loss = -objective
     if config.kl_coef > 0 and inputs.ref_logprobs is not None:
-        loss = loss + config.kl_coef * kl_penalty(inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator)
+        loss = loss + config.kl_coef * kl_penalty(
+            inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator
+        )
     masks = {
         "masked_low": masked_low,
         "masked_high": masked_high,

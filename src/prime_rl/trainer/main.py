@@ -1,12 +1,149 @@
-"""`uv run trainer @ trainer.toml` (under torchrun for several ranks)."""
+"""`uv run trainer @ trainer.toml`; several ranks: `uv run torchrun --nproc-per-node N -m prime_rl.trainer.main @ ...`.
 
+The loop per step: receive this rank's micro-batches, train, publish the weights of step + 1,
+export tokens and checkpoint when configured, log one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
 import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
 
 from prime_rl.config import parse_config
+from prime_rl.logging_setup import setup_logging
+from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.data import StepReceiver
+from prime_rl.trainer.dist import World, init_world
+from prime_rl.trainer.model import ModelLoadError
+from prime_rl.trainer.publish import Publisher
+from prime_rl.trainer.trainer import LossFn, Trainer
+from prime_rl.transport import TransportError, make_receiver
+from prime_rl.transport.config import resolve_run_id
+
+log = logging.getLogger("prime_rl.trainer")
+
+
+class NaNLossError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss."""
+
+
+class CheckpointError(RuntimeError):
+    """The requested checkpoint does not exist."""
+
+
+def resume_step(config: TrainerConfig) -> int:
+    """The checkpoint step to resume from (0 = start fresh)."""
+    wanted = config.ckpt.resume_step
+    if wanted is None:
+        return 0
+    steps = complete_steps(checkpoint_root(config.output_dir))
+    if wanted == -1:
+        return steps[-1] if steps else 0
+    if wanted not in steps:
+        raise CheckpointError(
+            f"ckpt.resume_step = {wanted}, but the complete checkpoints in "
+            f"{checkpoint_root(config.output_dir)} are {steps or 'none'}"
+        )
+    return wanted
+
+
+def load_custom_loss(config: TrainerConfig) -> LossFn | None:
+    if not config.loss.custom_import_path:
+        return None
+    from prime_rl.orchestrator.advantage import load_function
+
+    fn = load_function(config.loss.custom_import_path)
+    return lambda inputs: fn(inputs, **config.loss.custom_kwargs)
+
+
+def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
+    world = world or init_world()
+    output_dir = Path(config.output_dir)
+    trainer = Trainer(config, world, loss_fn or load_custom_loss(config))
+    start = resume_step(config)
+    if start:
+        load_checkpoint(
+            checkpoint_root(output_dir), start, trainer.model, trainer.optimizer, trainer.scheduler, world
+        )
+        log.info("resumed from checkpoint step %d", start)
+    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep)
+    run_id = resolve_run_id(config.transport, output_dir)
+    receiver = StepReceiver(
+        make_receiver(config.transport, run_id, world.rank, output_dir, start_step=start), config.seq_len
+    )
+    metrics_log = None
+    if world.is_main:
+        from prime_rl.monitor import MetricsLogger
+
+        metrics_log = MetricsLogger(
+            output_dir / "trainer" / "metrics.jsonl", config.wandb, config=config.model_dump(mode="json")
+        )
+    nan_streak = 0
+    try:
+        for step in range(start, config.max_steps):
+            t0 = time.perf_counter()
+            micro_batches = receiver.get(step)
+            t_wait = time.perf_counter() - t0
+            metrics, results = trainer.train_step(micro_batches)
+            if not math.isfinite(metrics["loss"]):
+                nan_streak += 1
+                log.warning("step %d: non-finite loss, update skipped (%d in a row)", step, nan_streak)
+                if nan_streak >= config.max_nan_steps:
+                    raise NaNLossError(
+                        f"{nan_streak} consecutive steps had a non-finite loss (max_nan_steps)"
+                    )
+            else:
+                nan_streak = 0
+            metrics["time/publish_blocking"] = publisher.publish(trainer.model, step + 1)
+            metrics["time/publish_write"] = publisher.last_write_s
+            if config.export.enabled:
+                from prime_rl.trainer.export import export_tokens
+
+                export_tokens(output_dir, step, results, world)
+            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
+                t1 = time.perf_counter()
+                save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
+                                trainer.scheduler, world, config.ckpt.keep)  # fmt: skip
+                metrics["time/checkpoint"] = time.perf_counter() - t1
+            metrics["time/wait_for_data"] = t_wait
+            metrics["time/step"] = time.perf_counter() - t0
+            if metrics_log is not None:
+                metrics_log.log(step, metrics)
+                log.info(
+                    "step %d | loss %.4f | entropy %.3f | mismatch_kl %.2e | grad_norm %.3f | %.0f tok/s | %.1fs (wait %.1fs)",
+                    step, metrics["loss"], metrics.get("entropy/all/mean", float("nan")),
+                    metrics.get("mismatch_kl/all/mean", float("nan")), metrics["grad_norm"],
+                    metrics["throughput/tokens_per_s"], metrics["time/step"], t_wait,
+                )  # fmt: skip
+    finally:
+        publisher.close()
+        if metrics_log is not None:
+            metrics_log.close()
+        receiver.receiver.close()
+
+
+USER_ERRORS = (ModelLoadError, TransportError, NaNLossError, CheckpointError)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parse_config(TrainerConfig, argv, prog="trainer")
-    sys.stderr.write("trainer: not implemented yet (the config is valid; try --dry-run).\n")
-    raise SystemExit(1)
+    config = parse_config(TrainerConfig, argv, prog="trainer")
+    world = init_world()
+    setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
+    try:
+        train(config, world)
+    except USER_ERRORS as e:
+        sys.stderr.write(f"trainer: error: {e}\n")
+        raise SystemExit(1) from None
+    finally:
+        if world.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,9 @@ from prime_rl.trainer.config import OptimizerConfig, SchedulerConfig
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach=False: the foreach kernels do not support every DTensor placement on CPU.
-    return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False)
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
+    )
 
 
 def lr_factor(step: int, config: SchedulerConfig, max_steps: int) -> float:

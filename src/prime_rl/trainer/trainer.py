@@ -35,7 +35,9 @@ LossFn = Callable[[LossInputs], LossOutputs]
 class TokenStats:
     """Per-env sums of per-token metrics on this rank, reduced over ranks at the end of a step."""
 
-    sums: dict[tuple[str, str], list[float]] = field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0, 0.0, -math.inf]))
+    sums: dict[tuple[str, str], list[float]] = field(
+        default_factory=lambda: defaultdict(lambda: [0.0, 0.0, 0.0, -math.inf])
+    )
 
     def add(self, metric: str, env: str, values: torch.Tensor) -> None:
         if values.numel() == 0:
@@ -54,8 +56,12 @@ class TokenStats:
             gathered: list[list] = [None] * world.world_size  # type: ignore[list-item]
             dist.all_gather_object(gathered, keys)
             keys = sorted({k for ks in gathered for k in ks})
-        counts = torch.tensor([self.sums[k][:3] if k in self.sums else [0.0, 0.0, 0.0] for k in keys], dtype=torch.float64)
-        maxes = torch.tensor([self.sums[k][3] if k in self.sums else -math.inf for k in keys], dtype=torch.float64)
+        counts = torch.tensor(
+            [self.sums[k][:3] if k in self.sums else [0.0, 0.0, 0.0] for k in keys], dtype=torch.float64
+        )
+        maxes = torch.tensor(
+            [self.sums[k][3] if k in self.sums else -math.inf for k in keys], dtype=torch.float64
+        )
         counts, maxes = all_reduce_sum(counts, world), all_reduce_max(maxes, world)
         out = {}
         for (metric, env), (n, s, ss), mx in zip(keys, counts.tolist(), maxes.tolist(), strict=True):
@@ -116,8 +122,12 @@ class Trainer:
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref, _ = forward_logprobs(self.ref_model, t["input_ids"], t["position_ids"], mb.temperature)
-            inputs = LossInputs(lp, t["logprobs"], t["advantages"], t["loss_mask"], entropy, mb.sample_lens, ref)
+                    ref, _ = forward_logprobs(
+                        self.ref_model, t["input_ids"], t["position_ids"], mb.temperature
+                    )
+            inputs = LossInputs(
+                lp, t["logprobs"], t["advantages"], t["loss_mask"], entropy, mb.sample_lens, ref
+            )
             out = self.loss_fn(inputs)
             (out.token_loss.sum() / denom).backward()
             self._record(stats, mb, t, lp.detach(), entropy, out)
@@ -130,7 +140,9 @@ class Trainer:
                     p.grad.mul_(self.world.world_size)
         return stats, results, global_tokens
 
-    def _record(self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs) -> None:
+    def _record(
+        self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs
+    ) -> None:
         mask = t["loss_mask"]
         ids = sample_ids(mb.sample_lens, mask.device)
         d = lp - t["logprobs"]
@@ -164,14 +176,18 @@ class Trainer:
         stats, results, global_tokens = self.accumulate(micro_batches)
         metrics = stats.reduce(self.world)
         loss_sum = sum(float(r.token_loss.sum()) for r in results)
-        loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64), self.world).item() / max(global_tokens, 1)
+        loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64), self.world).item() / max(
+            global_tokens, 1
+        )
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             grad_norm = float("nan")
         else:
             grad_norm = self.optimizer_step()
         elapsed = time.perf_counter() - t0
-        tokens = all_reduce_sum(torch.tensor(float(sum(mb.num_tokens for mb in micro_batches))), self.world).item()
+        tokens = all_reduce_sum(
+            torch.tensor(float(sum(mb.num_tokens for mb in micro_batches))), self.world
+        ).item()
         metrics.update(
             {
                 "loss": loss,

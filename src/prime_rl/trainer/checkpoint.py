@@ -1,0 +1,80 @@
+"""Trainer checkpoints: model, optimizer, scheduler, step and RNG, to resume a killed trainer.
+
+Layout: `<output_dir>/checkpoints/step_<N>/` (the state after N optimizer steps) with the sharded
+model and optimizer state (torch.distributed.checkpoint, one shard per rank), `rank_<r>.pt` with the
+scheduler, step and RNG states, and `DONE`, written last. Invariant: only a folder with `DONE` is
+ever resumed from, so a trainer killed while saving resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from prime_rl.trainer.dist import World
+
+DONE = "DONE"
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_steps(root: Path) -> list[int]:
+    if not root.exists():
+        return []
+    return sorted(
+        int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / DONE).exists()
+    )
+
+
+def _barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World, keep: int) -> Path:
+    path = root / f"step_{step}"
+    if world.is_main and path.exists():
+        shutil.rmtree(path)
+    _barrier(world)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    torch.save(
+        {
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        },
+        path / f"rank_{world.rank}.pt",
+    )
+    _barrier(world)
+    if world.is_main:
+        (path / DONE).touch()
+        for old in complete_steps(root)[:-keep]:
+            shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+    _barrier(world)
+    return path
+
+
+def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World) -> int:
+    path = root / f"step_{step}"
+    if not (path / DONE).exists():
+        raise FileNotFoundError(f"no complete checkpoint at {path} (complete ones: {complete_steps(root)})")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
+    scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["rng"]["torch"])
+    random.setstate(extra["rng"]["python"])
+    return int(extra["step"])

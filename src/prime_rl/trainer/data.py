@@ -1,0 +1,51 @@
+"""This rank's micro-batches, one step at a time, from the transport.
+
+Invariant: `get(step)` returns exactly the micro-batches of that step (all `count` of them, in
+index order, each validated). Messages of earlier steps are ones the orchestrator re-sent after a
+restart and are skipped; a repeated index is dropped, so no step is trained twice or on a mix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prime_rl.transport.base import Receiver, TransportError
+from prime_rl.transport.messages import MicroBatch
+
+log = logging.getLogger("prime_rl.trainer")
+
+
+class BadMicroBatch(TransportError):
+    """A micro-batch that cannot be trained on (inconsistent fields, longer than seq_len)."""
+
+
+class StepReceiver:
+    def __init__(self, receiver: Receiver, seq_len: int):
+        self.receiver = receiver
+        self.seq_len = seq_len
+        self._ahead: dict[int, dict[int, MicroBatch]] = {}
+
+    def get(self, step: int) -> list[MicroBatch]:
+        got = self._ahead.pop(step, {})
+        count = next(iter(got.values())).count if got else None
+        skipped = 0
+        while count is None or len(got) < count:
+            mb = self.receiver.recv()
+            if not isinstance(mb, MicroBatch):
+                raise BadMicroBatch(f"expected micro-batches, got a {type(mb).__name__}")
+            s = mb.header.step
+            if s < step:
+                skipped += 1
+                continue
+            try:
+                mb.validate(seq_len=self.seq_len)
+            except ValueError as e:
+                raise BadMicroBatch(str(e)) from None
+            if s > step:
+                self._ahead.setdefault(s, {})[mb.index] = mb
+                continue
+            count = mb.count
+            got.setdefault(mb.index, mb)
+        if skipped:
+            log.info("skipped %d re-sent micro-batches of steps before %d", skipped, step)
+        return [got[i] for i in range(count)]

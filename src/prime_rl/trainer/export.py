@@ -1,0 +1,56 @@
+"""Opt-in per-token export of what the loss saw, one JSONL line per packed sample.
+
+Layout: `<output_dir>/trainer/tokens/step_<N>/rank_<r>.jsonl`, and `READY` in the step folder once
+every rank's file is complete. Non-finite numbers are written as null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from prime_rl.trainer.dist import World
+from prime_rl.trainer.trainer import MicroBatchResult
+
+
+def _clean(values: list[float]) -> list[float | None]:
+    return [v if math.isfinite(v) else None for v in values]
+
+
+def export_tokens(output_dir: Path, step: int, results: list[MicroBatchResult], world: World) -> Path:
+    folder = Path(output_dir) / "trainer" / "tokens" / f"step_{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank_{world.rank}.jsonl"
+    with path.open("w") as f:
+        for r in results:
+            a = r.mb.arrays()
+            trainer_lp = r.trainer_logprobs.float().cpu()
+            ratio = torch.exp(trainer_lp - torch.from_numpy(a["logprobs"].copy()))
+            start = 0
+            for n, env in zip(r.mb.sample_lens, r.mb.env_names, strict=True):
+                sl = slice(start, start + n)
+                record = {
+                    "step": step,
+                    "rank": world.rank,
+                    "micro_batch": r.mb.index,
+                    "env": env,
+                    "input_ids": a["input_ids"][sl].tolist(),
+                    "loss_mask": a["loss_mask"][sl].tolist(),
+                    "advantages": _clean(a["advantages"][sl].tolist()),
+                    "sampling_logprobs": _clean(a["logprobs"][sl].tolist()),
+                    "trainer_logprobs": _clean(trainer_lp[sl].tolist()),
+                    "ratio": _clean(ratio[sl].tolist()),
+                    "token_loss": _clean(r.token_loss[sl].float().cpu().tolist()),
+                    **{k: v[sl].int().cpu().tolist() for k, v in r.masks.items()},
+                }
+                f.write(json.dumps(record) + "\n")
+                start += n
+    if world.distributed:
+        dist.barrier()
+    if world.is_main:
+        (folder / "READY").touch()
+    return path

@@ -1,0 +1,80 @@
+"""Publish the weights after each step as an HF folder that inference loads.
+
+Layout: `<output_dir>/weights/step_<N>/` (the weights after N optimizer steps): `model.safetensors`,
+`config.json`, the tokenizer files, and `READY`, written last. Invariant: a folder with `READY` is
+complete, so a reader never loads half-written weights. Gathering the full state dict is a
+collective on every rank; only rank 0 writes, in a background thread, so training goes on while
+the file is written (the next publish first waits for the previous write).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from prime_rl.trainer.dist import World
+
+READY = "READY"
+
+
+def weights_root(output_dir: Path) -> Path:
+    return Path(output_dir) / "weights"
+
+
+class Publisher:
+    def __init__(self, output_dir: Path, model_name: str, world: World, keep: int):
+        self.root = weights_root(output_dir)
+        self.world = world
+        self.keep = keep
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+        self._pending: Future | None = None
+        self._tokenizer = None
+        if world.is_main:
+            from transformers import AutoTokenizer
+
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._tokenizer = AutoTokenizer.from_pretrained(model_name)
+        self.last_write_s = 0.0
+
+    def publish(self, model: torch.nn.Module, step: int) -> float:
+        """Start publishing `step`; returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.world.is_main:
+            self.wait()
+            state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+            if getattr(model.config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)  # shared with the embedding; HF ties it on load
+            self._pending = self._pool.submit(self._write, step, state, model.config)
+        return time.perf_counter() - t0
+
+    def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:
+        t0 = time.perf_counter()
+        path = self.root / f"step_{step}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(path)
+        self._tokenizer.save_pretrained(path)
+        (path / READY).touch()
+        for old in sorted(int(p.name[5:]) for p in self.root.glob("step_*") if (p / READY).exists())[
+            : -self.keep
+        ]:
+            shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
+        self.last_write_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()

@@ -1,0 +1,277 @@
+"""The trainer as a user runs it: fed over zmq by a test producer, with metrics, token export,
+published weights, checkpoints and resume; plus packed-sequence correctness and bad input."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from prime_rl.orchestrator.packing import pack
+from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.data import BadMicroBatch, StepReceiver
+from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.main import NaNLossError, train
+from prime_rl.trainer.model import ModelLoadError
+from prime_rl.transport.file_transport import FileReceiver, FileSender
+from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
+from prime_rl.transport.zmq_transport import ZmqSender
+
+TRAINER = str(Path(sys.executable).parent / "trainer")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def samples(step: int, n: int = 8) -> list[TrainingSample]:
+    rng = random.Random(step)
+    out = []
+    for _ in range(n):
+        p, c = rng.randint(4, 20), rng.randint(2, 30)
+        out.append(
+            TrainingSample(
+                [rng.randrange(3, 500) for _ in range(p)],
+                [rng.randrange(3, 500) for _ in range(c)],
+                [1] * c,
+                [-6.0] * c,
+                advantage=rng.uniform(-1, 1),
+                reward=0.0,
+                env_name=rng.choice(["rev", "sum"]),
+            )
+        )
+    return out
+
+
+def micro_batches(step: int, run_id: str, seq_len: int = 128) -> list[MicroBatch]:
+    return pack(samples(step), seq_len, 1, run_id, step)[0]
+
+
+def test_packed_logprobs_equal_unpacked(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(0)
+    seqs = [[rng.randrange(3, 500) for _ in range(n)] for n in (7, 13, 1, 9)]
+    ids = torch.tensor([t for s in seqs for t in s])
+    pos = torch.tensor([i for s in seqs for i in range(len(s))])
+    with torch.no_grad():
+        packed, packed_entropy = forward_logprobs(model, ids, pos, temperature=0.7)
+        start = 0
+        for s in seqs:
+            alone, alone_entropy = forward_logprobs(
+                model, torch.tensor(s), torch.arange(len(s)), temperature=0.7
+            )
+            # Token 0 of each sample has no prediction inside its own sample.
+            torch.testing.assert_close(packed[start + 1 : start + len(s)], alone[1:], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                packed_entropy[start + 1 : start + len(s)], alone_entropy[1:], rtol=1e-5, atol=1e-5
+            )
+            start += len(s)
+
+
+def test_trainer_over_zmq_trains_publishes_exports_and_resumes(tiny_model, tmp_path):
+    port, out = free_port(), tmp_path / "run"
+    toml = tmp_path / "trainer.toml"
+    toml.write_text(
+        f'output_dir = "{out}"\nmax_steps = 3\nseq_len = 128\n'
+        f'[model]\nname = "{tiny_model}"\n[optim]\nlr = 1e-3\n[ckpt]\ninterval = 1\nresume_step = -1\n'
+        f'[export]\nenabled = true\n[transport]\nport = {port}\nrun_id = "t"\ntimeout_s = 120\n'
+    )
+
+    def produce(steps, resend=()):
+        sender = ZmqSender(f"tcp://127.0.0.1:{port}", hwm=4, timeout_s=120)
+        for step in [*resend, *steps]:
+            for mb in micro_batches(step, "t"):
+                sender.send(mb)
+        sender.close()
+
+    producer = threading.Thread(target=produce, args=(range(3),))
+    producer.start()
+    proc = subprocess.run([TRAINER, "@", str(toml)], capture_output=True, text=True, timeout=300)
+    producer.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2 | loss" in proc.stderr
+
+    metrics = [json.loads(line) for line in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "entropy/all/mean",
+        "entropy/rev/max",
+        "mismatch_kl/sum/std",
+        "masked_low/all/mean",
+    ):
+        assert key in metrics[0], key
+    # Token export: one line per packed sample, READY once complete.
+    tokens = out / "trainer" / "tokens" / "step_1"
+    assert (tokens / "READY").exists()
+    lines = [json.loads(line) for line in (tokens / "rank_0.jsonl").read_text().splitlines()]
+    assert len(lines) == len(samples(1)) and {"ratio", "trainer_logprobs", "loss_mask"} <= set(lines[0])
+    # Published weights load in transformers and differ from the start.
+    for step in (1, 2, 3):
+        assert (out / "weights" / f"step_{step}" / "READY").exists()
+    trained = AutoModelForCausalLM.from_pretrained(out / "weights" / "step_3")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert not torch.equal(trained.lm_head.weight, start.lm_head.weight)
+
+    # Resume: a new trainer continues at step 3 and skips the re-sent step 2.
+    toml.write_text(toml.read_text().replace("max_steps = 3", "max_steps = 5"))
+    producer = threading.Thread(target=produce, args=(range(3, 5),), kwargs={"resend": (2,)})
+    producer.start()
+    proc = subprocess.run([TRAINER, "@", str(toml)], capture_output=True, text=True, timeout=300)
+    producer.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from checkpoint step 3" in proc.stderr
+    metrics = [json.loads(line) for line in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+
+
+def test_killed_trainer_resumes_to_the_same_parameters(tiny_model, tmp_path):
+    data = tmp_path / "data"
+    sender = FileSender(data)
+
+    def feed(steps):
+        for step in steps:
+            for mb in micro_batches(step, "k"):
+                sender.send(mb)
+
+    def toml(name: str, resume: bool) -> Path:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(
+            f'output_dir = "{tmp_path / name}"\nmax_steps = 4\nseq_len = 128\n[model]\nname = "{tiny_model}"\n'
+            f"[optim]\nlr = 1e-3\n[ckpt]\ninterval = 2\n{'resume_step = -1' if resume else ''}\n"
+            f'[transport]\ntype = "filesystem"\ndir = "{data}"\nrun_id = "k"\ntimeout_s = 120\n'
+        )
+        return path
+
+    feed(range(3))  # step 3's data is not there yet: the trainer waits after step 2
+    proc = subprocess.Popen(
+        [TRAINER, "@", str(toml("killed", True))], stderr=subprocess.PIPE, start_new_session=True
+    )
+    done = tmp_path / "killed" / "checkpoints" / "step_2" / "DONE"
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "killed" / "weights" / "step_3" / "READY").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "trainer did not reach step 3"
+        time.sleep(0.2)
+    assert done.exists()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    feed([3])
+    resumed = subprocess.run(
+        [TRAINER, "@", str(toml("killed", True))], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint step 2" in resumed.stderr
+    straight = subprocess.run(
+        [TRAINER, "@", str(toml("straight", False))], capture_output=True, text=True, timeout=300
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a = load_file(tmp_path / "killed" / "weights" / "step_4" / "model.safetensors")
+    b = load_file(tmp_path / "straight" / "weights" / "step_4" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_inconsistent_and_overlong_micro_batches_are_rejected(tmp_path):
+    sender = FileSender(tmp_path)
+    good = micro_batches(0, "b")[0]
+    fields = {f: getattr(good, f) for f in good.__struct_fields__}
+    sender.send(MicroBatch(**{**fields, "logprobs": good.logprobs[:-4]}))
+    with pytest.raises(BadMicroBatch, match="per-token fields disagree"):
+        StepReceiver(FileReceiver(tmp_path, "b", timeout_s=2), seq_len=128).get(0)
+    with pytest.raises(BadMicroBatch, match="longer than seq_len = 8"):
+        sender.send(good)
+        StepReceiver(FileReceiver(tmp_path, "b", timeout_s=2), seq_len=8).get(0)
+
+
+def test_model_path_that_does_not_load_is_a_clear_error(tmp_path):
+    config = TrainerConfig(model={"name": str(tmp_path / "nope")}, output_dir=str(tmp_path))
+    with pytest.raises(ModelLoadError, match="could not be loaded"):
+        train(config)
+    proc = subprocess.run([TRAINER, "--model.name", str(tmp_path / "nope"), "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and "trainer: error: model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_nan_loss_skips_the_step_and_stops_after_n(tiny_model, tmp_path):
+    data = tmp_path / "data"
+    sender = FileSender(data)
+    for step in range(4):
+        for mb in micro_batches(step, "n"):
+            sender.send(mb)
+    config = TrainerConfig(
+        model={"name": str(tiny_model)}, output_dir=str(tmp_path / "out"), max_steps=4, seq_len=128, max_nan_steps=2,
+        transport={"type": "filesystem", "dir": str(data), "run_id": "n", "timeout_s": 30},
+    )  # fmt: skip
+    from prime_rl.trainer.loss import LossOutputs
+
+    def nan_loss(inputs):
+        return LossOutputs(inputs.trainer_logprobs * float("nan"))
+
+    with pytest.raises(NaNLossError, match="2 consecutive steps"):
+        train(config, loss_fn=nan_loss)
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    after = load_file(tmp_path / "out" / "weights" / "step_1" / "model.safetensors")
+    assert all(torch.equal(start[k], after[k]) for k in start)  # the NaN step did not update
+
+
+def test_header_must_match_the_run(tmp_path):
+    from prime_rl.transport import ForeignRunError
+
+    sender = FileSender(tmp_path)
+    mb = micro_batches(0, "other")[0]
+    sender.send(
+        MicroBatch(**{**{f: getattr(mb, f) for f in mb.__struct_fields__}, "header": Header("other", 0, 0)})
+    )
+    with pytest.raises(ForeignRunError):
+        StepReceiver(FileReceiver(tmp_path, "mine", timeout_s=2), seq_len=128).get(0)
+
+
+def test_two_ranks_train_checkpoint_publish_and_resume(tiny_model, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    sender = FileSender(data)
+
+    def feed(steps):
+        for step in steps:
+            for rank_mbs in pack(samples(step, n=12), 128, 2, "two", step):
+                for mb in rank_mbs:
+                    sender.send(mb)
+
+    toml = tmp_path / "t.toml"
+    toml.write_text(
+        f'output_dir = "{out}"\nmax_steps = 2\nseq_len = 128\n[model]\nname = "{tiny_model}"\n'
+        f"[ckpt]\ninterval = 2\nresume_step = -1\n[export]\nenabled = true\n"
+        f'[transport]\ntype = "filesystem"\ndir = "{data}"\nrun_id = "two"\ntimeout_s = 60\n'
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "prime_rl.trainer.main", "@", str(toml)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    feed(range(2))
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoints" / "step_2" / "DONE").exists()
+    assert sorted(p.name for p in (out / "trainer" / "tokens" / "step_1").iterdir()) == [
+        "READY", "rank_0.jsonl", "rank_1.jsonl"
+    ]  # fmt: skip
+    feed([2])
+    toml.write_text(toml.read_text().replace("max_steps = 2", "max_steps = 3"))
+    cmd[cmd.index("--master-port") + 1] = str(free_port())
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from checkpoint step 2" in second.stderr
+    published = AutoModelForCausalLM.from_pretrained(out / "weights" / "step_3")
+    assert published.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_model).config.vocab_size
