@@ -161,3 +161,35 @@ class TrainerConfig(RootConfig):
 
     wandb: WandbConfig = WandbConfig()
     """W&B logging."""
+
+
+class SFTDataConfig(BaseConfig):
+    """Where SFT examples come from: a local JSONL, or an env's dataset (prompt + answer)."""
+
+    path: Path | None = None
+    """JSONL with {"messages": [...]} (trained on the assistant turns at the end) or {"prompt", "completion"}."""
+
+    env_id: str | None = None
+    """Instead of a file: a verifiers env whose dataset rows give the prompt and `answer` the completion."""
+
+    env_args: dict[str, Any] = {}
+    """Keyword arguments of the env's load_environment."""
+
+    num_examples: int | None = Field(default=None, ge=1)
+    """Use only the first this many examples."""
+
+    seed: int = 0
+    """Shuffle seed (each epoch is reshuffled)."""
+
+
+class SFTConfig(TrainerConfig):
+    """sft: supervised fine-tuning on chat examples (loss on completion tokens only), e.g. to warm up a model for RL."""
+
+    data: SFTDataConfig = SFTDataConfig()
+    """The examples."""
+
+    batch_size: int = Field(default=32, ge=1)
+    """Examples per optimizer step (over all ranks)."""
+
+    save_dir: Path | None = None
+    """Also save the final model as an HF folder here (default: <output_dir>/model)."""

@@ -45,18 +45,28 @@ class Publisher:
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Start publishing `step`; returns the seconds training was blocked."""
         t0 = time.perf_counter()
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = self._gather(model)
         if self.world.is_main:
             self.wait()
-            state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-            if getattr(model.config, "tie_word_embeddings", False):
-                state.pop("lm_head.weight", None)  # shared with the embedding; HF ties it on load
             self._pending = self._pool.submit(self._write, step, state, model.config)
         return time.perf_counter() - t0
 
-    def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:
-        t0 = time.perf_counter()
-        path = self.root / f"step_{step}"
+    def save(self, model: torch.nn.Module, path: Path) -> None:
+        """Write the model as an HF folder at `path` now (a collective: call it on every rank)."""
+        state = self._gather(model)
+        if self.world.is_main:
+            self._write_folder(Path(path), state, model.config)
+
+    def _gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.world.is_main:
+            return {}
+        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # shared with the embedding; HF ties it on load
+        return state
+
+    def _write_folder(self, path: Path, state: dict[str, torch.Tensor], config) -> None:
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
@@ -64,6 +74,10 @@ class Publisher:
         config.save_pretrained(path)
         self._tokenizer.save_pretrained(path)
         (path / READY).touch()
+
+    def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:
+        t0 = time.perf_counter()
+        self._write_folder(self.root / f"step_{step}", state, config)
         for old in sorted(int(p.name[5:]) for p in self.root.glob("step_*") if (p / READY).exists())[
             : -self.keep
         ]:

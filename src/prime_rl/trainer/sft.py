@@ -1,12 +1,178 @@
-"""`uv run sft @ sft.toml`: supervised warm-up with the trainer's machinery."""
+"""`uv run sft @ sft.toml`: supervised fine-tuning with the trainer's machinery.
 
+Same model loading, packing, global-token normalization, checkpoints and publishing as RL; the loss
+is cross-entropy on completion tokens. Examples are tokenized with the model's chat template exactly
+as inference will render them: the completion is what the template adds after the prompt's
+generation prefix, so the model learns to end its turn with the template's end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
 import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from prime_rl.config import parse_config
-from prime_rl.trainer.config import TrainerConfig
+from prime_rl.logging_setup import setup_logging
+from prime_rl.orchestrator.packing import pack
+from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
+from prime_rl.trainer.config import SFTConfig, SFTDataConfig
+from prime_rl.trainer.dist import World, init_world
+from prime_rl.trainer.loss import sft_loss
+from prime_rl.trainer.main import USER_ERRORS, resume_step
+from prime_rl.trainer.publish import Publisher
+from prime_rl.trainer.trainer import Trainer
+from prime_rl.transport.messages import TrainingSample
+
+log = logging.getLogger("prime_rl.sft")
+
+
+class SFTDataError(ValueError):
+    """The SFT data cannot be read or has the wrong shape; the message names the file and line."""
+
+
+def read_examples(config: SFTDataConfig) -> list[tuple[list[dict], list[dict], str]]:
+    """(prompt messages, completion messages, source) for every example."""
+    if (config.path is None) == (config.env_id is None):
+        raise SFTDataError("set exactly one of data.path and data.env_id")
+    out = []
+    if config.path is not None:
+        if not Path(config.path).is_file():
+            raise SFTDataError(f"data.path '{config.path}' not found")
+        with Path(config.path).open() as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{config.path}:{i}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SFTDataError(f"{where}: not JSON ({e})") from None
+                out.append((*split_row(row, where), where))
+    else:
+        from prime_rl.orchestrator.envs import load_vf_env
+
+        dataset = load_vf_env(config.env_id, config.env_args).get_dataset()
+        for i in range(len(dataset)):
+            row = dataset[i]
+            if "answer" not in row:
+                raise SFTDataError(f"env '{config.env_id}': its dataset has no 'answer' column to train on")
+            out.append(
+                (list(row["prompt"]), [{"role": "assistant", "content": row["answer"]}], f"env row {i}")
+            )
+    if config.num_examples:
+        out = out[: config.num_examples]
+    if not out:
+        raise SFTDataError("no SFT examples found")
+    return out
+
+
+def split_row(row: dict[str, Any], where: str) -> tuple[list[dict], list[dict]]:
+    def as_messages(value, role):
+        return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+    if "messages" in row:
+        msgs = row["messages"]
+        n = len(msgs)
+        while n > 0 and msgs[n - 1].get("role") == "assistant":
+            n -= 1
+        if n == len(msgs) or n == 0:
+            raise SFTDataError(f"{where}: 'messages' must end with assistant turn(s) after a prompt")
+        return msgs[:n], msgs[n:]
+    if "prompt" in row and "completion" in row:
+        return as_messages(row["prompt"], "user"), as_messages(row["completion"], "assistant")
+    raise SFTDataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': ..., 'completion': ...}}")
+
+
+def tokenize(tokenizer, prompt: list[dict], completion: list[dict], where: str) -> TrainingSample:
+    prompt_ids = list(
+        tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    full = list(tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=False))
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise SFTDataError(
+            f"{where}: the chat template renders the prompt differently with the completion appended"
+        )
+    completion_ids = full[len(prompt_ids) :]
+    n = len(completion_ids)
+    return TrainingSample(prompt_ids, completion_ids, [1] * n, [0.0] * n, 0.0, 0.0, "sft")
+
+
+def sample_stream(samples: list[TrainingSample], seed: int, start: int) -> Iterator[TrainingSample]:
+    """Endless epochs, each reshuffled; `start` skips what earlier steps consumed (for resume)."""
+    epoch, i = 0, 0
+    while True:
+        order = list(range(len(samples)))
+        random.Random(f"{seed}-{epoch}").shuffle(order)
+        for j in order:
+            if i >= start:
+                yield samples[j]
+            i += 1
+        epoch += 1
+
+
+def run_sft(config: SFTConfig, world: World | None = None) -> Path:
+    from transformers import AutoTokenizer
+
+    world = world or init_world()
+    output_dir = Path(config.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    samples = []
+    for prompt, completion, where in read_examples(config.data):
+        s = tokenize(tokenizer, prompt, completion, where)
+        if len(s) > config.seq_len:
+            raise SFTDataError(f"{where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
+        samples.append(s)
+    trainer = Trainer(config, world, loss_fn=sft_loss)
+    start = resume_step(config)
+    if start:
+        load_checkpoint(
+            checkpoint_root(output_dir), start, trainer.model, trainer.optimizer, trainer.scheduler, world
+        )
+    stream = sample_stream(samples, config.data.seed, start * config.batch_size)
+    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep)
+    metrics_log = None
+    if world.is_main:
+        from prime_rl.monitor import MetricsLogger
+
+        metrics_log = MetricsLogger(output_dir / "sft" / "metrics.jsonl", config.wandb)
+    log.info("sft: %d examples, %d steps of %d", len(samples), config.max_steps, config.batch_size)
+    for step in range(start, config.max_steps):
+        t0 = time.perf_counter()
+        batch = [next(stream) for _ in range(config.batch_size)]
+        mbs = pack(batch, config.seq_len, world.world_size, "sft", step)[world.rank]
+        metrics, _ = trainer.train_step(mbs)
+        if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
+            save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer, trainer.scheduler,
+                            world, config.ckpt.keep)  # fmt: skip
+        if metrics_log is not None:
+            metrics_log.log(step, metrics)
+            log.info("step %d | loss %.4f | grad_norm %.3f | %.1fs", step, metrics["loss"], metrics["grad_norm"],
+                     time.perf_counter() - t0)  # fmt: skip
+    save_dir = Path(config.save_dir or output_dir / "model")
+    publisher.save(trainer.model, save_dir)
+    publisher.close()
+    if metrics_log is not None:
+        metrics_log.close()
+        log.info("saved the fine-tuned model to %s", save_dir)
+    return save_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    parse_config(TrainerConfig, argv, prog="sft")
-    sys.stderr.write("sft: not implemented yet (the config is valid; try --dry-run).\n")
-    raise SystemExit(1)
+    config = parse_config(SFTConfig, argv, prog="sft")
+    world = init_world()
+    setup_logging("sft")
+    try:
+        run_sft(config, world)
+    except (*USER_ERRORS, SFTDataError) as e:
+        sys.stderr.write(f"sft: error: {e}\n")
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
