@@ -6,10 +6,19 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from prime_rl.inference.server import wait_until_healthy
+
+
+class Served(NamedTuple):
+    base: str
+    """Root URL, e.g. http://127.0.0.1:PORT."""
+    model: str
+    weights_dir: Path
+    """Where weights must be published to be reloadable."""
 
 
 def free_port() -> int:
@@ -37,7 +46,7 @@ def server(tiny_model, tmp_path_factory):
     except Exception:
         os.killpg(proc.pid, signal.SIGKILL)
         raise RuntimeError("vLLM did not start:\n" + (out / "server.log").read_text()[-4000:]) from None
-    yield base, str(tiny_model)
+    yield Served(base, str(tiny_model), out / "weights")
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=30)

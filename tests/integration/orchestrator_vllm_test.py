@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def test_orchestrator_streams_micro_batches_from_real_rollouts(server, tmp_path):
-    base, model = server
+    base, model, _ = server
     port = free_port()
     out = tmp_path / "run"
     toml = tmp_path / "orch.toml"

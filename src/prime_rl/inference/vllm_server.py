@@ -1,0 +1,85 @@
+"""vLLM's OpenAI-compatible server plus one narrow route to load published weights in place.
+
+`python -m prime_rl.inference.vllm_server --prime-rl-weights-dir DIR <vllm server args>`
+
+Routes added (nothing else: vLLM's development endpoints stay off):
+- `POST /prime_rl/load_weights {"path": ..., "step": N}`: pause generation (in-flight requests are
+  kept and continue afterwards), reload the weights from `path` in every worker, resume, and answer
+  `{"step": N}`. Only folders under the weights dir that hold a `READY` marker are accepted
+  (400 for a malformed body, 403 outside the weights dir, 404 for a folder that is not ready).
+- `GET /prime_rl/weights`: `{"step": N}`, the step of the weights being served (0 = as started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+READY = "READY"
+
+
+def make_router(weights_dir: Path) -> APIRouter:
+    router = APIRouter()
+    root = weights_dir.resolve()
+    lock = asyncio.Lock()
+
+    @router.post("/prime_rl/load_weights")
+    async def load_weights(request: Request):
+        try:
+            body = await request.json()
+            path, step = Path(str(body["path"])), int(body["step"])
+        except Exception:
+            return JSONResponse({"error": 'expected JSON {"path": str, "step": int}'}, status_code=400)
+        resolved = path.resolve()
+        if resolved != root and root not in resolved.parents:
+            return JSONResponse({"error": f"{path} is not under the weights dir {root}"}, status_code=403)
+        if not (resolved / READY).exists():
+            return JSONResponse({"error": f"{path} has no {READY} marker"}, status_code=404)
+        engine = request.app.state.engine_client
+        async with lock:
+            t0 = time.perf_counter()
+            await engine.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await engine.collective_rpc("prime_rl_reload", args=(str(resolved),))
+            finally:
+                await engine.resume_generation()
+            request.app.state.prime_rl_step = step
+        return {"step": step, "seconds": time.perf_counter() - t0}
+
+    @router.get("/prime_rl/weights")
+    async def weights(request: Request):
+        return {"step": getattr(request.app.state, "prime_rl_step", 0)}
+
+    return router
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if "--prime-rl-weights-dir" not in argv:
+        raise SystemExit("vllm_server: --prime-rl-weights-dir DIR is required")
+    i = argv.index("--prime-rl-weights-dir")
+    weights_dir = Path(argv[i + 1])
+    del argv[i : i + 2]
+    router = make_router(weights_dir)
+
+    import vllm.entrypoints.launchers.api_server.entry as entry
+
+    build_app = entry.build_app
+
+    def build_app_with_reload(*args, **kwargs):
+        app = build_app(*args, **kwargs)
+        app.include_router(router)
+        return app
+
+    entry.build_app = build_app_with_reload
+    sys.argv = [sys.argv[0], *argv]
+    entry.main()
+
+
+if __name__ == "__main__":
+    main()
