@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import Field, TypeAdapter, model_validator
 
-from prime_rl.config import RootConfig
+from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import (
     DEFAULT_MAX_ASYNC_LEVEL,
     DEFAULT_MAX_STEPS,
@@ -34,6 +34,25 @@ SHARED: dict[str, list[tuple[str, ...]]] = {
     "max_async_level": [("orchestrator", "max_async_level")],
 }
 """Each shared top-level field and the process fields it is handed down to."""
+
+
+class DeploymentConfig(BaseConfig):
+    """How `rl` places the three processes on this machine."""
+
+    trainer_ranks: int = Field(default=1, ge=1)
+    """Trainer processes (data-parallel ranks, started with torchrun when more than 1)."""
+
+    inference_cpus: list[int] | None = None
+    """CPU cores the inference server may use (default: all); on 2 cores inference and trainer share."""
+
+    trainer_cpus: list[int] | None = None
+    """CPU cores the trainer ranks may use (default: all)."""
+
+    trainer_threads: int | None = Field(default=None, ge=1)
+    """Torch threads per trainer rank (default: its cores divided by the ranks)."""
+
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """How long to wait for the inference server to become healthy."""
 
 
 class RLConfig(RootConfig):
@@ -62,6 +81,34 @@ class RLConfig(RootConfig):
 
     inference: InferenceConfig = InferenceConfig()
     """Inference server settings."""
+
+    deployment: DeploymentConfig = DeploymentConfig()
+    """Process placement."""
+
+    def resolved(self) -> tuple[InferenceConfig, OrchestratorConfig, TrainerConfig]:
+        """The three process configs, wired to each other (server URL, ranks, run id, resume)."""
+        run_id = self.trainer.transport.run_id or self.orchestrator.transport.run_id
+        from prime_rl.transport.config import resolve_run_id
+
+        run_id = run_id or resolve_run_id(self.orchestrator.transport, self.output_dir)
+        server = self.inference.server
+        host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+        orch = self.orchestrator.model_copy(
+            update={
+                "client": self.orchestrator.client.model_copy(
+                    update={"base_urls": [f"http://{host}:{server.port}/v1"]}
+                ),
+                "trainer_ranks": self.deployment.trainer_ranks,
+                "transport": self.orchestrator.transport.model_copy(update={"run_id": run_id}),
+            }
+        )
+        ckpt = self.trainer.ckpt
+        if ckpt.resume_step is None:
+            ckpt = ckpt.model_copy(update={"resume_step": -1})  # rerunning the same command resumes
+        trainer = self.trainer.model_copy(
+            update={"transport": orch.transport.model_copy(update={"run_id": run_id}), "ckpt": ckpt}
+        )
+        return self.inference, orch, trainer
 
     @model_validator(mode="before")
     @classmethod

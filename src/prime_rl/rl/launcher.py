@@ -1,0 +1,181 @@
+"""Start inference, trainer and orchestrator from one config, watch them, stop them together.
+
+Invariant: `rl` never leaves a process behind. Each child runs in its own process group; when one
+fails, or on Ctrl-C / SIGTERM, every group gets SIGTERM and, after a grace period, SIGKILL. The run
+succeeds when the orchestrator and the trainer both exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from prime_rl.config.cli import to_toml
+from prime_rl.inference.server import server_command, server_env, wait_until_healthy
+from prime_rl.rl.config import RLConfig
+
+GRACE_S = 15.0
+# Console view: the lines that say what each process is doing; everything is in the log files.
+CONSOLE_MARKERS = (" step ", "error", "Error", "resum", "waiting", "eval at", "saved", "Traceback")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def _affinity(cpus: list[int] | None):
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def _pump(child: Child, log: IO[str], console: bool) -> None:
+    """Copy a child's output to its log file and the interesting lines to the console."""
+    assert child.proc.stdout is not None
+    for line in child.proc.stdout:
+        log.write(line)
+        log.flush()
+        if console and any(m in line for m in CONSOLE_MARKERS):
+            sys.stdout.write(f"[{child.name}] {line}" if not line.startswith(("[", " ")) else line)
+            sys.stdout.flush()
+    log.close()
+
+
+class Launcher:
+    def __init__(self, config: RLConfig):
+        self.config = config
+        self.out = Path(config.output_dir)
+        self.children: list[Child] = []
+        self._stopping = False
+
+    def _write_configs(self) -> dict[str, Path]:
+        inference, orchestrator, trainer = self.config.resolved()
+        folder = self.out / "configs"
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for name, cfg in (("inference", inference), ("orchestrator", orchestrator), ("trainer", trainer)):
+            paths[name] = folder / f"{name}.toml"
+            paths[name].write_text(to_toml(cfg))
+        self.resolved = (inference, orchestrator, trainer)
+        return paths
+
+    def _start(
+        self, name: str, cmd: list[str], env: dict[str, str], cpus: list[int] | None, console: bool
+    ) -> Child:
+        log_path = self.out / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,  # its own process group: we stop it and everything it started
+            preexec_fn=_affinity(cpus),
+        )
+        child = Child(name, proc, log_path)
+        threading.Thread(target=_pump, args=(child, log_path.open("a"), console), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    def stop_all(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        for child in self.children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGKILL)  # anything left in the group
+
+    def run(self) -> int:
+        paths = self._write_configs()
+        inference, _, _ = self.resolved
+        d = self.config.deployment
+        bin_dir = Path(sys.executable).parent
+        base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+        print(f"rl: output in {self.out} (logs in {self.out / 'logs'})", flush=True)
+        server = self._start(
+            "inference", server_command(inference), server_env(inference, base_env), d.inference_cpus, False
+        )
+        url = f"http://{inference.server.host}:{inference.server.port}"
+        print(f"rl: starting inference at {url} ...", flush=True)
+        try:
+            wait_until_healthy(url, timeout_s=d.startup_timeout_s, process=server.proc)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"rl: error: {e}; see {server.log_path}", file=sys.stderr)
+            self.stop_all()
+            return 1
+        print("rl: inference is up; starting trainer and orchestrator", flush=True)
+
+        ncpus = len(d.trainer_cpus) if d.trainer_cpus else os.cpu_count() or 1
+        threads = d.trainer_threads or max(1, ncpus // d.trainer_ranks)
+        trainer_env = {**base_env, "OMP_NUM_THREADS": str(threads)}
+        if d.trainer_ranks > 1:
+            trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(d.trainer_ranks),
+                           "--master-addr", "127.0.0.1", "--master-port", "0", "-m", "prime_rl.trainer.main"]  # fmt: skip
+        else:
+            trainer_cmd = [str(bin_dir / "trainer")]
+        trainer = self._start(
+            "trainer", [*trainer_cmd, "@", str(paths["trainer"])], trainer_env, d.trainer_cpus, True
+        )
+        orch = self._start(
+            "orchestrator",
+            [str(bin_dir / "orchestrator"), "@", str(paths["orchestrator"])],
+            base_env,
+            None,
+            True,
+        )
+
+        done: set[str] = set()
+        while True:
+            for child in (server, trainer, orch):
+                code = child.proc.poll()
+                if code is None or child.name in done:
+                    continue
+                if code != 0:
+                    print(f"rl: {child.name} exited with status {code}; stopping the others (see {child.log_path})",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    self.stop_all()
+                    return code if code > 0 else 1
+                done.add(child.name)
+            if {"trainer", "orchestrator"} <= done:
+                self.stop_all()
+                print(
+                    f"rl: done; metrics in {self.out / 'trainer'} and {self.out / 'orchestrator'}", flush=True
+                )
+                return 0
+            time.sleep(0.5)
+
+
+def launch(config: RLConfig) -> int:
+    launcher = Launcher(config)
+
+    def on_signal(signum, frame):
+        print(f"\nrl: {signal.Signals(signum).name}, stopping every process ...", file=sys.stderr, flush=True)
+        launcher.stop_all()
+        raise SystemExit(130 if signum == signal.SIGINT else 143)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return launcher.run()
+    finally:
+        launcher.stop_all()
