@@ -48,15 +48,31 @@ def server_command(config: InferenceConfig) -> list[str]:
     return cmd + list(config.extra_args)
 
 
+IPC_PATH_BUDGET = 60
+"""vLLM creates unix sockets named <TMPDIR>/<uuid> (36 chars); unix socket paths end at 107 chars."""
+
+
+def short_tmp_dir(preferred: Path) -> Path:
+    """`preferred` if socket paths under it stay short enough, else a short per-run folder in /tmp."""
+    if len(str(preferred)) <= IPC_PATH_BUDGET:
+        return preferred
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha1(str(preferred).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"prime-rl-{digest}"
+
+
 def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     run_dir = Path(config.output_dir).resolve() / "inference"
-    for sub in ("tmp", "cache"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    tmp = short_tmp_dir(run_dir / "tmp")
+    for d in (tmp, run_dir / "cache"):
+        d.mkdir(parents=True, exist_ok=True)
     env.update(
         {
-            # vLLM leaves sockets and caches in TMPDIR and the user cache: keep them in the run folder.
-            "TMPDIR": str(run_dir / "tmp"),
+            # vLLM leaves sockets and caches in TMPDIR and the user cache: keep them per run.
+            "TMPDIR": str(tmp),
             "VLLM_CACHE_ROOT": str(run_dir / "cache"),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",

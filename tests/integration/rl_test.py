@@ -1,0 +1,131 @@
+"""`rl` end to end: real vLLM, real env, trainer and orchestrator, weights reloaded every step."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RL = str(Path(sys.executable).parent / "rl")
+ENVS = str(Path(__file__).parents[1] / "envs")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp_path: Path, model: Path, env_id: str, steps: int) -> Path:
+    toml = tmp_path / "rl.toml"
+    toml.write_text(
+        f"""
+model = "{model}"
+output_dir = "{tmp_path / "run"}"
+max_steps = {steps}
+seq_len = 256
+max_async_level = 1
+
+[inference.server]
+port = {free_port()}
+
+[trainer.optim]
+lr = 3e-3
+
+[orchestrator]
+batch_size = 32
+
+[orchestrator.transport]
+port = {free_port()}
+
+[[orchestrator.envs]]
+id = "{env_id}"
+group_size = 8
+sampling = {{ temperature = 1.0, max_tokens = 24 }}
+"""
+    )
+    return toml
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            out.append(pid)
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_rl_trains_reloads_weights_and_reward_rises(tiny_model, tmp_path):
+    toml = write_config(tmp_path, tiny_model, "short-answer-env", steps=8)
+    env = {**os.environ, "PYTHONPATH": ENVS}
+    proc = subprocess.run([RL, "@", str(toml)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[orchestrator]" in proc.stdout and "[trainer]" in proc.stdout  # the compact console view
+    run = tmp_path / "run"
+    orch = [json.loads(line) for line in (run / "orchestrator" / "metrics.jsonl").read_text().splitlines()]
+    trainer = [json.loads(line) for line in (run / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in orch] == list(range(8)) and [m["step"] for m in trainer] == list(range(8))
+    versions = [m["policy_version"] for m in orch]
+    assert versions[-1] >= 5 and versions == sorted(versions)  # weights were reloaded as training went
+    assert all(s - v <= 1 for s, v in enumerate(versions))  # max_async_level = 1
+    for m in orch:
+        buckets = sum(m[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+        assert (
+            m["rollouts/all/dispatched_total"]
+            == buckets + m["rollouts/all/inflight"] + m["rollouts/all/waiting"]
+        )
+    assert trainer[0]["mismatch_kl/all/mean"] < 1e-3  # float32 vLLM and trainer agree on the start weights
+    rewards = [m["reward/all/mean"] for m in orch]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+    for name in ("inference", "orchestrator", "trainer"):
+        assert (run / "logs" / f"{name}.log").stat().st_size > 0
+        assert (run / "configs" / f"{name}.toml").exists()
+
+
+def test_a_failing_process_stops_everything(tiny_model, tmp_path):
+    toml = write_config(tmp_path, tiny_model, "no-such-env", steps=3)
+    proc = subprocess.Popen([RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen.update(child_pids(proc.pid))
+        time.sleep(0.5)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode not in (0, None), out + err
+    assert "orchestrator exited with status 1" in err
+    assert "no-such-env" in (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
+    assert seen and not alive(sorted(seen))  # no orphans: vLLM and the trainer are gone too
+
+
+def test_ctrl_c_stops_everything(tiny_model, tmp_path):
+    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=500)
+    proc = subprocess.Popen([RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        seen.update(child_pids(proc.pid))
+        if (tmp_path / "run" / "weights" / "step_1" / "READY").exists():
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "stopping every process" in err
+    time.sleep(1)
+    assert not alive(sorted(seen))
