@@ -220,13 +220,23 @@ class Orchestrator:
         await self.sender.close(deliver=True)
         self.metrics.close()
 
-    async def _resend(self, next_step: int) -> None:
-        """After a restart: send again the saved batches the trainer may not have trained yet.
+    def _trainer_resume_step(self) -> int:
+        """The earliest step a restarted trainer may need: its newest checkpoint (0 if none).
 
-        Those are the steps from the newest published weights (the trainer finished every step
-        before it) up to the last built one; the trainer skips any step it already has.
+        Batches from there on are kept and re-sent; a trainer that is further along skips them.
         """
-        trained = self.weights.version
+        from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps
+
+        steps = complete_steps(checkpoint_root(self.output_dir))
+        return min(steps[-1] if steps else 0, self.weights.version)
+
+    async def _resend(self, next_step: int) -> None:
+        """After a restart: send again the saved batches a (restarted) trainer may still need.
+
+        Those are the steps from the trainer's newest checkpoint up to the last built one; the
+        trainer skips any step it already has.
+        """
+        trained = self._trainer_resume_step()
         for step in range(trained, next_step):
             batch = await asyncio.to_thread(load_batch, self.output_dir, step)
             if batch is None:
@@ -282,7 +292,7 @@ class Orchestrator:
         self._log_step(step, groups, per_rank, t_collect, t_send, time.perf_counter() - t0)
 
     def _save(self, batch: TrainingBatch, step: int) -> None:
-        save_batch(self.output_dir, batch, keep_from=self.weights.version)
+        save_batch(self.output_dir, batch, keep_from=self._trainer_resume_step())
         progress = Progress(
             step=step + 1,
             accounting=self.scheduler.acc.snapshot(),
