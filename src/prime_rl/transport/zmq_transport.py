@@ -27,13 +27,16 @@ def _setup(sock: zmq.Socket, hwm: int) -> None:
     sock.setsockopt(zmq.RCVHWM, hwm)
 
 
-class ZmqSender:
-    """Binds a PUSH socket on one rank's address and sends messages to it (blocking)."""
+class _Pusher:
+    """A PUSH socket bound to one rank's address, in a context of its own so that `close` can wait
+    for queued messages to be delivered (by terminating that context)."""
+
+    context_class: type[zmq.Context] = zmq.Context
 
     def __init__(self, address: str, hwm: int = 16, timeout_s: float = 600.0):
         self.address = address
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context()  # its own, so that close() can wait for delivery by terminating it
+        self._ctx = self.context_class()
         self._sock = self._ctx.socket(zmq.PUSH)
         _setup(self._sock, hwm)
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
@@ -44,60 +47,43 @@ class ZmqSender:
             self._ctx.term()
             raise TransportTimeout(f"cannot bind {address}: {e} (is another run using this port?)") from None
 
+    def _timeout(self, message: Message) -> TransportTimeout:
+        return TransportTimeout(
+            f"no trainer took a message on {self.address} for {self.timeout_s:.0f} s "
+            f"(step {message.header.step}, rank {message.header.rank}): is the trainer running and connected?"
+        )
+
+    def close(self, linger_s: float | None = None) -> None:
+        """Close; by default wait up to `timeout_s` for queued messages to reach the trainer.
+
+        A send returns once zmq has queued the message, so closing without linger could drop the
+        last step's micro-batches. Pass `linger_s=0` when giving up (an error is already raised).
+        """
+        linger = self.timeout_s if linger_s is None else linger_s
+        self._sock.close(linger=int(linger * 1000))
+        self._ctx.term()  # blocks until the queue is delivered or the linger time is up
+
+
+class ZmqSender(_Pusher):
+    """Sends messages to one trainer rank, blocking while the queue is full (back-pressure)."""
+
     def send(self, message: Message) -> None:
         try:
             self._sock.send(encode(message), copy=False)
         except zmq.Again:
-            raise TransportTimeout(
-                f"no trainer took a message on {self.address} for {self.timeout_s:.0f} s "
-                f"(step {message.header.step}, rank {message.header.rank}): is the trainer running and connected?"
-            ) from None
-
-    def close(self, linger_s: float | None = None) -> None:
-        """Close; by default wait up to `timeout_s` for queued messages to reach the trainer.
-
-        A send returns once zmq has queued the message, so closing without linger could drop the
-        last step's micro-batches. Pass `linger_s=0` when giving up (an error is already raised).
-        """
-        linger = self.timeout_s if linger_s is None else linger_s
-        self._sock.close(linger=int(linger * 1000))
-        self._ctx.term()  # blocks until the queue is delivered or the linger time is up
+            raise self._timeout(message) from None
 
 
-class AsyncZmqSender:
+class AsyncZmqSender(_Pusher):
     """Like `ZmqSender`, for the orchestrator's event loop: waiting for the trainer never blocks it."""
 
-    def __init__(self, address: str, hwm: int = 16, timeout_s: float = 600.0):
-        self.address = address
-        self.timeout_s = timeout_s
-        self._ctx = zmq.asyncio.Context()  # its own, so that close() can wait for delivery
-        self._sock = self._ctx.socket(zmq.PUSH)
-        _setup(self._sock, hwm)
-        try:
-            self._sock.bind(address)
-        except zmq.ZMQError as e:
-            self._sock.close()
-            self._ctx.term()
-            raise TransportTimeout(f"cannot bind {address}: {e} (is another run using this port?)") from None
+    context_class = zmq.asyncio.Context
 
     async def send(self, message: Message) -> None:
         try:
             await asyncio.wait_for(self._sock.send(encode(message), copy=False), self.timeout_s)
-        except TimeoutError:
-            raise TransportTimeout(
-                f"no trainer took a message on {self.address} for {self.timeout_s:.0f} s "
-                f"(step {message.header.step}, rank {message.header.rank}): is the trainer running and connected?"
-            ) from None
-
-    def close(self, linger_s: float | None = None) -> None:
-        """Close; by default wait up to `timeout_s` for queued messages to reach the trainer.
-
-        A send returns once zmq has queued the message, so closing without linger could drop the
-        last step's micro-batches. Pass `linger_s=0` when giving up (an error is already raised).
-        """
-        linger = self.timeout_s if linger_s is None else linger_s
-        self._sock.close(linger=int(linger * 1000))
-        self._ctx.term()  # blocks until the queue is delivered or the linger time is up
+        except (TimeoutError, zmq.Again):
+            raise self._timeout(message) from None
 
 
 class ZmqReceiver:
