@@ -7,7 +7,7 @@ from datasets import Dataset
 
 def brevity(completion, **kwargs) -> float:
     text = completion[-1]["content"] if completion else ""
-    return 1.0 / (1.0 + len(text or ""))
+    return max(0.0, 1.0 - len(text or "") / 40)
 
 
 def load_environment(num_examples: int = 200) -> vf.Environment:
