@@ -78,14 +78,15 @@ class TinyModelConfig(RootConfig):
 
 
 def corpus(seed: int, lines: int) -> Iterator[str]:
-    """Chat-formatted text resembling the example tasks: words, reversals, digits and sums."""
+    """Chat-formatted text resembling the example tasks: reversals, digit sums, additions, noise."""
     rng = random.Random(seed)
     letters = string.ascii_lowercase
-    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(400)]
     for _ in range(lines):
         kind = rng.randrange(4)
         if kind == 0:
-            text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+            # Random letters, not recurring words: runs of lowercase letters then stay (mostly) one
+            # token per letter, so reversing text is reversing tokens, which a tiny model can learn.
+            text = "".join(rng.choice(letters) for _ in range(rng.randint(3, 12)))
             user, answer = f"Reverse the text: {text}", text[::-1]
         elif kind == 1:
             number = str(rng.randint(0, 10 ** rng.randint(1, 8)))
@@ -103,11 +104,18 @@ def corpus(seed: int, lines: int) -> Iterator[str]:
 
 
 def build_tokenizer(config: TinyModelConfig):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Letters and digits stay one token each (merges happen only among spaces and punctuation):
+    # reversing text or summing digits is then a token-level task that a tiny model can learn.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("[A-Za-z0-9]"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=config.vocab_size,
