@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +33,12 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _affinity(cpus: list[int] | None):
@@ -130,7 +137,8 @@ class Launcher:
         trainer_env = {**base_env, "OMP_NUM_THREADS": str(threads)}
         if d.trainer_ranks > 1:
             trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(d.trainer_ranks),
-                           "--master-addr", "127.0.0.1", "--master-port", "0", "-m", "prime_rl.trainer.main"]  # fmt: skip
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           "-m", "prime_rl.trainer.main"]  # fmt: skip
         else:
             trainer_cmd = [str(bin_dir / "trainer")]
         trainer = self._start(
