@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import NamedTuple
 import pytest
 
 from prime_rl.inference.server import wait_until_healthy
+from prime_rl.net import free_port
 
 
 class Served(NamedTuple):
@@ -19,12 +19,6 @@ class Served(NamedTuple):
     model: str
     weights_dir: Path
     """Where weights must be published to be reloadable."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

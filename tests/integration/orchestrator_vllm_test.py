@@ -2,7 +2,6 @@
 real reverse-text env; the test is the trainer end: a zmq PULL socket receiving micro-batches."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,15 +9,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from prime_rl.net import free_port
 from prime_rl.transport.zmq_transport import ZmqReceiver
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_orchestrator_streams_micro_batches_from_real_rollouts(server, tmp_path):

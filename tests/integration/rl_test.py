@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,16 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from prime_rl.net import free_port
+
 pytestmark = pytest.mark.slow
 
 RL = str(Path(sys.executable).parent / "rl")
 ENVS = str(Path(__file__).parents[1] / "envs")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(tmp_path: Path, model: Path, env_id: str, steps: int) -> Path:

@@ -2,7 +2,6 @@
 ranks (gloo, FSDP2), however unevenly its tokens are split between the ranks."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from prime_rl.net import free_port
+
 WORKER = str(Path(__file__).parents[1] / "helpers" / "grad_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_worker(model: Path, out: Path, ranks: int, split: int) -> dict:

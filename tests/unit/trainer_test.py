@@ -5,7 +5,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from prime_rl.net import free_port
 from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
@@ -28,12 +28,6 @@ from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
 from prime_rl.transport.zmq_transport import ZmqSender
 
 TRAINER = str(Path(sys.executable).parent / "trainer")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def samples(step: int, n: int = 8) -> list[TrainingSample]:

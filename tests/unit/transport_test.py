@@ -1,24 +1,18 @@
 """Transports: round trips, order, back-pressure, slow consumers and foreign runs, over real sockets."""
 
-import socket
 import threading
 import time
 
 import numpy as np
 import pytest
 
+from prime_rl.net import free_port
 from prime_rl.transport import ForeignRunError, TransportConfig, TransportTimeout, make_receiver, make_sender
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingBatch, TrainingSample, decode, encode
 from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender
 
 RUN = "run-a"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def micro_batch(

@@ -38,6 +38,7 @@ from prime_rl.orchestrator.rollout import Rollout
 from prime_rl.orchestrator.samples import rollout_to_samples
 from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Group, Scheduler
 from prime_rl.orchestrator.weights import WeightSync, weights_dir
+from prime_rl.trainer.checkpoint_layout import checkpoint_root, complete_steps
 from prime_rl.transport import transport_dir
 from prime_rl.transport.config import resolve_run_id
 from prime_rl.transport.file_transport import FileSender
@@ -225,8 +226,6 @@ class Orchestrator:
 
         Batches from there on are kept and re-sent; a trainer that is further along skips them.
         """
-        from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps
-
         steps = complete_steps(checkpoint_root(self.output_dir))
         return min(steps[-1] if steps else 0, self.weights.version)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import IO
 
 from prime_rl.config.cli import to_toml
 from prime_rl.inference.server import server_command, server_env, wait_until_healthy
+from prime_rl.net import free_port
 from prime_rl.rl.config import RLConfig
 
 GRACE_S = 15.0
@@ -33,12 +33,6 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _affinity(cpus: list[int] | None):

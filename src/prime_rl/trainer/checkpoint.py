@@ -9,7 +9,6 @@ ever resumed from, so a trainer killed while saving resumes from the previous ch
 from __future__ import annotations
 
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -18,22 +17,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from prime_rl.trainer.checkpoint_layout import DONE, checkpoint_root, complete_steps
 from prime_rl.trainer.dist import World
 
-DONE = "DONE"
-_STEP = re.compile(r"^step_(\d+)$")
-
-
-def checkpoint_root(output_dir: Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def complete_steps(root: Path) -> list[int]:
-    if not root.exists():
-        return []
-    return sorted(
-        int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / DONE).exists()
-    )
+__all__ = ["checkpoint_root", "complete_steps", "load_checkpoint", "save_checkpoint"]
 
 
 def _barrier(world: World) -> None:

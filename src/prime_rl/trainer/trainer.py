@@ -10,7 +10,6 @@ are split across ranks and micro-batches.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections import defaultdict
@@ -201,9 +200,6 @@ class Trainer:
             }
         )
         return metrics, results
-
-    def frozen_copy(self) -> torch.nn.Module:
-        return copy.deepcopy(self.model).requires_grad_(False)
 
 
 def peak_memory_gb(world: World) -> float:
