@@ -18,7 +18,7 @@ RL = str(Path(sys.executable).parent / "rl")
 ENVS = str(Path(__file__).parents[1] / "envs")
 
 
-def write_config(tmp_path: Path, model: Path, env_id: str, steps: int) -> Path:
+def write_config(tmp_path: Path, model: Path, env_id: str, steps: int, extra: str = "") -> Path:
     toml = tmp_path / "rl.toml"
     toml.write_text(
         f"""
@@ -44,7 +44,7 @@ port = {free_port()}
 id = "{env_id}"
 group_size = 8
 sampling = {{ temperature = 1.0, max_tokens = 24 }}
-"""
+{extra}"""
     )
     return toml
 
@@ -124,3 +124,40 @@ def test_ctrl_c_stops_everything(tiny_model, tmp_path):
     assert "stopping every process" in err
     time.sleep(1)
     assert not alive(sorted(seen))
+
+
+def test_killed_trainer_resumes_when_the_same_command_is_rerun(tiny_model, tmp_path):
+    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=6, extra="[trainer.ckpt]\ninterval = 2\n")
+    run = tmp_path / "run"
+    proc = subprocess.Popen([RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (run / "checkpoints" / "step_2" / "DONE").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+    trainer_pid = next(int(line.split()[0]) for line in ps.stdout.splitlines() if "/trainer @" in line)
+    os.kill(trainer_pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "trainer exited with status -9" in err, out + err
+
+    again = subprocess.run([RL, "@", str(toml)], capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    log = (run / "logs" / "trainer.log").read_text()
+    resumed = [
+        int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from checkpoint step" in line
+    ]
+    assert len(resumed) == 1 and resumed[0] >= 2
+    trainer = [json.loads(line) for line in (run / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in trainer]
+    # Every step was trained; after the restart, from the checkpoint on, each exactly once.
+    assert set(steps) == set(range(6))
+    assert steps[-(6 - resumed[0]) :] == list(range(resumed[0], 6))
+    orch = [json.loads(line) for line in (run / "orchestrator" / "metrics.jsonl").read_text().splitlines()]
+    assert {m["step"] for m in orch} == set(range(6))
+    last = orch[-1]
+    assert (
+        last["rollouts/all/dispatched_total"]
+        == sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+        + last["rollouts/all/inflight"]
+        + last["rollouts/all/waiting"]
+    )

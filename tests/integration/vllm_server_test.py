@@ -34,6 +34,31 @@ def test_chat_completion_returns_token_ids_and_logprobs(server):
     assert resp.model_extra["prompt_token_ids"] == list(expected_prompt)
 
 
+def test_logprobs_are_of_the_distribution_sampled_at_the_temperature(server):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prime_rl.trainer.logprobs import forward_logprobs
+
+    base, model, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="local", max_retries=0, timeout=60)
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "abc"}], max_tokens=8, logprobs=True,
+        temperature=2.0, extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    prompt, completion = resp.model_extra["prompt_token_ids"], resp.choices[0].model_extra["token_ids"]
+    served = torch.tensor([t.logprob for t in resp.choices[0].logprobs.content])
+    ids = torch.tensor(prompt + completion)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        at_2, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 2.0)
+        at_1, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 1.0)
+    # The trainer's importance ratio divides by these: they must be the temperature-2 ones. (No
+    # min_tokens here: it bans end-of-turn, and the served logprobs rightly exclude banned tokens.)
+    assert (served - at_2[len(prompt) :]).abs().max() < 1e-3
+    assert (served - at_1[len(prompt) :]).abs().max() > 1e-2
+
+
 def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     import shutil
 
@@ -68,7 +93,7 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     client = OpenAI(base_url=f"{base}/v1", api_key="local", max_retries=0, timeout=60)
     resp = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "abc"}], max_tokens=8, logprobs=True,
-        extra_body={"return_token_ids": True, "min_tokens": 8},
+        extra_body={"return_token_ids": True},
     )  # fmt: skip
     prompt, completion = resp.model_extra["prompt_token_ids"], resp.choices[0].model_extra["token_ids"]
     served = torch.tensor([t.logprob for t in resp.choices[0].logprobs.content])

@@ -172,6 +172,13 @@ def test_monitor_only_filter_counts_but_trains(tmp_path):
         metrics = run(config)
     assert metrics[0]["rollouts/all/trained"] >= 8 and metrics[0]["rollouts/all/filtered"] == 0
     assert metrics[0]["filter/zero_advantage/reverse-text"] >= 8
+    # The env's own metric functions are logged per env; here the only one is the reward itself.
+    assert metrics[0]["metric/reversal_reward/reverse-text"] == pytest.approx(
+        metrics[0]["reward/reverse-text/mean"]
+    )
+    m = metrics[0]
+    parts = m["time/generate"] + m["time/wait_trainer"] + m["time/reload"]
+    assert m["time/generate"] > 0 and parts == pytest.approx(m["time/collect"], abs=1e-6)
 
 
 def test_custom_advantage_plugin_is_called_with_kwargs(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.trainer.config import SFTConfig
-from prime_rl.trainer.sft import SFTDataError, run_sft, tokenize
+from prime_rl.trainer.config import SFTConfig, SFTDataConfig
+from prime_rl.trainer.sft import SFTDataError, read_examples, run_sft, tokenize
 
 
 def test_completion_is_exactly_what_the_template_adds(tiny_model):
@@ -17,6 +17,16 @@ def test_completion_is_exactly_what_the_template_adds(tiny_model):
     assert tok.decode(s.prompt_ids) == "<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(s.completion_ids) == "cba<|im_end|>\n"
     assert s.completion_mask == [1] * len(s.completion_ids)
+
+
+def test_completion_is_tokenized_as_generated_after_the_prompt(tiny_model):
+    # The tiny tokenizer merges "\n<" into one token: as one text, the completion's first character
+    # would be glued to the prompt's last token, which no generation ever produces.
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = [{"role": "user", "content": "876"}]
+    s = tokenize(tok, prompt, [{"role": "assistant", "content": "<answer>21</answer>"}], "x")
+    assert s.prompt_ids == tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+    assert tok.decode(s.completion_ids) == "<answer>21</answer><|im_end|>\n"
 
 
 def test_sft_learns_from_a_jsonl_and_saves_an_hf_model(tiny_model, tmp_path):
@@ -47,6 +57,18 @@ def test_sft_from_an_env_dataset(tiny_model, tmp_path):
         data={"env_id": "reverse-text", "num_examples": 16},
     )  # fmt: skip
     assert (run_sft(config) / "model.safetensors").exists()
+
+
+def test_answer_format_wraps_an_env_answer_into_the_completion():
+    data = SFTDataConfig(env_id="sum-digits", answer_format="<answer>{answer}</answer>", num_examples=3)
+    for prompt, completion, _ in read_examples(data):
+        number = prompt[-1]["content"]
+        assert completion == [{"role": "assistant", "content": f"<answer>{sum(map(int, number))}</answer>"}]
+
+
+def test_answer_format_without_the_answer_is_rejected():
+    with pytest.raises(ValueError, match="answer_format"):
+        SFTDataConfig(env_id="sum-digits", answer_format="<answer></answer>")
 
 
 @pytest.mark.parametrize(

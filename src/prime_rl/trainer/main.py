@@ -116,10 +116,11 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
                 log.info(
-                    "step %d | loss %.4f | entropy %.3f | mismatch_kl %.2e | grad_norm %.3f | %.0f tok/s | %.1fs (wait %.1fs)",
+                    "step %d | loss %.4f | entropy %.3f | mismatch_kl %.2e | grad_norm %.3f | %.0f tok/s | "
+                    "%.1fs (wait for data %.1fs, train %.1fs)",
                     step, metrics["loss"], metrics.get("entropy/all/mean", float("nan")),
                     metrics.get("mismatch_kl/all/mean", float("nan")), metrics["grad_norm"],
-                    metrics["throughput/tokens_per_s"], metrics["time/step"], t_wait,
+                    metrics["throughput/tokens_per_s"], metrics["time/step"], t_wait, metrics["time/train"],
                 )  # fmt: skip
     finally:
         publisher.close()

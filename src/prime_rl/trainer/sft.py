@@ -62,9 +62,8 @@ def read_examples(config: SFTDataConfig) -> list[tuple[list[dict], list[dict], s
             row = dataset[i]
             if "answer" not in row:
                 raise SFTDataError(f"env '{config.env_id}': its dataset has no 'answer' column to train on")
-            out.append(
-                (list(row["prompt"]), [{"role": "assistant", "content": row["answer"]}], f"env row {i}")
-            )
+            content = config.answer_format.replace("{answer}", str(row["answer"]))
+            out.append((list(row["prompt"]), [{"role": "assistant", "content": content}], f"env row {i}"))
     if config.num_examples:
         out = out[: config.num_examples]
     if not out:
@@ -90,15 +89,20 @@ def split_row(row: dict[str, Any], where: str) -> tuple[list[dict], list[dict]]:
 
 
 def tokenize(tokenizer, prompt: list[dict], completion: list[dict], where: str) -> TrainingSample:
-    prompt_ids = list(
-        tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
-    )
-    full = list(tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=False))
-    if full[: len(prompt_ids)] != prompt_ids:
+    """Prompt ids exactly as inference sees them, then the completion as the model would produce it.
+
+    The completion is tokenized on its own, after the rendered prompt: BPE may merge characters across
+    the boundary when prompt and completion are tokenized as one text, and a model never sees those
+    merged tokens when it generates after the prompt.
+    """
+    prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    if not full_text.startswith(prompt_text):
         raise SFTDataError(
             f"{where}: the chat template renders the prompt differently with the completion appended"
         )
-    completion_ids = full[len(prompt_ids) :]
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
     n = len(completion_ids)
     return TrainingSample(prompt_ids, completion_ids, [1] * n, [0.0] * n, 0.0, 0.0, "sft")
 
