@@ -1,0 +1,20 @@
+"""Metrics go to JSONL always, and to W&B when enabled: offline without an API key, never blocking."""
+
+import json
+
+from prime_rl.monitor import MetricsLogger, WandbConfig, read_metrics
+
+
+def test_wandb_without_a_key_logs_offline_next_to_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path = tmp_path / "orchestrator" / "metrics.jsonl"
+    logger = MetricsLogger(path, WandbConfig(enabled=True, name="t"), config={"lr": 0.1})
+    assert logger._wandb is not None and logger._wandb.settings.mode == "offline"
+    logger.log(0, {"reward/all/mean": 0.5, "nan": float("nan")})
+    logger.log(1, {"reward/all/mean": 0.7})
+    logger.close()
+    assert [r["reward/all/mean"] for r in read_metrics(path)] == [0.5, 0.7]
+    assert json.loads(path.read_text().splitlines()[0])["nan"] is None  # JSON has no NaN
+    runs = [p for p in (tmp_path / "orchestrator" / "wandb").iterdir() if p.name.startswith("offline-run")]
+    assert len(runs) == 1 and any(f.suffix == ".wandb" for f in runs[0].iterdir())
