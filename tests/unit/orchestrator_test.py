@@ -288,3 +288,40 @@ def test_fresh_start_refuses_a_used_output_dir(tmp_path):
         run(make_config(tmp_path, server, max_steps=1))
         with pytest.raises(RunDirError, match="holds a previous run"):
             run(make_config(tmp_path, server, max_steps=1, resume=False))
+
+
+def test_a_fifth_of_rollouts_failing_at_random_still_trains_every_step(tmp_path):
+    import random
+
+    rng = random.Random(0)
+
+    def script(req, i):
+        roll = rng.random()
+        if roll < 0.2 / 3:
+            return Reply(status=500)
+        if roll < 0.4 / 3:
+            return Reply(delay_s=3.0)  # past the client's timeout
+        if roll < 0.2:
+            return Reply(truncate=True)  # no token ids: the env's rollout is unusable
+        return Reply(text=user_text(req)[::-1][: 1 + i % 4])  # distinct rewards: nothing filtered
+
+    with FakeServer(script) as server:
+        config = make_config(
+            tmp_path, server, max_steps=4, batch_size=16,
+            client={"base_urls": [server.base_url], "timeout_s": 1, "health_timeout_s": 10},
+        )  # fmt: skip
+        metrics = run(config)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert_accounting(metrics)  # trained + filtered + failed + stale + pending = dispatched, every step
+    assert all(m["rollouts/all/trained"] > 0 for m in metrics)
+    failed = sum(m["rollouts/all/failed"] for m in metrics)
+    assert 0.08 < failed / metrics[-1]["rollouts/all/dispatched_total"] < 0.35
+    recs = [r for s in range(4) for r in rollouts(config, s)]
+    errors = " ".join(r["error"] for r in recs if r["trained"] is None)
+    assert "500" in errors and "imeout" in errors and "token ids" in errors
+    groups: dict = {}
+    for r in recs:
+        if r["trained"]:
+            groups.setdefault((r["step"], r["example_id"]), []).append(r["advantage"])
+    assert any(len(g) < 4 for g in groups.values())  # partial groups train on their survivors
+    assert all(math.isclose(sum(g), 0.0, abs_tol=1e-9) for g in groups.values())
