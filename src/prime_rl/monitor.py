@@ -103,6 +103,7 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics JSONL, in order."""
+    """The records of a metrics JSONL, in order. A last line still being written (no newline yet)
+    is left out, so a running process's file can be read."""
     with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip() and line.endswith("\n")]

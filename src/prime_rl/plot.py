@@ -7,7 +7,6 @@ run logs the steps after its checkpoint again) is drawn once, with its latest re
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,6 @@ from typing import Any
 from prime_rl.config import RootConfig, parse_config
 from prime_rl.defaults import DEFAULT_OUTPUT_DIR
 from prime_rl.monitor import read_metrics
-
-log = logging.getLogger("prime_rl.plot")
 
 # Step-time parts, each drawn as a stacked band: (process, metric key, label).
 TIME_PARTS = [
@@ -129,7 +126,6 @@ def plot(output_dir: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = parse_config(PlotConfig, argv, prog="plot")
     out = config.out or Path(config.output_dir) / "plots.png"
     try:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_rl.monitor import read_metrics
 from prime_rl.plot import by_step, main
 
 
@@ -42,6 +43,14 @@ def test_plot_writes_a_png_from_an_output_dir(tmp_path, capsys):
     png = out / "plots.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(png) in capsys.readouterr().out
+
+
+def test_a_running_process_half_written_line_is_left_out(tmp_path):
+    path = tmp_path / "trainer" / "metrics.jsonl"
+    write_metrics(path, [{"step": 0, "loss": 1.0}])
+    with path.open("a") as f:
+        f.write('{"step": 1, "lo')  # the trainer is in the middle of writing step 1
+    assert by_step(read_metrics(path)) == {0: {"step": 0, "loss": 1.0}}
 
 
 def test_plot_of_a_dir_without_metrics_is_a_clear_error(tmp_path, capsys):

@@ -326,6 +326,7 @@ class Orchestrator:
         rollouts = [(g, r) for g in groups for r in g.rollouts]
         m: dict[str, Any] = {}
         env_names = ["all", *[e.name for e in self.envs]]
+        metric_names = sorted({k for _, r in rollouts for k in r.metrics})
         for env in env_names:
             rs = [r for g, r in rollouts if env == "all" or g.env_name == env]
             m.update(stats(f"reward/{env}", [r.reward for r in rs]))
@@ -338,7 +339,7 @@ class Orchestrator:
             if rs:
                 m[f"truncated/{env}"] = sum(r.is_truncated for r in rs) / len(rs)
             # The env's own metric functions (e.g. a format check), averaged over its rollouts.
-            for name in sorted({k for _, r in rollouts for k in r.metrics}):
+            for name in metric_names:
                 values = [r.metrics[name] for r in rs if name in r.metrics]
                 if values:
                     m[f"metric/{name}/{env}"] = sum(values) / len(values)
