@@ -48,6 +48,10 @@ class FakeServer:
     script: Script = field(default=lambda req, i: Reply())
     requests: list[dict] = field(default_factory=list)
     loads: list[dict] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    """'chat' per request and 'load <step>' per weight reload, in order."""
+    port: int = 0
+    """0 picks a free port."""
 
     def __post_init__(self):
         app = FastAPI()
@@ -60,13 +64,23 @@ class FakeServer:
         async def load(req: Request):
             body = await req.json()
             self.loads.append(body)
+            self.events.append(f"load {body['step']}")
             return {"step": body["step"]}
+
+        @app.get("/prime_rl/weights")
+        async def weights():
+            return {"step": self.loads[-1]["step"] if self.loads else 0}
+
+        @app.get("/fake/events")
+        async def events():
+            return self.events
 
         @app.post("/v1/chat/completions")
         async def chat(req: Request):
             body = await req.json()
             index = len(self.requests)
             self.requests.append(body)
+            self.events.append("chat")
             reply = self.script(body, index)
             if reply.delay_s:
                 await asyncio.sleep(reply.delay_s)
@@ -105,9 +119,10 @@ class FakeServer:
         self.app = app
 
     def __enter__(self) -> FakeServer:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        if not self.port:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
@@ -126,3 +141,12 @@ class FakeServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+
+if __name__ == "__main__":
+    # A server in its own process, for tests that kill it: `python fake_server.py PORT [DELAY_S]`.
+    import sys
+
+    delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    with FakeServer(script=lambda req, i: Reply(delay_s=delay), port=int(sys.argv[1])):
+        threading.Event().wait()

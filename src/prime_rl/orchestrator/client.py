@@ -1,7 +1,8 @@
 """The inference servers as the orchestrator sees them: health, load, and the verifiers clients.
 
 Invariant: a group's rollouts all go to one server (they share a prompt, so its prefix cache helps),
-and each new group goes to the server with the fewest rollouts in flight.
+and each new group goes to the server with the fewest rollouts in flight among those that are `up`
+(see `health.py` for who sets `up`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ class InferenceUnavailable(RuntimeError):
     """An inference server never became healthy."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two servers are never the same one
 class Server:
     base_url: str
     """OpenAI base URL, e.g. http://127.0.0.1:8000/v1."""
     client: Any
     """The verifiers client for this server."""
     inflight: int = 0
+    up: bool = True
+    """Whether new work may go to it: False from a suspected failure until it is back on the
+    current weights."""
 
     @property
     def root_url(self) -> str:
@@ -56,13 +60,27 @@ class ServerPool:
     def __init__(self, config: ClientConfig):
         self.config = config
         self.servers = [Server(url, make_vf_client(url, config)) for url in config.base_urls]
+        self.suspected = asyncio.Event()
+        """Set when a server is suspected to be down: wakes the health monitor."""
 
-    def pick(self) -> Server:
-        return min(self.servers, key=lambda s: s.inflight)
+    def pick(self) -> Server | None:
+        """The up server with the fewest rollouts in flight, or None while none is up."""
+        up = [s for s in self.servers if s.up]
+        return min(up, key=lambda s: s.inflight) if up else None
+
+    async def pick_when_up(self, poll_s: float = 0.2) -> Server:
+        while (server := self.pick()) is None:
+            await asyncio.sleep(poll_s)
+        return server
 
     @property
     def inflight(self) -> int:
         return sum(s.inflight for s in self.servers)
+
+    def suspect(self, server: Server) -> None:
+        """Keep new work off `server` until the health monitor has checked it."""
+        server.up = False
+        self.suspected.set()
 
     async def wait_healthy(self) -> None:
         await asyncio.gather(*(wait_healthy(s.root_url, self.config.health_timeout_s) for s in self.servers))

@@ -177,7 +177,12 @@ class ClientConfig(BaseConfig):
     """Retries of a failed HTTP request inside one rollout."""
 
     health_timeout_s: float = Field(default=600.0, gt=0)
-    """How long to wait, with back-off, for every server to answer /health before giving up."""
+    """How long to wait, with back-off, for every server to answer /health before giving up: at
+    start, and later whenever no server is up (killed, restarting)."""
+
+    health_interval_s: float = Field(default=5.0, gt=0)
+    """How often to check that each server answers and serves the current weights (a server is also
+    checked at once when a whole group on it fails)."""
 
 
 class OrchestratorConfig(RootConfig):

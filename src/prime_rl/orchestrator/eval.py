@@ -76,7 +76,7 @@ class Evaluator:
         async def example(row) -> list[Rollout]:
             inp = rollout_input(row)
             async with limit:
-                server = self.pool.pick()
+                server = await self.pool.pick_when_up()
                 server.inflight += n
                 try:
                     if group_scoring:

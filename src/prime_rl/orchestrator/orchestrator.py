@@ -23,6 +23,7 @@ from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import Env, load_env
 from prime_rl.orchestrator.eval import Evaluator
+from prime_rl.orchestrator.health import ServerHealth
 from prime_rl.orchestrator.packing import pack
 from prime_rl.orchestrator.progress import (
     Progress,
@@ -188,6 +189,9 @@ class Orchestrator:
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         self.weights = WeightSync(weights_dir(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
         self.scheduler.policy_version = await self.weights.poll()
+        self.health = ServerHealth(
+            self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s
+        )
         self.sender = BatchSender(c)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
@@ -200,6 +204,7 @@ class Orchestrator:
     async def run(self) -> None:
         progress = await self.setup()
         c = self.config
+        monitor = asyncio.create_task(self.health.run(), name="server-health")
         try:
             await self._resend(progress.step)
             if self.evaluator and c.eval.at_start and progress.step == 0:
@@ -209,12 +214,14 @@ class Orchestrator:
                 if self.evaluator and (step + 1) % c.eval.interval == 0:
                     self.evaluator.start(step + 1, self.scheduler.policy_version)
         except BaseException:
+            monitor.cancel()
             if self.evaluator:
                 self.evaluator.cancel()
             await self.scheduler.shutdown()
             await self.sender.close(deliver=False)
             self.metrics.close()
             raise
+        monitor.cancel()
         await self.scheduler.shutdown()
         if self.evaluator:
             await self.evaluator.finish()
@@ -268,6 +275,8 @@ class Orchestrator:
                     log.info(
                         "step %d waits for the trainer's weights of step %d", step, step - c.max_async_level
                     )
+                elif self.pool.pick() is None:
+                    log.info("step %d waits for an inference server to come back", step)
                 else:
                     last_error = f"; last failure: {sched.failures[-1].error}" if sched.failures else ""
                     log.info(
@@ -278,6 +287,7 @@ class Orchestrator:
                 next_notice = time.perf_counter() + 30.0
             t_wait = time.perf_counter()
             await sched.wait(timeout=c.weights_poll_s)
+            self.health.raise_if_failed()
             if blocked:
                 t_blocked += time.perf_counter() - t_wait
         t_collect = time.perf_counter() - t0

@@ -157,6 +157,8 @@ class Scheduler:
             target = step + (self.inflight_rollouts + self.ready_rollouts) // c.batch_size
             if target >= c.max_steps or target - self.policy_version > c.max_async_level:
                 return n
+            if self.pool.pick() is None:
+                return n  # no server is up: the health monitor is bringing one back
             self._next_env = None
             self._dispatch(env)
             n += 1
@@ -164,6 +166,7 @@ class Scheduler:
     def _dispatch(self, env: Env) -> None:
         row = env.examples.next()
         server = self.pool.pick()
+        assert server is not None
         group = Group(
             self._next_group_id, env, row["example_id"], self.policy_version, env.config.group_size, server
         )
@@ -234,6 +237,8 @@ class Scheduler:
         name = group.env_name
         failures = [r for r in rollouts if r.failed]
         self.failures.extend(failures)
+        if failures and len(failures) == len(rollouts):
+            self.pool.suspect(group.server)  # a dead server fails everything: check before sending more
         if failures and group.env.group_scoring:
             self.acc.add("failed", name, len(rollouts))
             return

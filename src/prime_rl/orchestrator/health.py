@@ -1,0 +1,130 @@
+"""Notice inference servers that die or restart, keep work off them, and bring them back.
+
+A server is suspected when a whole group it served failed, when it did not answer a weight reload,
+or when the periodic check finds it silent or serving other weights than the orchestrator's policy
+version (it restarted from the base model). A suspected server gets no new rollouts (`up = False`)
+and is polled with back-off until it answers; then, under the weight lock, it is loaded with the
+current version and only after that marked up again. So rollouts are never tagged with a policy
+version their server does not serve, and a restart costs only the rollouts that were on it (counted
+as failed). Invariant: if no server has been up for `health_timeout_s`, the run stops with
+`InferenceUnavailable` rather than waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+
+from prime_rl.orchestrator.client import InferenceUnavailable, Server, ServerPool
+from prime_rl.orchestrator.weights import WeightSync
+
+log = logging.getLogger("prime_rl.orchestrator")
+
+WEIGHTS_ROUTE = "/prime_rl/weights"
+UNKNOWN = -1
+"""Served step of a server that is healthy but has no weights route (a plain vLLM server)."""
+
+
+async def served_step(http: httpx.AsyncClient, server: Server) -> int | None:
+    """The step of the weights `server` serves, UNKNOWN if it cannot say, None if it does not answer."""
+    try:
+        resp = await http.get(f"{server.root_url}{WEIGHTS_ROUTE}")
+        if resp.status_code == 200:
+            return int(resp.json()["step"])
+        if resp.status_code == 404 and (await http.get(f"{server.root_url}/health")).status_code == 200:
+            return UNKNOWN
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    return None
+
+
+class ServerHealth:
+    def __init__(
+        self,
+        pool: ServerPool,
+        weights: WeightSync,
+        interval_s: float,
+        give_up_s: float,
+        request_timeout_s: float = 5.0,
+    ):
+        self.pool = pool
+        self.weights = weights
+        self.interval_s = interval_s
+        self.give_up_s = give_up_s
+        self.request_timeout_s = request_timeout_s
+        self._recovering: dict[Server, asyncio.Task] = {}
+        self._none_up_since: float | None = None
+        self.error: BaseException | None = None
+        """Set when the monitor gave up; the step loop raises it."""
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    async def run(self) -> None:
+        try:
+            await self._watch()
+        except Exception as e:  # a bug here must stop the run, not silently end the watching
+            self.error = e
+
+    async def _watch(self) -> None:
+        async with httpx.AsyncClient(timeout=self.request_timeout_s) as http:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.pool.suspected.wait(), self.interval_s)
+                self.pool.suspected.clear()
+                await asyncio.gather(*(self._check(http, s) for s in self.pool.servers))
+                self._check_give_up()
+
+    async def _check(self, http: httpx.AsyncClient, server: Server) -> None:
+        if server in self._recovering:
+            return
+        if server.up:
+            version = self.weights.version
+            step = await served_step(http, server)
+            if step is not None and step in (UNKNOWN, self.weights.version):
+                return
+            if step is not None and (self.weights.lock.locked() or self.weights.version != version):
+                return  # a reload was under way: look again next time
+            reason = "does not answer" if step is None else f"serves step {step}, not {self.weights.version}"
+            log.warning(
+                "inference server %s %s: no new rollouts go to it until it is back", server.root_url, reason
+            )
+            server.up = False
+        self._recovering[server] = asyncio.create_task(self._recover(http, server))
+
+    async def _recover(self, http: httpx.AsyncClient, server: Server) -> None:
+        delay, t0 = 0.25, time.monotonic()
+        try:
+            while (step := await served_step(http, server)) is None:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+            async with self.weights.lock:
+                # If it went away again, the load has suspected it anew and the next check retries.
+                server.up = await self.weights.restore(server, None if step == UNKNOWN else step)
+            if server.up:
+                log.info(
+                    "inference server %s is back after %.1f s, serving step %d",
+                    server.root_url, time.monotonic() - t0, self.weights.version,
+                )  # fmt: skip
+        except Exception as e:  # a refused reload: nothing more this monitor can do
+            self.error = e
+        finally:
+            del self._recovering[server]
+
+    def _check_give_up(self) -> None:
+        if any(s.up for s in self.pool.servers):
+            self._none_up_since = None
+            return
+        now = time.monotonic()
+        self._none_up_since = self._none_up_since or now
+        if now - self._none_up_since > self.give_up_s and self.error is None:
+            self.error = InferenceUnavailable(
+                f"no inference server answered for {self.give_up_s:.0f} s "
+                f"({', '.join(s.root_url for s in self.pool.servers)}); "
+                "restart `uv run inference` there, or raise client.health_timeout_s to wait longer"
+            )

@@ -1,0 +1,196 @@
+"""Fault test: an inference server is killed mid-run and restarted (a fake server in its own process,
+SIGKILLed). The orchestrator keeps work off it, waits, puts the current weights back on it before it
+serves again, and finishes every step once with exact rollout accounting."""
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prime_rl.monitor import read_metrics
+from prime_rl.orchestrator.client import InferenceUnavailable
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.orchestrator import Orchestrator
+
+FAKE_SERVER = Path(__file__).parents[1] / "fake_server.py"
+
+
+class ServerProcess:
+    """The fake inference server as a process that can be killed and started again on its port."""
+
+    def __init__(self, delay_s: float):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.delay_s = delay_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(FAKE_SERVER), str(self.port), str(self.delay_s)])
+        wait_for(lambda: self.get("/health") is not None, "the fake server to start")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def get(self, route: str):
+        try:
+            return httpx.get(self.url + route, timeout=2).json()
+        except httpx.HTTPError:
+            return None
+
+
+def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def publish(run: Path, step: int) -> None:
+    """What the trainer does after step N (the fake server accepts the folder as it is)."""
+    d = run / "weights" / f"step_{step}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "READY").touch()
+
+
+def metric_steps(run: Path) -> list[int]:
+    path = run / "orchestrator" / "metrics.jsonl"
+    return [m["step"] for m in read_metrics(path)] if path.exists() else []
+
+
+@pytest.fixture
+def server(request):
+    srv = ServerProcess(delay_s=request.param)
+    srv.start()
+    yield srv
+    if srv.proc.poll() is None:
+        srv.kill()
+
+
+def config(run: Path, server: ServerProcess, **overrides) -> OrchestratorConfig:
+    base = {
+        "output_dir": str(run),
+        "max_steps": 6,
+        "batch_size": 8,
+        "max_async_level": 1,
+        "max_inflight_rollouts": 8,
+        "seq_len": 256,
+        "envs": [{"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16}}],
+        "client": {"base_urls": [server.url + "/v1"], "timeout_s": 10, "health_interval_s": 0.2},
+        "transport": {"type": "filesystem", "run_id": "test"},
+        "filters": [],
+    }
+    return OrchestratorConfig(**{**base, **overrides})
+
+
+def run_with(cfg: OrchestratorConfig, scenario) -> BaseException | None:
+    """Run the orchestrator here (verifiers loads envs only in the main thread) while `scenario`
+    plays the trainer and the operator in a thread; return what the orchestrator raised, if anything.
+    """
+    failures: list[BaseException] = []
+
+    def target():
+        try:
+            scenario()
+        except BaseException as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    raised = None
+    try:
+        asyncio.run(asyncio.wait_for(Orchestrator(cfg).run(), timeout=120))
+    except Exception as e:
+        raised = e
+    thread.join(timeout=30)
+    if failures:
+        raise failures[0]
+    return raised
+
+
+def check_accounting(run: Path) -> list[dict]:
+    metrics = read_metrics(run / "orchestrator" / "metrics.jsonl")
+    for m in metrics:
+        buckets = sum(m[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+        assert (
+            m["rollouts/all/dispatched_total"]
+            == buckets + m["rollouts/all/inflight"] + m["rollouts/all/waiting"]
+        )
+    return metrics
+
+
+@pytest.mark.parametrize("server", [0.0], indirect=True)
+def test_a_server_restarted_between_requests_gets_the_weights_back_before_serving(tmp_path, server):
+    run = tmp_path / "run"
+
+    def scenario():
+        # Steps 0 and 1 need no new weights; step 2 waits for the trainer's weights of step 1.
+        wait_for(lambda: metric_steps(run) == [0, 1], "steps 0 and 1")
+        publish(run, 1)
+        wait_for(lambda: (server.get("/prime_rl/weights") or {}).get("step") == 1, "the reload of step 1")
+        wait_for(lambda: metric_steps(run) == [0, 1, 2], "step 2")
+        # Step 3 now waits for weights 2, so nothing is in flight: the restart fails no request and
+        # only the periodic check can notice that the server came back serving the base model.
+        server.kill()
+        server.start()
+        wait_for(lambda: server.get("/fake/events"), "the orchestrator to notice the restart")
+        for step in (2, 3, 4):
+            publish(run, step)
+
+    assert run_with(config(run, server), scenario) is None
+    events = server.get("/fake/events")
+    assert events[0] == "load 1" and "chat" in events  # the current weights first, then rollouts
+    metrics = check_accounting(run)
+    assert [m["step"] for m in metrics] == list(range(6))
+    assert sum(m["rollouts/all/failed"] for m in metrics) == 0
+
+
+@pytest.mark.parametrize("server", [0.3], indirect=True)
+def test_a_server_killed_with_rollouts_in_flight_is_waited_for_and_resynced(tmp_path, server):
+    run = tmp_path / "run"
+    publish(run, 1)  # the run starts on published weights, which a restarted server lacks
+    cfg = config(run, server, max_async_level=10, resume=True)
+
+    def scenario():
+        wait_for(lambda: len(metric_steps(run)) >= 2, "two steps")
+        server.kill()  # rollouts of the next step are in flight (each reply takes 0.3 s)
+        time.sleep(2.0)
+        server.start()
+
+    assert run_with(cfg, scenario) is None
+    metrics = check_accounting(run)
+    assert [m["step"] for m in metrics] == list(range(6))  # every step once
+    failed = sum(m["rollouts/all/failed"] for m in metrics)
+    # The rollouts on the killed server fail; while it is down, nothing more is sent to fail.
+    assert 0 < failed <= 2 * cfg.max_inflight_rollouts
+    events = server.get("/fake/events")
+    assert events[0] == "load 1" and "chat" in events[1:]
+
+
+@pytest.mark.parametrize("server", [0.0], indirect=True)
+def test_no_server_back_within_the_timeout_is_a_clear_error(tmp_path, server):
+    run = tmp_path / "run"
+    client = {"base_urls": [server.url + "/v1"], "health_interval_s": 0.2, "health_timeout_s": 1.5}
+    cfg = config(run, server, max_async_level=0, client=client)
+
+    def scenario():
+        wait_for(lambda: metric_steps(run) == [0], "step 0")
+        server.kill()
+        publish(run, 1)  # the reload fails: the server is down and never returns
+
+    error = run_with(cfg, scenario)
+    assert isinstance(error, InferenceUnavailable) and "no inference server answered for 2 s" in str(error)
+    assert (run / "orchestrator" / "progress.json").exists()  # step 0 is saved for a resume
