@@ -312,6 +312,7 @@ def _unknown_key_message(path: tuple[str, ...], siblings: list[str], known: list
 
 def _validation_message(cls: type[BaseModel], err: ValidationError, sources: Sources) -> str:
     lines = []
+    seen = set()  # a shared setting handed down to several sections fails once per section
     for e in err.errors(include_url=False):
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         dotted = _dotted(loc)
@@ -324,6 +325,9 @@ def _validation_message(cls: type[BaseModel], err: ValidationError, sources: Sou
             lines.append(f"{msg}.")
         else:
             value = e.get("input")
+            if (msg, repr(value)) in seen:
+                continue
+            seen.add((msg, repr(value)))
             shown = f" = {value!r}" if not isinstance(value, dict) else ""
             lines.append(f"'{dotted}'{shown} (from {where}): {msg}.")
     return " ".join(lines)

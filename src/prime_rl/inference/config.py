@@ -3,10 +3,11 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import DEFAULT_MODEL, DEFAULT_OUTPUT_DIR
+from prime_rl.model.local import check_model_name
 
 
 class ModelConfig(BaseConfig):
@@ -14,6 +15,11 @@ class ModelConfig(BaseConfig):
 
     name: str = DEFAULT_MODEL
     """HF model name or local folder; also the name clients ask for."""
+
+    @field_validator("name")
+    @classmethod
+    def _local_folder_exists(cls, name: str) -> str:
+        return check_model_name(name)
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights and activations dtype (float32 matches the trainer's logprobs exactly)."""

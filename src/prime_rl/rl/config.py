@@ -8,7 +8,7 @@ it only with the same value, and conflicting explicit values are an error that n
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, TypeAdapter, model_validator
+from pydantic import Field, TypeAdapter, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import (
@@ -19,6 +19,7 @@ from prime_rl.defaults import (
     DEFAULT_SEQ_LEN,
 )
 from prime_rl.inference.config import InferenceConfig
+from prime_rl.model.local import check_model_name
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.trainer.config import TrainerConfig
 
@@ -62,6 +63,11 @@ class RLConfig(RootConfig):
 
     model: str = DEFAULT_MODEL
     """Model name or local path, for all three processes."""
+
+    @field_validator("model")
+    @classmethod
+    def _local_folder_exists(cls, name: str) -> str:
+        return check_model_name(name)
 
     output_dir: Path = DEFAULT_OUTPUT_DIR
     """Run folder shared by the three processes."""

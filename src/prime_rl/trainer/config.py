@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_MODEL, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
+from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
 from prime_rl.transport.config import TransportConfig
 
@@ -16,6 +17,11 @@ class ModelConfig(BaseConfig):
 
     name: str = DEFAULT_MODEL
     """HF model name or local folder to load with transformers."""
+
+    @field_validator("name")
+    @classmethod
+    def _local_folder_exists(cls, name: str) -> str:
+        return check_model_name(name)
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype (float32 gives exact logprob parity with vLLM in float32)."""
