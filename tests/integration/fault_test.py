@@ -137,7 +137,8 @@ def kill(proc: subprocess.Popen) -> None:
 def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs(tiny_model, tmp_path):
     steps = 8
     toml = write_config(tmp_path, tiny_model, "reverse-text", steps=steps)
-    cfg = parse_config(RLConfig, ["@", str(toml)])
+    # Synchronous, so the sampler's and the trainer's logprobs agree unless the weights differ.
+    cfg = parse_config(RLConfig, ["@", str(toml), "--max-async-level", "0"])
     paths = {}
     for name, c in zip(("inference", "orchestrator", "trainer"), cfg.resolved(), strict=True):
         paths[name] = tmp_path / f"{name}.toml"
@@ -182,11 +183,12 @@ def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs
                 kill(p)
 
     text = orch_log.read_text()
-    assert "does not answer" in text and f"resuming at step {saved}" in text
+    assert "is back after" in text and f"resuming at step {saved}" in text
     trainer = jsonl(run / "trainer" / "metrics.jsonl")
     assert [m["step"] for m in trainer] == list(range(steps))  # never restarted: each step once
     # Rollouts from the restarted server were sampled with the weights they are tagged with: a
-    # server left on the base model would show up as a large sampler/trainer mismatch.
+    # server left on the base model would show up as a large sampler/trainer mismatch (one step
+    # of this lr moves the policy by a KL of ~1e-2).
     assert max(m["mismatch_kl/all/mean"] for m in trainer) < 1e-3, [
         m["mismatch_kl/all/mean"] for m in trainer
     ]
