@@ -1,20 +1,17 @@
-"""Orchestrator overhead: rollouts/s through scheduling, the env, advantages, packing and sending,
-against an instant fake inference server and a null trainer sink, on one core.
+"""Orchestrator overhead: rollouts/s through scheduling, advantages, packing and sending, with
+instant rollouts and a null trainer sink, on one core; and event-loop lag with 1,000 in flight.
 
     uv run python benchmarks/orchestrator.py [--steps 6] [--batch-size 1024]
 
-The fake server lives in this process as an httpx mock transport behind the real OpenAI and verifiers
-clients: no sockets, and each distinct reply is built once (a group shares a prompt), so nearly all
-the time measured is the orchestrator's and the env library's. Half the replies are right and half
-wrong, so advantages are non-zero and every rollout is packed and sent. The sink is a zmq PULL socket
-in a subprocess on another core that drops what it receives. This process is pinned to one core.
-
-Two runs, side by side:
-1. Throughput: instant replies. Baseline: the same rollouts through verifiers alone (`run_rollout`
-   with the same client and concurrency, nothing else), so the ratio is the share of the per-rollout
-   cost that is the env library's, and 1 - ratio the orchestrator's own.
-2. Event-loop lag with 1,000 rollouts in flight: replies take 1 s, `max_inflight_rollouts` = 1000.
-   A probe task sleeps 10 ms in a loop and records how late it wakes up.
+Three runs of the real orchestrator (reverse-text dataset, groups of 8, zmq to a sink subprocess on
+another core that drops what it receives; this process pinned to one core):
+1. Orchestrator alone: the env's `run_rollout` returns a verifiers-shaped output at once (64 prompt
+   and 32 completion tokens, half right, half wrong, so every rollout is packed and sent).
+2. Event-loop lag: the same, but each rollout takes 0.5-1.5 s, with `max_inflight_rollouts` = 1000.
+   A probe task sleeps 10 ms in a loop and records how late it wakes up (from step 1 on).
+3. The real path: verifiers' `run_rollout` and the OpenAI client against an instant fake server
+   (an in-process httpx mock transport: no sockets, each distinct reply built once), so the ratio
+   to run 1 shows what the env library costs per rollout next to the orchestrator.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -35,10 +33,9 @@ import httpx
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
 from prime_rl.orchestrator import client as client_module
+from prime_rl.orchestrator import orchestrator as orchestrator_module
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.envs import load_env, rollout_input
 from prime_rl.orchestrator.orchestrator import Orchestrator
-from prime_rl.orchestrator.scheduler import sampling_args
 
 SINK = """
 import sys, zmq
@@ -111,44 +108,71 @@ def make_config(out: Path, port: int, batch_size: int, steps: int, inflight: int
     )
 
 
-async def run_orchestrator(config: OrchestratorConfig, probe: bool) -> tuple[float, list[float]]:
-    """Run it; return rollouts/s over steps 1.. (step 0 includes start-up) and the probe's lags."""
-    lags: list[float] = []
+class InstantEnv:
+    """Stands in for a verifiers env: `run_rollout` returns a finished output after `delay_s`."""
 
-    async def lag_probe():
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.01)
-            lags.append(time.perf_counter() - t - 0.01)
+    def __init__(self, delay_s: tuple[float, float] = (0.0, 0.0)):
+        self.delay_s = delay_s
+        self.calls = 0
 
-    task = asyncio.create_task(lag_probe()) if probe else None
-    await Orchestrator(config).run()
-    if task:
-        task.cancel()
+    async def run_rollout(self, inp, client, model, args, state_columns=()):
+        self.calls += 1
+        if self.delay_s[1]:
+            await asyncio.sleep(random.uniform(*self.delay_s))
+        ids = [self.calls % 1000 + i for i in range(32)]
+        return {
+            "example_id": inp["example_id"], "reward": float(self.calls % 2), "metrics": {},
+            "prompt": inp["prompt"], "completion": [{"role": "assistant", "content": "x" * 32}],
+            "is_truncated": False, "stop_condition": "stop",
+            "trajectory": [{"tokens": {"prompt_ids": list(range(64)), "completion_ids": ids,
+                                       "completion_mask": [1] * 32, "completion_logprobs": [-0.5] * 32}}],
+        }  # fmt: skip
+
+
+def use_env(env_factory) -> None:
+    """Make the orchestrator's envs run rollouts with `env_factory()` (None: the real env)."""
+    real = orchestrator_module.__dict__.setdefault("_real_load_env", orchestrator_module.load_env)
+
+    def load(*args, **kwargs):
+        env = real(*args, **kwargs)
+        if env_factory is not None:
+            env.vf_env = env_factory()
+        return env
+
+    orchestrator_module.load_env = load
+
+
+class ProbedOrchestrator(Orchestrator):
+    """Records event-loop lag from step 1 on (step 0 includes one-time warm-up)."""
+
+    lags: list[float]
+
+    async def setup(self):
+        progress = await super().setup()
+        self.lags = []
+
+        async def probe():
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.01)
+                self.lags.append(time.perf_counter() - t - 0.01)
+
+        self._probe = asyncio.create_task(probe())
+        return progress
+
+    async def _step(self, step: int) -> None:
+        if step == 1:
+            self.lags.clear()
+        await super()._step(step)
+
+
+def run(config: OrchestratorConfig) -> tuple[float, list[float]]:
+    """Rollouts/s over steps 1.. (step 0 includes start-up), and the event-loop lags."""
+    orch = ProbedOrchestrator(config)
+    asyncio.run(orch.run())
     metrics = read_metrics(Path(config.output_dir) / "orchestrator" / "metrics.jsonl")[1:]
     rollouts = sum(m["rollouts/all/trained"] + m["rollouts/all/filtered"] for m in metrics)
-    return rollouts / sum(m["time/step"] for m in metrics), lags
-
-
-async def run_verifiers_alone(server: InstantServer, n: int, inflight: int) -> float:
-    config = make_config(Path(tempfile.mkdtemp()), 0, 8, 1, inflight)
-    env = load_env(config.envs[0], seed=0)
-    client = server.client("http://fake/v1", None)
-    args = sampling_args(config.envs[0].sampling)
-    limit = asyncio.Semaphore(inflight // 8)
-
-    async def group():
-        inp = rollout_input(env.examples.next())
-        async with limit:
-            await asyncio.gather(
-                *(env.vf_env.run_rollout(dict(inp), client, config.model.name, args, state_columns=["trajectory"])
-                  for _ in range(8))
-            )  # fmt: skip
-
-    await asyncio.gather(*(group() for _ in range(n // 8 // 4)))  # warm-up
-    t0 = time.perf_counter()
-    await asyncio.gather(*(group() for _ in range(n // 8)))
-    return n / (time.perf_counter() - t0)
+    return rollouts / sum(m["time/step"] for m in metrics), orch.lags
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -175,28 +199,31 @@ def main() -> None:
         client_module.make_vf_client = server.client  # every server of the pool is the fake
         client_module.ServerPool.wait_healthy = lambda self: asyncio.sleep(0)
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = make_config(Path(tmp) / "a", port, args.batch_size, args.steps, inflight=args.batch_size)
-            orch_rate, _ = asyncio.run(run_orchestrator(cfg, probe=False))
-            vf_rate = asyncio.run(run_verifiers_alone(server, args.batch_size * 2, args.batch_size))
-
-            slow = InstantServer(delay_s=1.0)
-            client_module.make_vf_client = slow.client
-            cfg = make_config(Path(tmp) / "b", port, 1000, 4, inflight=1000)
-            lag_rate, lags = asyncio.run(run_orchestrator(cfg, probe=True))
+            bs, steps = args.batch_size, args.steps
+            use_env(InstantEnv)
+            alone, alone_lags = run(make_config(Path(tmp) / "alone", port, bs, steps, inflight=bs))
+            use_env(lambda: InstantEnv(delay_s=(0.5, 1.5)))
+            slow, lags = run(make_config(Path(tmp) / "lag", port, 1000, steps, inflight=1000))
+            use_env(None)
+            real, real_lags = run(make_config(Path(tmp) / "real", port, bs, steps, inflight=bs))
     finally:
         sink.kill()
 
-    print(f"1 core (this process), {args.batch_size} rollouts per step, group 8, reverse-text env\n")
-    print("| run | rollouts/s | verifiers alone rollouts/s | ratio |")
-    print("|---|---|---|---|")
-    print(f"| instant server | {orch_rate:,.0f} | {vf_rate:,.0f} | {orch_rate / vf_rate:.2f} |")
-    print()
-    print("| 1,000 rollouts in flight, replies after 1 s | rollouts/s | lag p50 ms | lag p99 ms | lag max ms |")
-    print("|---|---|---|---|---|")
+    def ms(values, q):
+        return f"{percentile(values, q) * 1e3:.1f}"
+
+    print(f"1 core (this process), reverse-text dataset, groups of 8, {steps} steps (rates over steps 1..)\n")
     print(
-        f"| event loop | {lag_rate:,.0f} | {percentile(lags, 0.5) * 1e3:.1f} | "
-        f"{percentile(lags, 0.99) * 1e3:.1f} | {max(lags) * 1e3:.1f} |"
+        "| run | rollouts per step | in flight | rollouts/s | ratio to alone | loop lag p50 / p99 / max ms |"
     )
+    print("|---|---|---|---|---|---|")
+    for name, rate, n, ls in (
+        ("orchestrator alone (instant rollouts)", alone, bs, alone_lags),
+        ("rollouts take 0.5-1.5 s", slow, 1000, lags),
+        ("verifiers + OpenAI client, instant server", real, bs, real_lags),
+    ):
+        print(f"| {name} | {n} | up to {n} | {rate:,.0f} | {rate / alone:.3f} | "
+              f"{ms(ls, 0.5)} / {ms(ls, 0.99)} / {max(ls) * 1e3:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@ def test_malformed_toml_names_the_file(tmp_path):
 def test_unknown_key_is_named_with_a_suggestion(tmp_path):
     (tmp_path / "orch.toml").write_text('[client]\nbase_url = "http://x:8000/v1"\n')
     out = run("orchestrator", "@", "orch.toml", cwd=tmp_path)
-    assert_clear_error(out, 2, "unknown key 'client.base_url'", "orch.toml", "Did you mean 'client.base_urls'")
+    assert_clear_error(
+        out, 2, "unknown key 'client.base_url'", "orch.toml", "Did you mean 'client.base_urls'"
+    )
 
 
 def test_wrong_type_names_the_field_and_the_expected_type(tmp_path):
@@ -103,4 +105,6 @@ def test_a_zmq_peer_from_another_run_is_refused(tmp_path, tiny_model):
     out = run("trainer", "--model.name", tiny_model, "--output-dir", "out", "--transport.port", port,
               "--transport.run-id", "mine", "--max-steps", "1", cwd=tmp_path)  # fmt: skip
     sender.close(linger_s=0)
-    assert_clear_error(out, 1, "received a message of run 'someone-else'", "this is run 'mine'", "transport.port")
+    assert_clear_error(
+        out, 1, "received a message of run 'someone-else'", "this is run 'mine'", "transport.port"
+    )

@@ -192,11 +192,15 @@ def test_inconsistent_and_overlong_micro_batches_are_rejected(tmp_path):
         StepReceiver(FileReceiver(tmp_path, "b", timeout_s=2), seq_len=8).get(0)
 
 
-def test_model_path_that_does_not_load_is_a_clear_error(tmp_path):
-    config = TrainerConfig(model={"name": str(tmp_path / "nope")}, output_dir=str(tmp_path))
+def test_model_folder_that_does_not_load_is_a_clear_error(tmp_path):
+    # (A missing folder is already a config error: see bad_input_test.py.)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    config = TrainerConfig(model={"name": str(broken)}, output_dir=str(tmp_path))
     with pytest.raises(ModelLoadError, match="could not be loaded"):
         train(config)
-    proc = subprocess.run([TRAINER, "--model.name", str(tmp_path / "nope"), "--output-dir", str(tmp_path)],
+    proc = subprocess.run([TRAINER, "--model.name", str(broken), "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and "trainer: error: model" in proc.stderr and "Traceback" not in proc.stderr
 

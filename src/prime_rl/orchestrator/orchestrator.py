@@ -9,13 +9,15 @@ streamed to the trainer ranks. Generation for the next steps continues meanwhile
 from __future__ import annotations
 
 import asyncio
-import json
+import gc
 import logging
 import random
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from prime_rl.monitor import MetricsLogger, stats
 from prime_rl.orchestrator.advantage import Advantage, batch_std_normalize
@@ -132,11 +134,12 @@ def rollout_record(r: Rollout, step: int, trained: bool | None) -> dict[str, Any
     }
 
 
+_JSONL = msgspec.json.Encoder(enc_hook=str)  # several times json.dumps; NaN is written as null
+
+
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for rec in records:
-            f.write(json.dumps(rec, default=str) + "\n")
+    path.write_bytes(_JSONL.encode_lines(records))
 
 
 class Orchestrator:
@@ -203,6 +206,9 @@ class Orchestrator:
 
     async def run(self) -> None:
         progress = await self.setup()
+        # The modules and datasets loaded so far live for the whole run: keep the garbage collector
+        # from walking them again in every full collection (seen as ~0.3 s stalls per few steps).
+        gc.freeze()
         c = self.config
         monitor = asyncio.create_task(self.health.run(), name="server-health")
         try:

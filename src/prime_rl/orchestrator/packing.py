@@ -10,10 +10,11 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 
 import numpy as np
 
-from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
+from prime_rl.transport.messages import FLOAT_DTYPE, ID_DTYPE, MASK_DTYPE, Header, MicroBatch, TrainingSample
 
 FILLER_TOKENS = 1
 """Length of a filler micro-batch: one pad token, fully masked."""
@@ -63,21 +64,21 @@ def assign_ranks(bins: list[Bin], num_ranks: int) -> list[list[Bin]]:
 
 
 def bin_arrays(b: Bin) -> dict[str, np.ndarray]:
-    ids, pos, mask, adv, lps = [], [], [], [], []
-    for s in b.samples:
-        n_p, n_c = len(s.prompt_ids), len(s.completion_ids)
-        ids += s.prompt_ids + s.completion_ids
-        pos += list(range(n_p + n_c))
-        mask += [0] * n_p + s.completion_mask
-        adv += [s.advantage] * (n_p + n_c)
-        lps += [0.0] * n_p + s.completion_logprobs
+    # Built with fromiter/repeat rather than Python list concatenation: packing runs on every token
+    # of every step, on the orchestrator's one core.
+    samples, n = b.samples, b.tokens
+    lens = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
     return {
-        "input_ids": np.asarray(ids),
-        "position_ids": np.asarray(pos),
-        "loss_mask": np.asarray(mask),
-        "advantages": np.asarray(adv, dtype=np.float32),
-        "logprobs": np.asarray(lps, dtype=np.float32),
-    }
+        "input_ids": np.fromiter(chain.from_iterable(chain(s.prompt_ids, s.completion_ids) for s in samples),
+                                 dtype=ID_DTYPE, count=n),
+        "position_ids": np.arange(n, dtype=ID_DTYPE) - starts.astype(ID_DTYPE),
+        "loss_mask": np.fromiter(chain.from_iterable(chain(repeat(0, len(s.prompt_ids)), s.completion_mask)
+                                                     for s in samples), dtype=MASK_DTYPE, count=n),
+        "advantages": np.repeat(np.array([s.advantage for s in samples], dtype=FLOAT_DTYPE), lens),
+        "logprobs": np.fromiter(chain.from_iterable(chain(repeat(0.0, len(s.prompt_ids)), s.completion_logprobs)
+                                                    for s in samples), dtype=FLOAT_DTYPE, count=n),
+    }  # fmt: skip
 
 
 def filler_arrays(pad_id: int) -> dict[str, np.ndarray]:

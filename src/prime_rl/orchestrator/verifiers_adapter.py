@@ -18,14 +18,15 @@ _NOT_STATE = {"trajectory", "prompt", "completion", "timing", "metrics", "reward
 
 def to_json(value: Any) -> Any:
     """Messages and other pydantic objects as plain JSON values."""
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json", exclude_none=True)
+    # Plain values first: this runs on every rollout's messages, on the event loop.
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
     if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
+        return {k if isinstance(k, str) else str(k): to_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [to_json(v) for v in value]
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json", exclude_none=True)
     return repr(value)
 
 
