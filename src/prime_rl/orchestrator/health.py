@@ -90,23 +90,29 @@ class ServerHealth:
                 return
             if step is not None and (self.weights.lock.locked() or self.weights.version != version):
                 return  # a reload was under way: look again next time
-            reason = "does not answer" if step is None else f"serves step {step}, not {self.weights.version}"
-            log.warning(
-                "inference server %s %s: no new rollouts go to it until it is back", server.root_url, reason
-            )
             server.up = False
         self._recovering[server] = asyncio.create_task(self._recover(http, server))
 
     async def _recover(self, http: httpx.AsyncClient, server: Server) -> None:
-        delay, t0 = 0.25, time.monotonic()
+        # Suspected servers that answer at once and serve the current weights (a group failed for
+        # another reason) go back to work silently; anything else is logged.
+        delay, t0, noted = 0.25, time.monotonic(), False
         try:
             while (step := await served_step(http, server)) is None:
+                if not noted:
+                    log.warning("inference server %s does not answer: no new rollouts go to it until it is back",
+                                server.root_url)  # fmt: skip
+                    noted = True
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
             async with self.weights.lock:
+                if step not in (UNKNOWN, self.weights.version):
+                    log.warning("inference server %s serves step %d, not %d: reloading it before it gets work",
+                                server.root_url, step, self.weights.version)  # fmt: skip
+                    noted = True
                 # If it went away again, the load has suspected it anew and the next check retries.
                 server.up = await self.weights.restore(server, None if step == UNKNOWN else step)
-            if server.up:
+            if server.up and noted:
                 log.info(
                     "inference server %s is back after %.1f s, serving step %d",
                     server.root_url, time.monotonic() - t0, self.weights.version,
