@@ -10,7 +10,7 @@ another core that drops what it receives; this process pinned to one core):
 2. Event-loop lag: the same, but each rollout takes 0.5-1.5 s, with `max_inflight_rollouts` = 1000.
    A probe task sleeps 10 ms in a loop and records how late it wakes up (from step 1 on).
 3. The real path: verifiers' `run_rollout` and the OpenAI client against an instant fake server
-   (an in-process httpx mock transport: no sockets, each distinct reply built once), so the ratio
+   (an in-process httpx2 mock transport, openai's own HTTP library: no sockets, each distinct reply built once), so the ratio
    to run 1 shows what the env library costs per rollout next to the orchestrator.
 """
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
@@ -77,19 +77,19 @@ class InstantServer:
             self._cache[key] = json.dumps(out).encode()
         return self._cache[key]
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
+    async def handle(self, request: httpx2.Request) -> httpx2.Response:
         self.requests += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         body = json.loads(request.content)
         data = self.reply(body, right=self.requests % 2 == 0)
-        return httpx.Response(200, content=data, headers={"content-type": "application/json"})
+        return httpx2.Response(200, content=data, headers={"content-type": "application/json"})
 
     def client(self, base_url: str, config):
         import verifiers as vf
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-        http = httpx.AsyncClient(transport=httpx.MockTransport(self.handle), base_url=base_url)
+        http = DefaultAsyncHttpxClient(transport=httpx2.MockTransport(self.handle), base_url=base_url)
         return vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=base_url, api_key="x", http_client=http))
 
 

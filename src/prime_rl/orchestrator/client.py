@@ -41,16 +41,20 @@ class Server:
 
 
 def make_vf_client(base_url: str, config: ClientConfig):
+    import httpx2
     import verifiers as vf
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
+    # openai's own HTTP client (httpx2), without a connection limit. A plain `httpx.AsyncClient` is
+    # accepted too, but it made 128 concurrent rollouts 3x slower: its connection pool is rescanned
+    # for every request and response (measured; see docs/benchmarks.md).
     openai = AsyncOpenAI(
         base_url=base_url,
         api_key="prime-rl",
         max_retries=config.max_retries,
         timeout=config.timeout_s,
-        http_client=httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        http_client=DefaultAsyncHttpxClient(
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=None)
         ),
     )
     return vf.OpenAIChatCompletionsClient(openai)
