@@ -102,6 +102,22 @@ class MetricsLogger:
                 self._wandb.finish()
 
 
+def forget_steps_from(path: Path, step: int) -> int:
+    """Drop the per-step records (not the eval ones) of `step` and later, which a resumed process is
+    about to log again; return how many were dropped. Keeps the invariant that a metrics file holds
+    one record per step of the run as it stands, whatever was killed where."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    records = read_metrics(path)
+    keep = [r for r in records if r["step"] < step or any(k.startswith("eval/") for k in r)]
+    if len(keep) < len(records):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        tmp.replace(path)
+    return len(records) - len(keep)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics JSONL, in order. A last line still being written (no newline yet)
     is left out, so a running process's file can be read."""

@@ -2,7 +2,7 @@
 
 import json
 
-from prime_rl.monitor import MetricsLogger, WandbConfig, read_metrics
+from prime_rl.monitor import MetricsLogger, WandbConfig, forget_steps_from, read_metrics
 
 
 def test_wandb_without_a_key_logs_offline_next_to_the_metrics(tmp_path, monkeypatch):
@@ -18,3 +18,14 @@ def test_wandb_without_a_key_logs_offline_next_to_the_metrics(tmp_path, monkeypa
     assert json.loads(path.read_text().splitlines()[0])["nan"] is None  # JSON has no NaN
     runs = [p for p in (tmp_path / "orchestrator" / "wandb").iterdir() if p.name.startswith("offline-run")]
     assert len(runs) == 1 and any(f.suffix == ".wandb" for f in runs[0].iterdir())
+
+
+def test_forget_steps_from_drops_the_steps_to_be_logged_again_but_keeps_evals(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(path)
+    for step in range(4):
+        logger.log(step, {"loss": float(step)})
+    logger.log(3, {"eval/e/reward/mean": 0.5, "eval/policy_version": 3}, axis="eval/step")
+    assert forget_steps_from(path, 2) == 2
+    assert [(r["step"], "loss" in r) for r in read_metrics(path)] == [(0, True), (1, True), (3, False)]
+    assert forget_steps_from(path, 2) == 0 and forget_steps_from(tmp_path / "none.jsonl", 0) == 0

@@ -13,7 +13,7 @@ from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.advantage import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError
-from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.orchestrator.orchestrator import BatchSender, Orchestrator
 from prime_rl.transport.file_transport import FileReceiver
 from prime_rl.transport.messages import MicroBatch
 
@@ -256,6 +256,37 @@ def test_resume_continues_at_the_next_step_and_resends_the_last_batch(tmp_path):
     after = (Path(first.output_dir) / "transport" / "step_000001" / "rank_0" / "0000.msgpack").read_bytes()
     assert after == before  # the re-sent batch of step 1 is the saved one, not a new one
     assert {mb.header.step for mb in received(second, 4)} == {0, 1, 2, 3}
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: what is on disk when it is raised is what a restart finds."""
+
+
+@pytest.mark.parametrize("where", ["_save", "send"])
+def test_a_step_killed_either_side_of_its_commit_is_logged_once(tmp_path, monkeypatch, where):
+    # "_save": killed after step 1's records were written but before it was committed, so it is
+    # built again; "send": killed after the commit (a dead trainer blocks the send), so it is not.
+    owner = Orchestrator if where == "_save" else BatchSender
+    real, calls = getattr(owner, where), []
+
+    def dies_at_step_1(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+        return real(self, *args)
+
+    with FakeServer() as server:
+        config = make_config(tmp_path, server, max_steps=3)
+        monkeypatch.setattr(owner, where, dies_at_step_1)
+        with pytest.raises(Killed):
+            run(config)
+        monkeypatch.setattr(owner, where, real)
+        metrics = run(config.model_copy(update={"resume": True}))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert_accounting(metrics)
+    trained = [r for r in rollouts(config, 1) if r["trained"]]
+    assert sum(m["rollouts/all/trained"] for m in metrics if m["step"] == 1) == len(trained) > 0
+    assert {mb.header.step for mb in received(config, 3)} == {0, 1, 2}
 
 
 def test_eval_runs_beside_training_with_its_own_sampling(tmp_path):

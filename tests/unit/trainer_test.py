@@ -169,6 +169,9 @@ def test_killed_trainer_resumes_to_the_same_parameters(tiny_model, tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 2" in resumed.stderr
+    # Step 2 was trained (and logged) before the kill and again after it: logged once.
+    metrics = [json.loads(line) for line in (tmp_path / "killed" / "trainer" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     straight = subprocess.run(
         [TRAINER, "@", str(toml("straight", False))], capture_output=True, text=True, timeout=300
     )

@@ -2,8 +2,10 @@
 
 One asyncio process. The loop per step: follow the trainer's weights, drop what is stale, dispatch
 what the policy lag allows, and wait for groups until the step's batch is full. Then the batch is
-built (advantages, samples, packing) in a worker thread, saved with the progress checkpoint, and
-streamed to the trainer ranks. Generation for the next steps continues meanwhile.
+built (advantages, samples, packing) in a worker thread, its rollouts and metrics are written, it is
+saved with the progress checkpoint (the commit point), and streamed to the trainer ranks. A kill at
+any point leaves every committed step with exactly one metrics record and its rollouts on disk.
+Generation for the next steps continues meanwhile.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from prime_rl.monitor import MetricsLogger, stats
+from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
 from prime_rl.orchestrator.advantage import Advantage, batch_std_normalize
 from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -196,11 +198,20 @@ class Orchestrator:
             self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s
         )
         self.sender = BatchSender(c)
+        self._forget_uncommitted(progress.step)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
         )
         self.evaluator = Evaluator(c, self.pool, self.metrics) if c.eval.envs else None
         return progress
+
+    def _forget_uncommitted(self, next_step: int) -> None:
+        """A killed process may have logged a step it had not yet committed: it is built again."""
+        dropped = forget_steps_from(self.output_dir / "orchestrator" / "metrics.jsonl", next_step)
+        if dropped:
+            log.info(
+                "dropped %d metrics record(s) of steps from %d, which are built again", dropped, next_step
+            )
 
     # ------------------------------------------------------------------ loop
 
@@ -215,6 +226,7 @@ class Orchestrator:
         monitor = asyncio.create_task(self.health.run(), name="server-health")
         try:
             await self._resend(progress.step)
+            self._step_clock, self._send_s = time.perf_counter(), 0.0
             if self.evaluator and c.eval.at_start and progress.step == 0:
                 self.evaluator.start(0, self.scheduler.policy_version)
             for step in range(progress.step, c.max_steps):
@@ -266,8 +278,9 @@ class Orchestrator:
 
     async def _step(self, step: int) -> None:
         c, sched = self.config, self.scheduler
-        t0 = time.perf_counter()
-        next_notice = t0 + 10.0
+        t0 = self._step_clock  # since the previous step's commit: its send belongs to this step's time
+        t_start = time.perf_counter()
+        next_notice = t_start + 10.0
         t_blocked = 0.0  # time nothing could be generated because the trainer is too far behind
         while True:
             version = await self.weights.poll()
@@ -298,7 +311,7 @@ class Orchestrator:
             self.health.raise_if_failed()
             if blocked:
                 t_blocked += time.perf_counter() - t_wait
-        t_collect = time.perf_counter() - t0
+        t_collect = time.perf_counter() - t_start
         t_reload, self.weights.reload_s = self.weights.reload_s, 0.0
         times = {
             "time/generate": max(0.0, t_collect - t_blocked - t_reload),
@@ -310,24 +323,36 @@ class Orchestrator:
             build_batch, groups, self.advantages, self.temperatures, self.run_id, step
         )
         per_rank = await asyncio.to_thread(self._pack, batch)
-        await asyncio.to_thread(self._save, batch, step)
-        t1 = time.perf_counter()
-        await self.sender.send(per_rank)
-        t_send = time.perf_counter() - t1
+        # The step's records (rollouts, metrics line) are written before its commit point, the
+        # progress save: a kill after the commit loses none of them, and one before it has them
+        # rewritten by the rebuilt step (`_forget_uncommitted` drops the old metrics line).
         failures, sched.failures = sched.failures, []
         await asyncio.to_thread(self._write_rollouts, step, groups, failures)
         sched.check_accounting()
-        times.update({"time/collect": t_collect, "time/send": t_send, "time/step": time.perf_counter() - t0})
+        progress = self._progress(step + 1)  # on the loop: the scheduler's state moves meanwhile
+        times.update({
+            "time/collect": t_collect,
+            "time/send": self._send_s,  # the previous batch's, which this step's clock includes
+            "time/step": time.perf_counter() - t0,
+        })  # fmt: skip
         self._log_step(step, groups, per_rank, times)
+        self._step_clock = time.perf_counter()
+        await asyncio.to_thread(self._save, batch, progress)
+        t1 = time.perf_counter()
+        await self.sender.send(per_rank)
+        self._send_s = time.perf_counter() - t1
 
-    def _save(self, batch: TrainingBatch, step: int) -> None:
-        save_batch(self.output_dir, batch, keep_from=self._trainer_resume_step())
-        progress = Progress(
-            step=step + 1,
+    def _progress(self, next_step: int) -> Progress:
+        return Progress(
+            step=next_step,
             accounting=self.scheduler.acc.snapshot(),
             cursors={e.name: [e.examples.cursor.epoch, e.examples.cursor.position] for e in self.envs},
             rng_state=rng_to_json(self.scheduler.rng),
         )
+
+    def _save(self, batch: TrainingBatch, progress: Progress) -> None:
+        """The step's commit point: its batch, then the progress that says it is built."""
+        save_batch(self.output_dir, batch, keep_from=self._trainer_resume_step())
         save_progress(self.output_dir, progress)
 
     def _write_rollouts(self, step: int, groups: list[Group], failures: list[Rollout]) -> None:

@@ -3,7 +3,8 @@
 `<output_dir>/orchestrator/progress.json` holds the next step to build, the bucket counts, each
 env's dataset cursor and the RNG state; `batches/step_<N>.msgpack` holds the training batches of the
 steps the trainer may not have finished. Invariant: progress is saved (atomically) after a step's
-batch is saved and before it is sent, so after a crash the restarted orchestrator re-sends exactly
+batch, rollouts and metrics record are written and before the batch is sent; that save is the step's
+commit point. After a crash the restarted orchestrator drops the metrics of uncommitted steps, re-sends exactly
 the saved batches from the newest published weights on (the trainer ignores a step it already has)
 and continues with the next step: no step is skipped, and no step is trained on two different
 batches. Examples that were in flight at the crash are not drawn again (they count as stale).

@@ -79,8 +79,10 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     )
     metrics_log = None
     if world.is_main:
-        from prime_rl.monitor import MetricsLogger
+        from prime_rl.monitor import MetricsLogger, forget_steps_from
 
+        # Steps after the checkpoint are trained again: their old records would be duplicates.
+        forget_steps_from(output_dir / "trainer" / "metrics.jsonl", start)
         metrics_log = MetricsLogger(
             output_dir / "trainer" / "metrics.jsonl", config.wandb, config=config.model_dump(mode="json")
         )
