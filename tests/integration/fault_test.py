@@ -16,8 +16,10 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from rl_test import write_config
@@ -90,8 +92,8 @@ def test_trainer_killed_at_a_random_step_resumes_to_the_same_parameters(tiny_mod
         [BIN / "rl", "@", toml], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     wait_until(lambda: len(jsonl(run / "trainer" / "metrics.jsonl")) >= kill_after, "trainer steps", [proc])
-    ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
-    trainer_pid = next(int(line.split()[0]) for line in ps.stdout.splitlines() if "/trainer @" in line)
+    children = psutil.Process(proc.pid).children()
+    trainer_pid = next(c.pid for c in children if any(a.endswith("/trainer") for a in c.cmdline()[:2]))
     os.kill(trainer_pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "trainer exited with status -9" in err, out + err
@@ -177,7 +179,8 @@ def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs
         )
         for name in ("orchestrator", "trainer"):
             assert procs[name].wait(timeout=600) == 0, (logs / f"{name}.log").read_text()[-3000:]
-        served = subprocess.run(["curl", "-s", f"{url}/prime_rl/weights"], capture_output=True, text=True)
+        with urllib.request.urlopen(f"{url}/prime_rl/weights", timeout=10) as reply:
+            served = json.loads(reply.read())
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -199,4 +202,4 @@ def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs
     pending = last["rollouts/all/inflight"] + last["rollouts/all/waiting"]
     buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
     assert last["rollouts/all/dispatched_total"] == buckets + pending
-    assert json.loads(served.stdout)["step"] == orch[-1]["policy_version"]
+    assert served["step"] == orch[-1]["policy_version"]

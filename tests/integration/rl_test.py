@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prime_rl.net import free_port
@@ -61,8 +62,7 @@ def alive(pids: list[int]) -> list[int]:
 
 
 def child_pids(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    return [c.pid for c in psutil.Process(pid).children()]
 
 
 def test_rl_trains_reloads_weights_and_reward_rises(tiny_model, tmp_path):
