@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.dist import init_world
+from prime_rl.trainer.dist import close_world, exit_rank, init_world
 from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
 
@@ -66,8 +66,8 @@ def main() -> None:
         grads[name] = g.detach().clone()
     if world.is_main:
         torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs)}, out_file)
-    if world.distributed:
-        dist.destroy_process_group()
+    close_world(world)
+    exit_rank(world, 0)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ On CPU the backend is gloo; on CUDA, nccl.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -53,3 +56,28 @@ def all_reduce_max(value: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value
+
+
+def close_world(world: World) -> None:
+    """Destroy the process group (every rank, also after an error)."""
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_rank(world: World, code: int) -> None:
+    """End the process with `code`. A distributed rank skips interpreter finalization: gloo's worker
+    threads can still be releasing a finished collective whose tensors hold Python objects, and if
+    that happens while the interpreter shuts down the thread cannot take the GIL and the process
+    aborts (SIGABRT, "terminate called without an active exception"; about 1 exit in 30 on 2 cores
+    with torch 2.13, after a clean run). Everything the rank wrote is closed before this is called."""
+    if world.distributed:
+        _exit_now(code)
+    if code:
+        raise SystemExit(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -12,14 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import StepReceiver
-from prime_rl.trainer.dist import World, init_world
+from prime_rl.trainer.dist import World, close_world, exit_rank, init_world
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.publish import Publisher
 from prime_rl.trainer.trainer import LossFn, Trainer
@@ -138,14 +136,15 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(TrainerConfig, argv, prog="trainer")
     world = init_world()
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
+    code = 0
     try:
         train(config, world)
     except USER_ERRORS as e:
         sys.stderr.write(f"trainer: error: {e}\n")
-        raise SystemExit(1) from None
+        code = 1
     finally:
-        if world.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        close_world(world)
+    exit_rank(world, code)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import SFTConfig, SFTDataConfig
-from prime_rl.trainer.dist import World, init_world
+from prime_rl.trainer.dist import World, close_world, exit_rank, init_world
 from prime_rl.trainer.loss import sft_loss
 from prime_rl.trainer.main import USER_ERRORS, resume_step
 from prime_rl.trainer.publish import Publisher
@@ -171,11 +171,15 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv, prog="sft")
     world = init_world()
     setup_logging("sft")
+    code = 0
     try:
         run_sft(config, world)
     except (*USER_ERRORS, SFTDataError) as e:
         sys.stderr.write(f"sft: error: {e}\n")
-        raise SystemExit(1) from None
+        code = 1
+    finally:
+        close_world(world)
+    exit_rank(world, code)
 
 
 if __name__ == "__main__":
