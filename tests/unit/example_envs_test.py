@@ -21,6 +21,7 @@ def test_reverse_text_gives_partial_credit():
     assert reverse_text.reversal_reward(reply("cba"), "cba") == 1.0
     assert reverse_text.reversal_reward(reply("cxa"), "cba") == pytest.approx(2 / 3)
     assert reverse_text.reversal_reward(reply(""), "cba") == 0.0
+    assert reverse_text.reversal_reward([], "cba") == 0.0  # a failed rollout has no messages
 
 
 def test_sum_digits_is_exact_match_with_a_separate_format_metric():
@@ -29,6 +30,7 @@ def test_sum_digits_is_exact_match_with_a_separate_format_metric():
     assert sum_digits.correct_answer(reply("12"), "12") == 0.0  # the format is part of the task
     assert sum_digits.answer_format(reply("<answer>13</answer>")) == 1.0
     assert sum_digits.answer_format(reply("so <answer>12</answer>")) == 0.0
+    assert sum_digits.correct_answer([], "12") == 0.0 and sum_digits.answer_format([]) == 0.0
 
 
 def test_sum_digits_dataset_is_seeded_and_correct():

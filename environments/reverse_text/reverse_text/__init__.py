@@ -39,7 +39,11 @@ def lcs_ratio(a: str, b: str) -> float:
 
 
 def reversal_reward(completion, answer, **kwargs) -> float:
-    text = completion[-1]["content"] if isinstance(completion, list) else completion
+    # A failed rollout (e.g. an empty reply) is still scored by verifiers, with no messages.
+    if isinstance(completion, list):
+        text = completion[-1]["content"] if completion else ""
+    else:
+        text = completion
     return lcs_ratio((text or "").strip(), answer)
 
 

@@ -28,7 +28,11 @@ def make_examples(n: int, seed: int, min_digits: int, max_digits: int) -> list[d
 
 
 def _reply(completion) -> str:
-    text = completion[-1]["content"] if isinstance(completion, list) else completion
+    # A failed rollout (e.g. an empty reply) is still scored by verifiers, with no messages.
+    if isinstance(completion, list):
+        text = completion[-1]["content"] if completion else ""
+    else:
+        text = completion
     return (text or "").strip()
 
 
