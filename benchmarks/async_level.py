@@ -1,13 +1,15 @@
 """Async speed-up: the reverse_text run at max_async_level 0 (synchronous), 1 and 2.
 
-    uv run python benchmarks/async_level.py [--steps 12] [--levels 0 1 2]
+    uv run python benchmarks/async_level.py [--steps 12] [--levels 0 1 2] [--placements default pinned free]
 
-Runs `rl @ configs/reverse_text/rl.toml` once per level, one after the other on this machine, each
-into its own temporary output dir, and reads the trainer's and the orchestrator's metrics. Start-up
+Runs `rl @ configs/reverse_text/rl.toml` once per level and placement, one after the other on this
+machine, each into its own temporary output dir, and reads the trainer's and the orchestrator's
+metrics. Placements: `default` is what `rl` does; `pinned` / `free` force the orchestrator and vLLM's
+API server onto the inference cores / leave them unpinned (`deployment.pin_orchestrator`). Start-up
 and the first step (vLLM warm-up, first batch) are left out: the rate is over steps 1..N-1 of the
 trainer. Prints steps per minute, trained tokens per second, the trainer's idle fraction (waiting for
 data) and inference's (the orchestrator holding generation back for the trainer), and the speed-up
-over level 0.
+over the first row.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ REPO = Path(__file__).resolve().parents[1]
 RL = str(Path(sys.executable).parent / "rl")
 
 
-def run(level: int, steps: int, out: Path) -> dict[str, float]:
+PLACEMENTS = {"default": [], "pinned": ["--deployment.pin_orchestrator", "true"],
+              "free": ["--deployment.pin_orchestrator", "false"]}  # fmt: skip
+
+
+def run(level: int, placement: str, steps: int, out: Path) -> dict[str, float]:
     cmd = [RL, "@", str(REPO / "configs/reverse_text/rl.toml"), "--max_async_level", str(level),
            "--max_steps", str(steps), "--output_dir", str(out), "--orchestrator.eval.at_start", "false",
-           "--orchestrator.eval.interval", str(steps + 1)]  # fmt: skip
+           "--orchestrator.eval.interval", str(steps + 1), *PLACEMENTS[placement]]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"level {level} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -46,19 +52,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--levels", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--placements", nargs="+", choices=sorted(PLACEMENTS), default=["default"])
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for level in args.levels:
-            results[level] = run(level, args.steps, Path(tmp) / f"level_{level}")
-            print(f"level {level} done", flush=True)
-    base = results[args.levels[0]]
+        for placement in args.placements:
+            for level in args.levels:
+                results[level, placement] = run(
+                    level, placement, args.steps, Path(tmp) / f"{placement}_{level}"
+                )
+                print(f"level {level}, {placement} placement done", flush=True)
+    base = next(iter(results.values()))
     print(
-        f"{'level':>6}{'steps/min':>11}{'tokens/s':>10}{'trainer idle':>14}{'inference idle':>16}{'speed-up':>10}"
+        f"{'level':>6}{'placement':>10}{'steps/min':>11}{'tokens/s':>10}{'trainer idle':>14}"
+        f"{'inference idle':>16}{'speed-up':>10}"
     )
-    for level, r in results.items():
-        print(f"{level:>6}{r['steps_per_min']:>11.1f}{r['tokens_per_s']:>10.0f}{r['trainer_idle']:>14.2f}"
-              f"{r['inference_idle']:>16.2f}{r['steps_per_min'] / base['steps_per_min']:>10.2f}")  # fmt: skip
+    for (level, placement), r in results.items():
+        print(f"{level:>6}{placement:>10}{r['steps_per_min']:>11.1f}{r['tokens_per_s']:>10.0f}"
+              f"{r['trainer_idle']:>14.2f}{r['inference_idle']:>16.2f}"
+              f"{r['steps_per_min'] / base['steps_per_min']:>10.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

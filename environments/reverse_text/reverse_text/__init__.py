@@ -39,11 +39,9 @@ def lcs_ratio(a: str, b: str) -> float:
 
 
 def reversal_reward(completion, answer, **kwargs) -> float:
-    # A failed rollout (e.g. an empty reply) is still scored by verifiers, with no messages.
-    if isinstance(completion, list):
+    text = completion
+    if isinstance(completion, list):  # a failed rollout is still scored by verifiers, with no messages
         text = completion[-1]["content"] if completion else ""
-    else:
-        text = completion
     return lcs_ratio((text or "").strip(), answer)
 
 

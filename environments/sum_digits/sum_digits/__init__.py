@@ -28,11 +28,9 @@ def make_examples(n: int, seed: int, min_digits: int, max_digits: int) -> list[d
 
 
 def _reply(completion) -> str:
-    # A failed rollout (e.g. an empty reply) is still scored by verifiers, with no messages.
-    if isinstance(completion, list):
+    text = completion
+    if isinstance(completion, list):  # a failed rollout is still scored by verifiers, with no messages
         text = completion[-1]["content"] if completion else ""
-    else:
-        text = completion
     return (text or "").strip()
 
 

@@ -51,6 +51,11 @@ class DeploymentConfig(BaseConfig):
     trainer_cpus: list[int] | None = None
     """CPU cores the trainer ranks run on (default: see inference_cpus; on CUDA builds, all)."""
 
+    pin_orchestrator: bool | None = None
+    """Run the orchestrator and vLLM's API server on the inference cores, so the trainer's cores are
+    its alone. Default: on when max_async_level >= 1 (generation and training overlap; measured
+    faster), off at 0 (they take turns, and generation is faster using the trainer's idle cores)."""
+
     trainer_threads: int | None = Field(default=None, ge=1)
     """Torch threads per trainer rank (default: its cores divided by the ranks, at least 1)."""
 

