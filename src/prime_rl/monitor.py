@@ -102,16 +102,18 @@ class MetricsLogger:
                 self._wandb.finish()
 
 
-def forget_steps_from(path: Path, step: int) -> int:
-    """Drop the per-step records (not the eval ones) of `step` and later, which a resumed process is
-    about to log again; return how many were dropped. Keeps the invariant that a metrics file holds
-    one record per step of the run as it stands, whatever was killed where."""
+def forget_steps_from(path: Path, step: int, evals: bool = False) -> int:
+    """Drop the per-step records of `step` and later (eval records too with `evals`), which a resumed
+    process is about to log again, and a half-written last line; return how many records were
+    dropped. Keeps the invariant that a metrics file holds one record per step of the run as it
+    stands, whatever was killed where."""
     path = Path(path)
     if not path.exists():
         return 0
     records = read_metrics(path)
-    keep = [r for r in records if r["step"] < step or any(k.startswith("eval/") for k in r)]
-    if len(keep) < len(records):
+    keep = [r for r in records if r["step"] < step or (not evals and any(k.startswith("eval/") for k in r))]
+    text = path.read_text()
+    if len(keep) < len(records) or (text and not text.endswith("\n")):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         tmp.replace(path)

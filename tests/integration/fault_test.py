@@ -92,8 +92,11 @@ def test_trainer_killed_at_a_random_step_resumes_to_the_same_parameters(tiny_mod
         [BIN / "rl", "@", toml], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     wait_until(lambda: len(jsonl(run / "trainer" / "metrics.jsonl")) >= kill_after, "trainer steps", [proc])
-    children = psutil.Process(proc.pid).children()
-    trainer_pid = next(c.pid for c in children if any(a.endswith("/trainer") for a in c.cmdline()[:2]))
+    trainer_pid = next(
+        c.info["pid"]
+        for c in psutil.process_iter(["pid", "ppid", "cmdline"])
+        if c.info["ppid"] == proc.pid and any(a.endswith("/trainer") for a in (c.info["cmdline"] or [])[:2])
+    )
     os.kill(trainer_pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "trainer exited with status -9" in err, out + err

@@ -29,3 +29,17 @@ def test_forget_steps_from_drops_the_steps_to_be_logged_again_but_keeps_evals(tm
     assert forget_steps_from(path, 2) == 2
     assert [(r["step"], "loss" in r) for r in read_metrics(path)] == [(0, True), (1, True), (3, False)]
     assert forget_steps_from(path, 2) == 0 and forget_steps_from(tmp_path / "none.jsonl", 0) == 0
+
+
+def test_forget_steps_from_can_drop_evals_and_repairs_a_half_written_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(path)
+    logger.log(0, {"eval/e/reward/mean": 0.5}, axis="eval/step")
+    logger.log(0, {"loss": 1.0})
+    with path.open("a") as f:
+        f.write('{"step": 1, "lo')  # killed mid-write
+    assert forget_steps_from(path, 1) == 0
+    assert path.read_text().endswith("}\n")  # the next record starts on a line of its own
+    logger.log(1, {"loss": 2.0})
+    assert [r["step"] for r in read_metrics(path)] == [0, 0, 1]
+    assert forget_steps_from(path, 0, evals=True) == 3 and read_metrics(path) == []

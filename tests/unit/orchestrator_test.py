@@ -4,6 +4,7 @@ truncates chosen requests, with real verifiers envs and the filesystem transport
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,35 @@ def test_a_step_killed_either_side_of_its_commit_is_logged_once(tmp_path, monkey
     trained = [r for r in rollouts(config, 1) if r["trained"]]
     assert sum(m["rollouts/all/trained"] for m in metrics if m["step"] == 1) == len(trained) > 0
     assert {mb.header.step for mb in received(config, 3)} == {0, 1, 2}
+
+
+def test_a_start_killed_before_its_first_commit_runs_and_logs_the_first_eval_once(tmp_path, monkeypatch):
+    real, calls = Orchestrator._save, []
+
+    def dies_at_step_0_after_the_eval(self, *args):
+        calls.append(1)
+        if len(calls) == 1:
+            path = Path(self.output_dir) / "orchestrator" / "metrics.jsonl"
+            for _ in range(200):  # the first eval runs beside step 0: let it log first
+                if path.exists() and "eval/" in path.read_text():
+                    raise Killed
+                time.sleep(0.05)
+            raise AssertionError("the eval at step 0 never logged")
+        return real(self, *args)
+
+    with FakeServer() as server:
+        config = make_config(
+            tmp_path, server, max_steps=2,
+            eval={"interval": 10, "at_start": True, "envs": [{"id": "reverse-text", "name": "rt-eval", "num_examples": 5}]},
+        )  # fmt: skip
+        monkeypatch.setattr(Orchestrator, "_save", dies_at_step_0_after_the_eval)
+        with pytest.raises(Killed):
+            run(config)
+        monkeypatch.setattr(Orchestrator, "_save", real)
+        metrics = run(config)
+    # Nothing was committed, so the run started over: eval at 0 again, its old record dropped.
+    records = sorted((m["step"], "eval/rt-eval/rollouts" in m) for m in metrics)
+    assert records == [(0, False), (0, True), (1, False)]
 
 
 def test_eval_runs_beside_training_with_its_own_sampling(tmp_path):

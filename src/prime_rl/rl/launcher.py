@@ -62,9 +62,9 @@ def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_l
     if not cpu_build:
         omp = None
     pin = d.pin_orchestrator if d.pin_orchestrator is not None else max_async_level >= 1
-    orchestrator = None
-    if pin and omp:
-        inference = orchestrator = inference or omp
+    orchestrator, cores = None, inference or omp
+    if pin and cores:
+        inference = orchestrator = cores
     threads = d.trainer_threads or max(1, len(trainer or cpus) // d.trainer_ranks)
     return Placement(inference, omp, trainer, orchestrator, threads)
 
@@ -138,6 +138,10 @@ class Launcher:
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.proc.pid, signal.SIGKILL)  # anything left in the group
+            # Reap it, so that it is gone, not a zombie, when rl returns (e.g. vLLM's HTTP server can
+            # outlast the grace period, waiting on a weight reload whose engine already stopped).
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=10)
 
     def run(self) -> int:
         paths = self._write_configs()

@@ -10,6 +10,7 @@ import logging
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from prime_rl.config import parse_config
@@ -85,11 +86,12 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             output_dir / "trainer" / "metrics.jsonl", config.wandb, config=config.model_dump(mode="json")
         )
     nan_streak = 0
+    t0, t_ckpt = time.perf_counter(), 0.0
     try:
         for step in range(start, config.max_steps):
-            t0 = time.perf_counter()
+            t_get = time.perf_counter()
             micro_batches = receiver.get(step)
-            t_wait = time.perf_counter() - t0
+            t_wait = time.perf_counter() - t_get
             metrics, results = trainer.train_step(micro_batches)
             if not math.isfinite(metrics["loss"]):
                 nan_streak += 1
@@ -106,12 +108,8 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
                 from prime_rl.trainer.export import export_tokens
 
                 export_tokens(output_dir, step, results, world)
-            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-                t1 = time.perf_counter()
-                save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
-                                trainer.scheduler, world, config.ckpt.keep)  # fmt: skip
-                metrics["time/checkpoint"] = time.perf_counter() - t1
             metrics["time/wait_for_data"] = t_wait
+            metrics["time/checkpoint"] = t_ckpt  # the previous step's, which this step's clock includes
             metrics["time/step"] = time.perf_counter() - t0
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
@@ -122,6 +120,13 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
                     metrics.get("mismatch_kl/all/mean", float("nan")), metrics["grad_norm"],
                     metrics["throughput/tokens_per_s"], metrics["time/step"], t_wait, metrics["time/train"],
                 )  # fmt: skip
+            # The checkpoint is the step's commit point: its metrics line is written before it, so a
+            # kill after it loses nothing, and one before it has the step trained and logged again.
+            t0, t_ckpt = time.perf_counter(), 0.0
+            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
+                save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
+                                trainer.scheduler, world, config.ckpt.keep)  # fmt: skip
+                t_ckpt = time.perf_counter() - t0
     finally:
         publisher.close()
         if metrics_log is not None:
@@ -141,6 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         train(config, world)
     except USER_ERRORS as e:
         sys.stderr.write(f"trainer: error: {e}\n")
+        code = 1
+    except Exception:
+        if not world.distributed:
+            raise
+        traceback.print_exc()  # a rank still exits through exit_rank: see there
         code = 1
     finally:
         close_world(world)

@@ -13,6 +13,7 @@ import logging
 import random
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,9 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep)
     metrics_log = None
     if world.is_main:
-        from prime_rl.monitor import MetricsLogger
+        from prime_rl.monitor import MetricsLogger, forget_steps_from
 
+        forget_steps_from(output_dir / "sft" / "metrics.jsonl", start)  # steps trained again
         metrics_log = MetricsLogger(output_dir / "sft" / "metrics.jsonl", config.wandb)
     log.info("sft: %d examples, %d steps of %d", len(samples), config.max_steps, config.batch_size)
     for step in range(start, config.max_steps):
@@ -151,13 +153,13 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
         batch = [next(stream) for _ in range(config.batch_size)]
         mbs = pack(batch, config.seq_len, world.world_size, "sft", step)[world.rank]
         metrics, _ = trainer.train_step(mbs)
-        if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-            save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer, trainer.scheduler,
-                            world, config.ckpt.keep)  # fmt: skip
-        if metrics_log is not None:
+        if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
             metrics_log.log(step, metrics)
             log.info("step %d | loss %.4f | grad_norm %.3f | %.1fs", step, metrics["loss"], metrics["grad_norm"],
                      time.perf_counter() - t0)  # fmt: skip
+        if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
+            save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer, trainer.scheduler,
+                            world, config.ckpt.keep)  # fmt: skip
     save_dir = Path(config.save_dir or output_dir / "model")
     publisher.save(trainer.model, save_dir)
     publisher.close()
@@ -176,6 +178,11 @@ def main(argv: list[str] | None = None) -> None:
         run_sft(config, world)
     except (*USER_ERRORS, SFTDataError) as e:
         sys.stderr.write(f"sft: error: {e}\n")
+        code = 1
+    except Exception:
+        if not world.distributed:
+            raise
+        traceback.print_exc()  # a rank still exits through exit_rank: see there
         code = 1
     finally:
         close_world(world)
