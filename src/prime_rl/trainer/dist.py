@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -56,6 +58,27 @@ def all_reduce_max(value: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value
+
+
+def run_rank(
+    world: World, prog: str, fn: Callable[[], object], user_errors: tuple[type[BaseException], ...]
+) -> None:
+    """Run a rank's work and end the process: a user error is one line on stderr and exit 1; the
+    process group is destroyed in any case; a distributed rank always leaves through `exit_rank`."""
+    code = 0
+    try:
+        fn()
+    except user_errors as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        code = 1
+    except Exception:
+        if not world.distributed:
+            raise
+        traceback.print_exc()
+        code = 1
+    finally:
+        close_world(world)
+    exit_rank(world, code)
 
 
 def close_world(world: World) -> None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
-import traceback
 from pathlib import Path
 
 from prime_rl.config import parse_config
@@ -18,7 +16,7 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import StepReceiver
-from prime_rl.trainer.dist import World, close_world, exit_rank, init_world
+from prime_rl.trainer.dist import World, init_world, run_rank
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.publish import Publisher
 from prime_rl.trainer.trainer import LossFn, Trainer
@@ -141,20 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(TrainerConfig, argv, prog="trainer")
     world = init_world()
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
-    code = 0
-    try:
-        train(config, world)
-    except USER_ERRORS as e:
-        sys.stderr.write(f"trainer: error: {e}\n")
-        code = 1
-    except Exception:
-        if not world.distributed:
-            raise
-        traceback.print_exc()  # a rank still exits through exit_rank: see there
-        code = 1
-    finally:
-        close_world(world)
-    exit_rank(world, code)
+    run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS)
 
 
 if __name__ == "__main__":

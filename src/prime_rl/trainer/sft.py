@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-import sys
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import SFTConfig, SFTDataConfig
-from prime_rl.trainer.dist import World, close_world, exit_rank, init_world
+from prime_rl.trainer.dist import World, init_world, run_rank
 from prime_rl.trainer.loss import sft_loss
 from prime_rl.trainer.main import USER_ERRORS, resume_step
 from prime_rl.trainer.publish import Publisher
@@ -173,20 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv, prog="sft")
     world = init_world()
     setup_logging("sft")
-    code = 0
-    try:
-        run_sft(config, world)
-    except (*USER_ERRORS, SFTDataError) as e:
-        sys.stderr.write(f"sft: error: {e}\n")
-        code = 1
-    except Exception:
-        if not world.distributed:
-            raise
-        traceback.print_exc()  # a rank still exits through exit_rank: see there
-        code = 1
-    finally:
-        close_world(world)
-    exit_rank(world, code)
+    run_rank(world, "sft", lambda: run_sft(config, world), (*USER_ERRORS, SFTDataError))
 
 
 if __name__ == "__main__":
