@@ -326,10 +326,9 @@ class Orchestrator:
         )
         per_rank = await asyncio.to_thread(self._pack, batch)
         # The step's records (rollouts, metrics line) are written before its commit point, the
-        # progress save: a kill after the commit loses none of them, and one before it has them
-        # rewritten by the rebuilt step (`_forget_uncommitted` drops the old metrics line).
-        # One synchronous block: the failures written with this step, its accounting and its metrics
-        # line are taken at the same instant, while the loop's callbacks cannot move them.
+        # progress save: a kill after it loses none, one before it has them rewritten by the rebuilt
+        # step. Failures, accounting and metrics are taken in one synchronous block, so the loop's
+        # callbacks cannot move them apart.
         failures, sched.failures = sched.failures, []
         sched.check_accounting()
         progress = self._progress(step + 1)
