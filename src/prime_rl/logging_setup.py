@@ -3,9 +3,20 @@
 import logging
 import sys
 
+ROLLOUT_FAILED = "rollout failed:"
+"""Starts every per-rollout failure line: those go to the process's log, not to `rl`'s console,
+whose step line counts them (and warns once per step when many fail)."""
+
+
+def _not_verifiers_rollout_abort(record: logging.LogRecord) -> bool:
+    # verifiers logs each failed rollout as an error; the scheduler logs the same failure with its
+    # env and example, so verifiers' line would only repeat it.
+    return not (record.name.startswith("verifiers") and str(record.msg).startswith("Aborted rollout"))
+
 
 def setup_logging(process: str, level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_not_verifiers_rollout_abort)
     handler.setFormatter(logging.Formatter(f"%(asctime)s {process} %(message)s", datefmt="%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

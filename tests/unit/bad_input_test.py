@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,15 @@ def run(script: str, *args, cwd: Path, timeout: float = 120) -> subprocess.Compl
     env = {**os.environ, "PYTHONPATH": ENVS}
     return subprocess.run([str(BIN / script), *map(str, args)], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)  # fmt: skip
+
+
+def run_until_error(script: str, *args, cwd: Path) -> subprocess.CompletedProcess:
+    """A command with a mistake that must be caught in seconds: before `rl` starts inference."""
+    t0 = time.monotonic()
+    out = run(script, "--output-dir", "out", *args, cwd=cwd)
+    assert time.monotonic() - t0 < 10, out.stderr[-3000:]
+    assert "starting inference" not in out.stdout + out.stderr
+    return out
 
 
 def assert_clear_error(out: subprocess.CompletedProcess, code: int, *phrases: str) -> None:
@@ -58,15 +68,58 @@ def test_missing_model_folder_is_named(tmp_path, script):
     assert_clear_error(out, 2, "no model folder at './models/nope'")
 
 
-def test_bad_env_id_is_named(tmp_path):
-    out = run("orchestrator", "--envs", '[{id = "no-such-env"}]', "--output-dir", "out", cwd=tmp_path)
-    assert_clear_error(out, 1, "env 'no-such-env' could not be loaded", "load_environment")
+def test_model_folder_that_is_not_a_model_config_is_named(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"hidden_size": 8}')
+    assert_clear_error(run("rl", "--model", "./m", cwd=tmp_path), 2, "'model' = './m'", "no 'model_type'")
+    (tmp_path / "m" / "config.json").write_text("{hidden_size: 8")
+    assert_clear_error(
+        run("trainer", "--model.name", "./m", cwd=tmp_path), 2, "'model.name'", "not valid JSON"
+    )
+
+
+@pytest.mark.parametrize("script", ["inference", "rl"])
+def test_max_model_len_beyond_the_model_is_named(tmp_path, short_context_model, script):
+    prefix = "inference." if script == "rl" else ""
+    model = ["--model", short_context_model] if script == "rl" else ["--model.name", short_context_model]
+    out = run_until_error(script, *model, f"--{prefix}model.max-model-len", "1024", cwd=tmp_path)
+    assert_clear_error(
+        out, 2, f"'{prefix}model.max_model_len' = '1024'", "512 tokens (max_position_embeddings"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "phrases"),
+    [
+        (["--orchestrator.envs", '[{id = "nope-env"}]'],
+         ["orchestrator.envs[0].id = 'nope-env'", "no module 'nope_env'"]),
+        (["--orchestrator.eval.envs", '[{id = "custom-advantages"}]'],
+         ["orchestrator.eval.envs[0].id = 'custom-advantages'", "no function load_environment"]),
+        (["--orchestrator.envs", '[{id = "reverse-text", args = {nope = 1}}]'],
+         ["orchestrator.envs[0].args = {'nope': 1}", "unexpected keyword argument 'nope'"]),
+        (["--orchestrator.advantage", '{type = "custom", import_path = "no_such_module:fn"}'],
+         ["orchestrator.advantage.import_path = 'no_such_module:fn'", "cannot import 'no_such_module'"]),
+        (["--trainer.loss.custom-import-path", "custom_advantages:no_such_fn"],
+         ["trainer.loss.custom_import_path = 'custom_advantages:no_such_fn'", "no function 'no_such_fn'"]),
+        (["--seq-len", "2048", "--orchestrator.envs", '[{id = "reverse-text", sampling.max_tokens = 1024}]'],
+         ["'seq_len' = 2048", "'orchestrator.envs[0].sampling.max_tokens' = 1024", "max_model_len' = 1024"]),
+    ],
+)  # fmt: skip
+def test_rl_names_a_mistake_before_it_starts_inference(tmp_path, args, phrases):
+    assert_clear_error(run_until_error("rl", *args, cwd=tmp_path), 2, *phrases)
+
+
+def test_orchestrator_and_trainer_alone_check_env_ids_and_import_paths(tmp_path):
+    out = run_until_error("orchestrator", "--envs", '[{id = "no-such-env"}]', cwd=tmp_path)
+    assert_clear_error(out, 2, "envs[0].id = 'no-such-env'", "no module 'no_such_env'")
+    # (Not timed: the trainer imports torch, seconds on a slow machine, before it parses its config.)
+    out = run("trainer", "--loss.custom-import-path", "no_such_module:loss", cwd=tmp_path)
+    assert_clear_error(out, 2, "loss.custom_import_path = 'no_such_module:loss'", "cannot import")
 
 
 @pytest.mark.parametrize(
     ("import_path", "phrases"),
     [
-        ("no_such_module:fn", ["cannot import 'no_such_module'"]),
         ("custom_advantages:wrong_length", ["returned 1 advantages for a group of 4", "env 'reverse-text'"]),
         ("custom_advantages:not_finite", ["non-finite", "custom_advantages:not_finite"]),
     ],

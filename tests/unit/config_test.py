@@ -1,5 +1,6 @@
 """The config system as users meet it: files, flags, --help, --dry-run and errors."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -7,10 +8,13 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config.cli import parse_config
+from prime_rl.inference.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
+from prime_rl.model.local import max_model_len
 from prime_rl.model.tiny import TinyModelConfig
 from prime_rl.orchestrator.config import CustomAdvantage, OrchestratorConfig
+from prime_rl.preflight import check_orchestrator, check_rl, env_module_name
 from prime_rl.rl.config import RLConfig
-from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.config import SFTConfig, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,3 +140,66 @@ def test_console_script_user_error_exits_2_without_traceback():
     )
     assert out.returncode == 2
     assert "trainer.optim.lrr" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_max_model_len_defaults_to_the_models_own_limit(short_context_model):
+    assert InferenceConfig(model={"name": str(short_context_model)}).model.max_model_len == 512
+    assert RLConfig(model=str(short_context_model)).inference.model.max_model_len == 512
+    shipped = REPO / "models/reverse_text-tiny"
+    positions = json.loads((shipped / "config.json").read_text())["max_position_embeddings"]
+    assert InferenceConfig(model={"name": str(shipped)}).model.max_model_len == positions
+    # A hub id is not read here (no download, no import of transformers): the fallback.
+    assert InferenceConfig(model={"name": "org/model"}).model.max_model_len == FALLBACK_MAX_MODEL_LEN
+
+
+POSITIONS = "max_position_embeddings in its config.json"
+ROPE_LINEAR = {"rope_scaling": {"type": "linear", "factor": 4.0}}  # vLLM scales the length by it
+ROPE_YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}  # already scaled: vLLM does not
+
+
+@pytest.mark.parametrize(
+    ("config", "tokenizer_max", "expected"),
+    [
+        ({"max_position_embeddings": 2048, "max_seq_len": 1000}, None,
+         (1000, "max_seq_len in its config.json")),
+        ({"text_config": {"max_position_embeddings": 700}}, None, (700, POSITIONS)),
+        ({"max_position_embeddings": 2048, **ROPE_LINEAR}, None, (8192, POSITIONS)),
+        ({"max_position_embeddings": 2048, **ROPE_YARN}, None, (2048, POSITIONS)),
+        ({"max_position_embeddings": 2048}, 300, (300, "model_max_length in its tokenizer_config.json")),
+        ({"hidden_size": 8}, None, None),
+    ],
+)  # fmt: skip
+def test_the_models_limit_is_read_as_vllm_derives_it(tmp_path, config, tokenizer_max, expected):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    if tokenizer_max:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": tokenizer_max}))
+    assert max_model_len(str(tmp_path)) == expected
+
+
+def test_max_model_len_and_sequence_lengths_beyond_it_are_named(short_context_model, capsys):
+    model = ["--model", str(short_context_model)]
+    err = parse_error(RLConfig, [*model, "--inference.model.max-model-len", "513"], capsys)
+    assert "'inference.model.max_model_len' = '513'" in err and "512 tokens" in err
+    envs = '[{id = "reverse-text", sampling = {max_tokens = 512}}]'
+    err = parse_error(RLConfig, [*model, "--seq-len", "600", "--orchestrator.eval.envs", envs], capsys)
+    assert "'seq_len' = 600" in err and "'orchestrator.eval.envs[0].sampling.max_tokens' = 512" in err
+    assert "'inference.model.max_model_len' = 512" in err and len(err.strip().splitlines()) == 2
+    config = parse_config(RLConfig, [*model, "--seq-len", "256", "--inference.model.max-model-len", "256"])
+    assert config.inference.model.max_model_len == 256
+
+
+def test_env_module_name_follows_verifiers():
+    from verifiers.legacy.utils.env_utils import env_module_name as verifiers_rule
+
+    for env_id in ("reverse-text", "owner/reverse-text", "a/b/c-d", "plain", "dotted.pkg-x"):
+        assert env_module_name(env_id) == verifiers_rule(env_id)
+
+
+@pytest.mark.parametrize(
+    "path", sorted(REPO.glob("configs/**/*.toml")), ids=lambda p: str(p.relative_to(REPO))
+)
+def test_every_shipped_config_parses_and_passes_the_checks(path, monkeypatch):
+    monkeypatch.chdir(REPO)  # their model paths are relative to the repo
+    cls, check = {"rl.toml": (RLConfig, check_rl), "orch.toml": (OrchestratorConfig, check_orchestrator),
+                  "sft.toml": (SFTConfig, None)}[path.name]  # fmt: skip
+    parse_config(cls, ["@", str(path)], check=check)

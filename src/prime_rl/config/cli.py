@@ -5,8 +5,8 @@ Sources, lowest to highest precedence: the model's defaults, then TOML files giv
 `--flag` and `--no-flag`. `--help` lists every field with its docstring; `--dry-run` prints the
 resolved config as TOML.
 
-Invariant: a user mistake (missing or malformed file, unknown key, wrong type) never produces a
-traceback. It becomes a `ConfigError` whose message names the key and where it came from, printed
+Invariant: a user mistake (missing or malformed file, unknown key, wrong type, or what a process's
+start-up `check` finds) never produces a traceback. It becomes a `ConfigError` whose message names the key and where it came from, printed
 as one paragraph, and the process exits with status 2.
 """
 
@@ -17,7 +17,7 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -411,8 +411,16 @@ def _show(value: Any) -> str:
 # Entry point used by every console script.
 
 
-def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | None = None) -> C:
-    """Parse `argv` into `cls`. Handles --help and --dry-run (print, exit 0) and user errors (exit 2)."""
+def parse_config(
+    cls: type[C],
+    argv: Sequence[str] | None = None,
+    prog: str | None = None,
+    check: Callable[[C], None] | None = None,
+) -> C:
+    """Parse `argv` into `cls`. Handles --help and --dry-run (print, exit 0) and user errors (exit 2).
+
+    `check` runs on the validated config (also for --dry-run); a `ConfigError` it raises is a user
+    error like any other (for the checks that import user code, see `prime_rl.preflight`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or Path(sys.argv[0]).name
     try:
@@ -421,6 +429,8 @@ def parse_config(cls: type[C], argv: Sequence[str] | None = None, prog: str | No
             sys.stdout.write(format_help(cls, prog))
             raise SystemExit(0)
         config = build_config(cls, sources)
+        if check is not None:
+            check(config)
     except ConfigError as e:
         sys.stderr.write(f"{prog}: error: {e}\nRun '{prog} --help' to list the settings.\n")
         raise SystemExit(EXIT_USAGE) from None

@@ -3,11 +3,14 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import DEFAULT_MODEL, DEFAULT_OUTPUT_DIR
-from prime_rl.model.local import check_model_name
+from prime_rl.model.local import check_model_name, max_model_len
+
+FALLBACK_MAX_MODEL_LEN = 1024
+"""max_model_len for a model whose config cannot be read here (a hub id, or no length key in it)."""
 
 
 class ModelConfig(BaseConfig):
@@ -24,8 +27,21 @@ class ModelConfig(BaseConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights and activations dtype (float32 matches the trainer's logprobs exactly)."""
 
-    max_model_len: int = Field(default=1024, ge=16)
-    """Longest prompt plus completion the server accepts."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """Longest prompt plus completion the server accepts; at most what the model allows. Default: the
+    model's own limit (max_position_embeddings in a local folder's config.json), or 1024 for a hub id."""
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _fits_the_model(cls, value: int | None, info: ValidationInfo) -> int:
+        name = info.data.get("name")  # absent when the name itself was wrong (reported already)
+        limit = max_model_len(name) if name else None
+        if value is None:
+            return limit[0] if limit else FALLBACK_MAX_MODEL_LEN
+        if limit and value > limit[0]:
+            # vLLM would refuse it only after a minute of start-up, with a traceback in its log.
+            raise ValueError(f"larger than model '{name}' allows: {limit[0]} tokens ({limit[1]})")
+        return value
 
 
 class ServerConfig(BaseConfig):

@@ -51,6 +51,9 @@ def server_command(config: InferenceConfig) -> list[str]:
     return cmd + list(config.extra_args)
 
 
+SERVER_KEEP_ALIVE_S = 75
+"""Seconds vLLM keeps an idle connection open; clients drop theirs much sooner (client.py)."""
+
 IPC_PATH_BUDGET = 60
 """vLLM creates unix sockets named <TMPDIR>/<uuid> (36 chars); unix socket paths end at 107 chars."""
 
@@ -81,6 +84,10 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
             "DO_NOT_TRACK": "1",
         }
     )
+    # vLLM closes a keep-alive connection after 5 idle s, the same moment httpx's pool gives up on
+    # it: a request sent on it just then failed with a connection error in a healthy run (the eval
+    # and reload pauses leave connections idle). The server keeps them far longer than the client.
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
     if config.server.host in ("127.0.0.1", "localhost"):
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if Path(config.model.name).is_dir():

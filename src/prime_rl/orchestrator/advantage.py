@@ -87,26 +87,23 @@ def reinforce_baseline(inputs: AdvantageInputs) -> AdvantageOutputs:
 BUILTINS: dict[str, AdvantageFn] = {"grpo": grpo, "rloo": rloo, "reinforce_baseline": reinforce_baseline}
 
 
-def load_function(import_path: str) -> Callable[..., Any]:
-    """Resolve 'package.module:function' (or 'package.module.function')."""
+def load_function(import_path: str, key: str = "advantage import_path") -> Callable[..., Any]:
+    """Resolve 'package.module:function' (or 'package.module.function'); errors name it as `key`."""
+    where = f"{key} = {import_path!r}"
     module_name, sep, attr = import_path.partition(":")
     if not sep:
         module_name, _, attr = import_path.rpartition(".")
     if not module_name or not attr:
-        raise AdvantageError(
-            f"advantage import_path '{import_path}' must look like 'package.module:function'"
-        )
+        raise AdvantageError(f"{where} must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise AdvantageError(
-            f"advantage import_path '{import_path}': cannot import '{module_name}': {e}"
-        ) from None
+        raise AdvantageError(f"{where}: cannot import '{module_name}': {e}") from None
+    except Exception as e:  # the module's own code failed while it was imported
+        raise AdvantageError(f"{where}: importing '{module_name}' raised {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise AdvantageError(
-            f"advantage import_path '{import_path}': '{module_name}' has no function '{attr}'"
-        )
+        raise AdvantageError(f"{where}: '{module_name}' has no function '{attr}'")
     return fn
 
 

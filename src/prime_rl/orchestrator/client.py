@@ -40,6 +40,13 @@ class Server:
         return self.base_url.removesuffix("/").removesuffix("/v1")
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""Idle seconds after which a pooled connection is closed instead of reused. A server closes idle
+connections on its own timer (uvicorn's and vLLM's default: 5 s; 75 s for servers `inference`
+starts); reusing one at the moment it closes fails the request with a connection error, so the
+client must always give up first, with a margin for a busy event loop."""
+
+
 def make_vf_client(base_url: str, config: ClientConfig):
     import httpx2
     import verifiers as vf
@@ -54,7 +61,9 @@ def make_vf_client(base_url: str, config: ClientConfig):
         max_retries=config.max_retries,
         timeout=config.timeout_s,
         http_client=DefaultAsyncHttpxClient(
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+            limits=httpx2.Limits(
+                max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
+            )
         ),
     )
     return vf.OpenAIChatCompletionsClient(openai)

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import (
@@ -13,6 +13,7 @@ from prime_rl.defaults import (
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
+from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
 from prime_rl.transport.config import TransportConfig
 
@@ -22,6 +23,11 @@ class ModelConfig(BaseConfig):
 
     name: str = DEFAULT_MODEL
     """Model name or local path; also the served model name and the tokenizer."""
+
+    @field_validator("name")
+    @classmethod
+    def _local_folder_exists(cls, name: str) -> str:
+        return check_model_name(name)
 
 
 class SamplingConfig(BaseConfig):
@@ -226,6 +232,10 @@ class OrchestratorConfig(RootConfig):
 
     trainer_ranks: int = Field(default=1, ge=1)
     """Data-parallel trainer ranks to balance micro-batches across."""
+
+    failure_warning_fraction: float = Field(default=0.05, ge=0)
+    """Warn once per step, naming the most common reason, when more than this fraction of
+    batch_size failed in the step (each failure is in the orchestrator log and the rollouts file)."""
 
     min_group_size: int = Field(default=1, ge=1)
     """Groups with fewer surviving rollouts than this are dropped (counted as filtered)."""

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from prime_rl.config import parse_config
@@ -13,6 +14,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError
 from prime_rl.orchestrator.orchestrator import Orchestrator, RunDirError
 from prime_rl.orchestrator.weights import WeightSyncError
+from prime_rl.preflight import check_orchestrator
 from prime_rl.transport import TransportError
 
 # Failures whose message says all the user needs: shown without a traceback.
@@ -20,14 +22,17 @@ USER_ERRORS = (EnvError, AdvantageError, InferenceUnavailable, TransportError, W
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(OrchestratorConfig, argv, prog="orchestrator")
+    config = parse_config(OrchestratorConfig, argv, prog="orchestrator", check=check_orchestrator)
     setup_logging("orchestrator")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    orchestrator = Orchestrator(config)
     try:
-        asyncio.run(Orchestrator(config).run())
+        asyncio.run(orchestrator.run())
     except USER_ERRORS as e:
         sys.stderr.write(f"orchestrator: error: {e}\n")
         raise SystemExit(1) from None
-    except KeyboardInterrupt:
-        logging.getLogger("prime_rl").info("interrupted")
-        raise SystemExit(130) from None
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        # A signal during setup, before the orchestrator takes SIGINT/SIGTERM, is a KeyboardInterrupt.
+        sig = orchestrator.stopped_by or signal.SIGINT
+        logging.getLogger("prime_rl").info("stopped by %s", sig.name)
+        raise SystemExit(128 + sig) from None

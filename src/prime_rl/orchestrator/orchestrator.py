@@ -14,6 +14,8 @@ import asyncio
 import gc
 import logging
 import random
+import signal
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -39,7 +41,7 @@ from prime_rl.orchestrator.progress import (
     save_batch,
     save_progress,
 )
-from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.orchestrator.rollout import Rollout, most_common_failure
 from prime_rl.orchestrator.samples import rollout_to_samples
 from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Group, Scheduler
 from prime_rl.orchestrator.weights import WeightSync, weights_dir
@@ -150,6 +152,8 @@ class Orchestrator:
         self.output_dir = Path(config.output_dir)
         self.run_id = resolve_run_id(config.transport, config.output_dir)
         self.prev_acc = Accounting()
+        self.stopped_by: signal.Signals | None = None
+        """The signal that cancelled the run, if one did."""
 
     # ------------------------------------------------------------------ setup
 
@@ -203,7 +207,35 @@ class Orchestrator:
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
         )
         self.evaluator = Evaluator(c, self.pool, self.metrics) if c.eval.envs else None
+        self._take_signals()
         return progress
+
+    def _take_signals(self) -> None:
+        """SIGINT/SIGTERM cancel the run, which then stops cleanly (envs torn down, sockets closed).
+
+        Loading a verifiers env replaces these handlers with ones that schedule its teardown as a
+        task and exit at once, so that teardown never ran ("Task was destroyed but it is pending").
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only (tests run the orchestrator in threads)
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def interrupt(sig: signal.Signals) -> None:
+            self.stopped_by = sig
+            task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, interrupt, sig)
+
+    async def _teardown_envs(self) -> None:
+        vf_envs = [e.vf_env for e in self.envs]
+        if self.evaluator:
+            vf_envs += [e.vf_env for e in self.evaluator.envs]
+        for vf_env in vf_envs:
+            try:
+                await vf_env._teardown()  # verifiers' own hook: rubric and env @teardown handlers
+            except Exception as e:
+                log.warning("teardown of env %s failed: %s", type(vf_env).__name__, e)
 
     def _forget_uncommitted(self, next_step: int) -> None:
         """A killed process may have logged a step it had not yet committed: it is built again.
@@ -242,9 +274,11 @@ class Orchestrator:
             await self.scheduler.shutdown()
             await self.sender.close(deliver=False)
             self.metrics.close()
+            await self._teardown_envs()
             raise
         monitor.cancel()
         await self.scheduler.shutdown()
+        await self._teardown_envs()
         if self.evaluator:
             await self.evaluator.finish()
         await self.sender.close(deliver=True)
@@ -338,6 +372,12 @@ class Orchestrator:
             "time/step": time.perf_counter() - t0,
         })  # fmt: skip
         self._log_step(step, groups, per_rank, times)
+        if len(failures) > self.config.failure_warning_fraction * self.config.batch_size:
+            reason, count = most_common_failure(failures)
+            log.warning(
+                "step %d: %d rollouts failed, %d of them with %s (each one is in %s and rollouts/step_%d.jsonl)",
+                step, len(failures), count, reason, "the orchestrator log", step,
+            )  # fmt: skip
         self._step_clock = time.perf_counter()
         await asyncio.to_thread(self._write_rollouts, step, groups, failures)
         await asyncio.to_thread(self._save, batch, progress)

@@ -6,6 +6,8 @@ whose token ids, masks and sampling logprobs have matching lengths.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,3 +60,18 @@ class Rollout:
 
 def failed_rollout(env_name: str, example_id: int | str, policy_version: int, error: str) -> Rollout:
     return Rollout(env_name=env_name, example_id=example_id, policy_version=policy_version, error=error)
+
+
+_EXCEPTION = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Timeout|Exit))\b")
+
+
+def failure_reason(error: str) -> str:
+    """A failure's kind, without its details: the exception names of its chain, e.g.
+    `APIConnectionError -> ReadError`, so that failures of one cause count together."""
+    names = list(dict.fromkeys(_EXCEPTION.findall(error)))
+    return " -> ".join(names) if names else error[:80]
+
+
+def most_common_failure(failures: list[Rollout]) -> tuple[str, int]:
+    """The most common failure reason among `failures` (not empty) and how many share it."""
+    return Counter(failure_reason(r.error or "") for r in failures).most_common(1)[0]

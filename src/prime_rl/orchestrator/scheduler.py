@@ -25,6 +25,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.orchestrator.advantage import Advantage, AdvantageInputs
 from prime_rl.orchestrator.client import Server, ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig, SamplingConfig
@@ -204,7 +205,7 @@ class Scheduler:
                         )
                     return [convert(o) for o in outputs]
                 except Exception as e:
-                    return [failed(e)] * group.size
+                    return [failed(e) for _ in range(group.size)]
 
             async def one() -> Rollout:
                 try:
@@ -237,6 +238,8 @@ class Scheduler:
         name = group.env_name
         failures = [r for r in rollouts if r.failed]
         self.failures.extend(failures)
+        for r in failures:
+            log.info("%s %s example %s: %s", ROLLOUT_FAILED, name, r.example_id, (r.error or "")[:500])
         if failures and len(failures) == len(rollouts):
             self.pool.suspect(group.server)  # a dead server fails everything: check before sending more
         if failures and group.env.group_scoring:

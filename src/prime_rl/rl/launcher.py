@@ -20,6 +20,7 @@ from typing import IO
 
 from prime_rl.config.cli import to_toml
 from prime_rl.inference.server import is_cpu_build, server_command, server_env, wait_until_healthy
+from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.net import free_port
 from prime_rl.rl.config import DeploymentConfig, RLConfig
 
@@ -81,7 +82,7 @@ def _pump(child: Child, log: IO[str], console: bool) -> None:
     for line in child.proc.stdout:
         log.write(line)
         log.flush()
-        if console and any(m in line for m in CONSOLE_MARKERS):
+        if console and any(m in line for m in CONSOLE_MARKERS) and ROLLOUT_FAILED not in line:
             sys.stdout.write(f"[{child.name}] {line}" if not line.startswith(("[", " ")) else line)
             sys.stdout.flush()
     log.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
+from prime_rl.preflight import check_trainer
 from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import StepReceiver
@@ -55,7 +56,7 @@ def load_custom_loss(config: TrainerConfig) -> LossFn | None:
         return None
     from prime_rl.orchestrator.advantage import load_function
 
-    fn = load_function(config.loss.custom_import_path)
+    fn = load_function(config.loss.custom_import_path, key="loss.custom_import_path")
     return lambda inputs: fn(inputs, **config.loss.custom_kwargs)
 
 
@@ -136,7 +137,7 @@ USER_ERRORS = (ModelLoadError, TransportError, NaNLossError, CheckpointError)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(TrainerConfig, argv, prog="trainer")
+    config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer)
     world = init_world()
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
     run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS)

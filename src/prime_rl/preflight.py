@@ -1,0 +1,110 @@
+"""Checks of the code a config names (env modules, custom advantage and loss functions), run when a
+process starts, before it does any real work: `rl` runs them before it launches vLLM.
+
+Invariant: every check is cheap, at most importing a module and reading a signature: no env is
+instantiated, no dataset, tokenizer or weights loaded. Every problem found is one sentence naming the
+config key and its value, and all of them together are one `ConfigError` (exit 2, no traceback).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from prime_rl.config import ConfigError
+from prime_rl.orchestrator.config import CustomAdvantage
+
+if TYPE_CHECKING:
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.rl.config import RLConfig
+    from prime_rl.trainer.config import TrainerConfig
+
+
+def env_module_name(env_id: str) -> str:
+    """The module verifiers imports for an env id: dashes as underscores, any 'owner/' prefix dropped.
+
+    The same rule as verifiers' own `env_module_name`, which is not imported here: importing it loads
+    the whole of verifiers (seconds), and this check must stay cheap.
+    """
+    return env_id.replace("-", "_").split("/")[-1]
+
+
+def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
+    """Why `verifiers.load_environment(env_id, **args)` cannot work, judged by importing its module
+    and matching `args` to its signature only. `key` is the env's entry, e.g. 'envs[0]'."""
+    where = f"{key}.id = {env_id!r}"
+    name = env_module_name(env_id)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a dotted name whose parent package is missing; an empty name
+        spec = None
+    if spec is None:
+        return (
+            f"{where}: no module '{name}' (verifiers imports an env id as a module, dashes as "
+            "underscores, any 'owner/' prefix dropped); install the env's package or put the folder "
+            "holding it on PYTHONPATH"
+        )
+    try:
+        module = importlib.import_module(name)
+    except Exception as e:  # the env's own code, or a dependency of it, failed while importing
+        return f"{where}: importing module '{name}' raised {type(e).__name__}: {e}"
+    load = getattr(module, "load_environment", None)
+    if not callable(load):
+        return f"{where}: module '{name}' ({spec.origin}) has no function load_environment"
+    try:
+        inspect.signature(load).bind(**args)
+    except TypeError as e:
+        return f"{key}.args = {args!r}: load_environment of env '{env_id}' does not accept them: {e}"
+    except ValueError:
+        pass  # no signature to inspect (a builtin): the call itself will tell
+    return None
+
+
+def import_path_problem(key: str, import_path: str) -> str | None:
+    """Why the function at 'package.module:function' cannot be loaded (None when it can)."""
+    from prime_rl.orchestrator.advantage import AdvantageError, load_function
+
+    try:
+        load_function(import_path, key=key)
+    except AdvantageError as e:
+        return str(e)
+    return None
+
+
+def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[str]:
+    problems = [env_problem(f"{prefix}envs[{i}]", e.id, e.args) for i, e in enumerate(config.envs)]
+    problems += [env_problem(f"{prefix}eval.envs[{i}]", e.id, e.args) for i, e in enumerate(config.eval.envs)]
+    advantages = [(f"{prefix}advantage", config.advantage)]
+    advantages += [(f"{prefix}envs[{i}].advantage", env.advantage) for i, env in enumerate(config.envs)]
+    for key, advantage in advantages:
+        if isinstance(advantage, CustomAdvantage):
+            problems.append(import_path_problem(f"{key}.import_path", advantage.import_path))
+    return [p for p in problems if p]
+
+
+def trainer_problems(config: TrainerConfig, prefix: str = "") -> list[str]:
+    path = config.loss.custom_import_path
+    problem = import_path_problem(f"{prefix}loss.custom_import_path", path) if path else None
+    return [problem] if problem else []
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(" ".join(p.rstrip(".") + "." for p in problems))
+
+
+def check_orchestrator(config: OrchestratorConfig) -> None:
+    _raise(orchestrator_problems(config))
+
+
+def check_trainer(config: TrainerConfig) -> None:
+    _raise(trainer_problems(config))
+
+
+def check_rl(config: RLConfig) -> None:
+    _raise(
+        orchestrator_problems(config.orchestrator, "orchestrator.")
+        + trainer_problems(config.trainer, "trainer.")
+    )

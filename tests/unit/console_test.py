@@ -1,0 +1,59 @@
+"""What `rl` shows on the console from a child's output, and what reaches only the log file."""
+
+import io
+import logging
+from types import SimpleNamespace
+
+from prime_rl.logging_setup import setup_logging
+from prime_rl.orchestrator.rollout import Rollout, failure_reason, most_common_failure
+from prime_rl.rl.launcher import Child, _pump
+
+OUTPUT = """\
+14:35:41 orchestrator step 12 | reward 0.399 | trained 128 filtered 0 failed 1 stale 0
+14:35:41 orchestrator rollout failed: reverse-text example 7: env error: EmptyModelResponseError('no content')
+14:35:41 orchestrator step 13: 9 rollouts failed, 9 of them with APIConnectionError (each one is in ...)
+some vLLM progress line
+14:35:43 trainer step 12 | loss -0.0019
+"""
+
+
+def test_console_has_step_lines_and_warnings_but_not_per_rollout_failures(tmp_path, capsys):
+    child = Child("orchestrator", SimpleNamespace(stdout=io.StringIO(OUTPUT)), tmp_path / "o.log")
+    _pump(child, (tmp_path / "o.log").open("w"), console=True)
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == [f"[orchestrator] {line}" for line in OUTPUT.splitlines() if "step 1" in line]
+    assert (tmp_path / "o.log").read_text() == OUTPUT  # the log keeps everything
+
+
+def test_verifiers_abort_line_is_left_out_of_the_log(capsys):
+    setup_logging("orchestrator")
+    logging.getLogger("verifiers.legacy.envs.environment.SingleTurnEnv").error(
+        "Aborted rollout due to EmptyModelResponseError('no content')"
+    )
+    logging.getLogger("verifiers.rubrics").error("reward function raised")  # other errors stay
+    err = capsys.readouterr().err
+    assert "Aborted rollout" not in err and "reward function raised" in err
+
+
+def test_failures_count_together_by_the_kinds_in_their_chain():
+    chain = "env error: ModelError() -> APIConnectionError('Connection error.') -> ReadError('')"
+    assert failure_reason(chain) == "ModelError -> APIConnectionError -> ReadError"
+    failures = [
+        Rollout(env_name="e", example_id=i, policy_version=0, error=e)
+        for i, e in enumerate([chain, chain.replace("error.", "reset"), "TimeoutError: after 2 s"])
+    ]
+    assert most_common_failure(failures) == ("ModelError -> APIConnectionError -> ReadError", 2)
+
+
+def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_path):
+    # vLLM's (and uvicorn's) default keep-alive is 5 s; servers `inference` starts keep them longer.
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.inference.server import server_env
+    from prime_rl.orchestrator.client import KEEPALIVE_EXPIRY_S, make_vf_client
+    from prime_rl.orchestrator.config import ClientConfig
+
+    client = make_vf_client("http://127.0.0.1:9/v1", ClientConfig())
+    pool = client.client._client._transport._pool
+    assert pool._keepalive_expiry == KEEPALIVE_EXPIRY_S <= 5 - 2
+    env = server_env(InferenceConfig(output_dir=tmp_path), base={})
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 10 * KEEPALIVE_EXPIRY_S
