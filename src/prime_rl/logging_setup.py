@@ -24,3 +24,15 @@ def setup_logging(process: str, level: str = "INFO") -> None:
     logging.getLogger("prime_rl").setLevel(level)
     for noisy in ("httpx", "openai", "verifiers", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def adopt_verifiers_logging() -> None:
+    """Send verifiers' records through this process's handler (format, filter) again.
+
+    Importing verifiers' classic API detaches its logger (no handler, no propagation) unless
+    VF_LOG_LEVEL is set, so its errors reached stderr bare through Python's last-resort handler.
+    Call it once verifiers is imported (after the envs are loaded).
+    """
+    library = logging.getLogger("verifiers")
+    library.handlers.clear()
+    library.propagate = True

@@ -141,8 +141,13 @@ def start(name: str, cmd: list, log_dir: Path) -> subprocess.Popen:
 
 
 def kill(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: vLLM's engine core too
+    """SIGKILL the whole process group (vLLM's engine core too) and wait until every member is gone:
+    a child that outlives its parent holds the parent's listening port."""
+    group = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    _, alive = psutil.wait_procs(group, timeout=60)
+    assert not alive, alive
 
 
 def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs(tiny_model, tmp_path):
@@ -169,7 +174,6 @@ def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs
         # 1. Inference dies mid-run (rollouts in flight fail) and comes back from the base model.
         wait_until(lambda: len(jsonl(orch_metrics)) >= 2, "2 orchestrator steps", procs.values())
         kill(procs["inference"])
-        time.sleep(2)
         procs["inference"] = start("inference", [BIN / "inference", "@", paths["inference"]], logs)
         wait_until_healthy(url, timeout_s=300, process=procs["inference"])
         orch_log = logs / "orchestrator.log"
@@ -181,7 +185,6 @@ def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs
         wait_until(lambda: len(jsonl(orch_metrics)) >= 5, "5 orchestrator steps", procs.values())
         kill(procs["orchestrator"])
         saved = json.loads((run / "orchestrator" / "progress.json").read_text())["step"]
-        time.sleep(2)
         procs["orchestrator"] = start(
             "orchestrator", [BIN / "orchestrator", "@", paths["orchestrator"]], logs
         )

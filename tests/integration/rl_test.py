@@ -1,5 +1,6 @@
 """`rl` end to end: real vLLM, real env, trainer and orchestrator, weights reloaded every step."""
 
+import contextlib
 import json
 import os
 import signal
@@ -132,5 +133,10 @@ def test_ctrl_c_stops_everything(tiny_model, tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out + err
     assert "stopping every process" in err
-    time.sleep(1)
+    # rl reaps its children; wait for any grandchild on a condition, not a guess of its speed.
+    left = []
+    for pid in alive(sorted(seen)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            left.append(psutil.Process(pid))
+    psutil.wait_procs(left, timeout=30)
     assert not alive(sorted(seen))

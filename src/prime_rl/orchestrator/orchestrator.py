@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
 from prime_rl.orchestrator.advantage import Advantage, batch_std_normalize
 from prime_rl.orchestrator.client import ServerPool
@@ -186,6 +187,7 @@ class Orchestrator:
         self.envs: list[Env] = [
             load_env(e, c.seed, cursor_from_json(progress.cursors.get(e.resolved_name))) for e in c.envs
         ]
+        adopt_verifiers_logging()
         self.advantages = {
             e.config.resolved_name: Advantage.from_config(e.config.advantage or c.advantage)
             for e in self.envs
