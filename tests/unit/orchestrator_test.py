@@ -298,7 +298,8 @@ def test_a_start_killed_before_its_first_commit_runs_and_logs_the_first_eval_onc
         calls.append(1)
         if len(calls) == 1:
             path = Path(self.output_dir) / "orchestrator" / "metrics.jsonl"
-            for _ in range(200):  # the first eval runs beside step 0: let it log first
+            deadline = time.monotonic() + 120  # the first eval runs beside step 0: let it log first
+            while time.monotonic() < deadline:
                 if path.exists() and "eval/" in path.read_text():
                     raise Killed
                 time.sleep(0.05)

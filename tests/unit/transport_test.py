@@ -77,7 +77,8 @@ def test_round_trip_and_order(kind, tmp_path):
 
 def test_zmq_back_pressure_bounds_the_queue_and_times_out_clearly():
     address = f"tcp://127.0.0.1:{free_port()}"
-    sender = ZmqSender(address, hwm=2, timeout_s=0.5)
+    # The timeout also covers the connection being set up before the first send: not too short.
+    sender = ZmqSender(address, hwm=2, timeout_s=2.0)
     receiver = ZmqReceiver(address, RUN, hwm=2, timeout_s=5)  # connected but never reading
     big = micro_batch(0, n=250_000)  # ~4 MB each, more than the kernel's socket buffers
     sent = 0
