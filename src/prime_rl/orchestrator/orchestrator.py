@@ -377,7 +377,7 @@ class Orchestrator:
         if len(failures) > self.config.failure_warning_fraction * self.config.batch_size:
             reason, count = most_common_failure(failures)
             log.warning(
-                "step %d: %d rollouts failed, %d of them with %s (each one is in %s and rollouts/step_%d.jsonl)",
+                "step %d: %d rollouts failed, %d of them with %s (each one is in %s and rollouts/step_%06d.jsonl)",
                 step, len(failures), count, reason, "the orchestrator log", step,
             )  # fmt: skip
         self._step_clock = time.perf_counter()
