@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,13 @@ def test_rl_trains_reloads_weights_and_reward_rises(tiny_model, tmp_path):
               if r.get("error")]  # fmt: skip
     assert all("EmptyModelResponse" in e for e in errors), errors
     assert "rollout failed" not in proc.stdout and "Aborted rollout" not in proc.stdout  # logs only
+    # The console carries the start, step, eval and done lines, and a step's failure summary (the
+    # untrained model may reply empty); everything else is in the logs.
+    console_line = re.compile(
+        r"rl: |\[(orchestrator|trainer)\] \S+ (orchestrator|trainer) "
+        r"(step \d+ \||eval at step \d+ \||step \d+: \d+ rollouts failed)"
+    )
+    assert [line for line in proc.stdout.splitlines() if not console_line.match(line)] == []
     rewards = [m["reward/all/mean"] for m in orch]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
     for name in ("inference", "orchestrator", "trainer"):

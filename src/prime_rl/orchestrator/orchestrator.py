@@ -194,7 +194,7 @@ class Orchestrator:
         }
         self.temperatures = {e.name: e.config.sampling.temperature for e in self.envs}
         self.pool = ServerPool(c.client)
-        log.info("waiting for inference at %s", ", ".join(c.client.base_urls))
+        log.info("checking inference at %s", ", ".join(c.client.base_urls))
         await self.pool.wait_healthy()
         self.scheduler = Scheduler(c, self.envs, self.pool, self.advantages, rng, acc)
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
