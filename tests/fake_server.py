@@ -52,6 +52,10 @@ class FakeServer:
     """'chat' per request and 'load <step>' per weight reload, in order."""
     port: int = 0
     """0 picks a free port."""
+    distinct_choices: bool = False
+    """Append i "+" to the text of choice i of an `n` request ("cba", "cba+", ...)."""
+    ignore_n: bool = False
+    """Answer an `n` request with one choice, as a server without `n` support would."""
 
     def __post_init__(self):
         app = FastAPI()
@@ -88,31 +92,33 @@ class FakeServer:
                 return JSONResponse({"error": {"message": "injected failure"}}, status_code=reply.status)
             text = user_text(body)[::-1] if reply.text is None else reply.text
             prompt = "".join(str(m.get("content")) for m in body["messages"])
-            ids = encode(text)
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop",
-            }
+            n = 1 if self.ignore_n else body.get("n", 1)
+            texts = [text + "+" * i if self.distinct_choices else text for i in range(n)]
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": "stop"}
+                for i, t in enumerate(texts)
+            ]
             out = {
                 "id": f"chatcmpl-{index}",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": body["model"],
-                "choices": [choice],
+                "choices": choices,
                 "usage": {
                     "prompt_tokens": len(prompt),
-                    "completion_tokens": len(ids),
-                    "total_tokens": len(prompt) + len(ids),
+                    "completion_tokens": sum(len(t) for t in texts),
+                    "total_tokens": len(prompt) + sum(len(t) for t in texts),
                 },
             }
             if not reply.truncate:
-                choice["token_ids"] = ids
-                choice["logprobs"] = {
-                    "content": [
-                        {"token": chr(t), "logprob": -0.5, "bytes": [t], "top_logprobs": []} for t in ids
-                    ]
-                }
+                for choice, t in zip(choices, texts, strict=True):
+                    choice["token_ids"] = encode(t)
+                    choice["logprobs"] = {
+                        "content": [
+                            {"token": chr(c), "logprob": -0.5, "bytes": [c], "top_logprobs": []}
+                            for c in encode(t)
+                        ]
+                    }
                 out["prompt_token_ids"] = encode(prompt)
             return out
 

@@ -90,3 +90,50 @@ sampling = {{ temperature = 1.0, max_tokens = 24 }}
             + m["rollouts/all/inflight"]
             + m["rollouts/all/waiting"]
         )
+
+
+def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_choice(server):
+    import asyncio
+
+    import httpx2
+
+    from prime_rl.orchestrator.client import ServerPool
+    from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+    from prime_rl.orchestrator.envs import load_env, rollout_input
+    from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+
+    base, model, _ = server
+    sampling = SamplingConfig(temperature=2.0, max_tokens=8, extra_body={"min_tokens": 2})
+    env = load_env(EnvConfig(id="reverse-text", group_size=8, sampling=sampling), seed=0)
+    row = env.examples.next()
+    pool = ServerPool(ClientConfig(base_urls=[f"{base}/v1"], timeout_s=60))
+    lessee = pool.servers[0]
+    transport = lessee.client.client._client._transport
+    sent = []
+
+    class Counting(httpx2.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            sent.append(json.loads(request.content).get("n", 1))
+            return await inner.handle_async_request(request)
+
+    inner, transport.inner = transport.inner, Counting()
+    job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], 8, 0, sampling)
+
+    async def go():
+        lease(lessee, job)
+        return await run_group(job, lessee, pool, model)
+
+    rollouts = asyncio.run(go())
+    assert sent == [8]
+    assert not [r.error for r in rollouts if r.failed]
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt_ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+    for r in rollouts:
+        (turn,) = r.turns
+        assert turn.prompt_ids == prompt_ids
+        assert len(turn.completion_ids) == len(turn.completion_logprobs) >= 2
+        # The tokens, their logprobs and the text scored by the rubric are one choice's (the server
+        # leaves out a trailing incomplete UTF-8 sequence from the text).
+        text = tok.decode(turn.completion_ids, skip_special_tokens=True)
+        assert text.rstrip("\ufffd") == r.completion[-1]["content"].rstrip("\ufffd")
+    assert len({tuple(r.turns[0].completion_ids) for r in rollouts}) > 1  # 8 samples, not one copied

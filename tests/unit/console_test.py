@@ -57,7 +57,7 @@ def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_pat
     from prime_rl.orchestrator.config import ClientConfig
 
     client = make_vf_client("http://127.0.0.1:9/v1", ClientConfig())
-    pool = client.client._client._transport._pool
+    pool = client.client._client._transport.inner._pool  # under the group-request transport
     assert pool._keepalive_expiry == KEEPALIVE_EXPIRY_S <= 5 - 2
     env = server_env(InferenceConfig(output_dir=tmp_path), base={})
     assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 10 * KEEPALIVE_EXPIRY_S

@@ -93,7 +93,11 @@ def test_partial_groups_train_on_survivors(tmp_path):
         return Reply(status=500) if i % 4 in (0, 2) else Reply(text="wrong" if i % 8 == 1 else None)
 
     with FakeServer(script) as server:
-        config = make_config(tmp_path, server, max_inflight_rollouts=4, max_steps=2)
+        # One request per rollout, so that the failures hit single rollouts (a merged request
+        # fails or succeeds for the whole group).
+        config = make_config(tmp_path, server, max_inflight_rollouts=4, max_steps=2, client={
+            "base_urls": [server.base_url], "timeout_s": 10, "health_timeout_s": 10, "group_requests": False,
+        })  # fmt: skip
         metrics = run(config)
     assert_accounting(metrics)
     assert sum(m["rollouts/all/failed"] for m in metrics) > 0
@@ -370,7 +374,8 @@ def test_a_fifth_of_rollouts_failing_still_trains_every_step(tmp_path, caplog):
     with FakeServer(script) as server:
         config = make_config(
             tmp_path, server, max_steps=4, batch_size=16, max_inflight_rollouts=4,
-            client={"base_urls": [server.base_url], "timeout_s": 2, "health_timeout_s": 10},
+            client={"base_urls": [server.base_url], "timeout_s": 2, "health_timeout_s": 10,
+                    "group_requests": False},  # one request per rollout: failures hit single rollouts
         )  # fmt: skip
         metrics = run(config)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]

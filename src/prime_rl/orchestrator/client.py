@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from prime_rl.orchestrator.coalesce import CoalescingTransport
 from prime_rl.orchestrator.config import ClientConfig
 
 log = logging.getLogger(__name__)
@@ -55,16 +56,19 @@ def make_vf_client(base_url: str, config: ClientConfig):
     # openai's own HTTP client (httpx2), without a connection limit. A plain `httpx.AsyncClient` is
     # accepted too, but it made 128 concurrent rollouts 3x slower: its connection pool is rescanned
     # for every request and response (measured; see docs/benchmarks.md).
+    transport: httpx2.AsyncBaseTransport = httpx2.AsyncHTTPTransport(
+        limits=httpx2.Limits(
+            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
+        )
+    )
+    if config.group_requests:
+        transport = CoalescingTransport(transport)
     openai = AsyncOpenAI(
         base_url=base_url,
         api_key="prime-rl",
         max_retries=config.max_retries,
         timeout=config.timeout_s,
-        http_client=DefaultAsyncHttpxClient(
-            limits=httpx2.Limits(
-                max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
-            )
-        ),
+        http_client=DefaultAsyncHttpxClient(transport=transport),
     )
     return vf.OpenAIChatCompletionsClient(openai)
 

@@ -186,6 +186,11 @@ class ClientConfig(BaseConfig):
     """How long to wait, with back-off, for every server to answer /health before giving up: at
     start, and later whenever no server is up (killed, restarting)."""
 
+    group_requests: bool = True
+    """Send the identical first requests of a group's rollouts as one request with n = group size
+    (vLLM samples the n completions independently, as it would n requests): the server renders,
+    tokenizes and schedules the prompt once per group. Later turns go one request per rollout."""
+
     health_interval_s: float = Field(default=5.0, gt=0)
     """How often to check that each server answers and serves the current weights (a server is also
     checked at once when a whole group on it fails)."""

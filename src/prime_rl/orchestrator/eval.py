@@ -14,9 +14,8 @@ from prime_rl.monitor import MetricsLogger, stats
 from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EvalEnv, load_eval_env, rollout_input
-from prime_rl.orchestrator.rollout import Rollout, failed_rollout
-from prime_rl.orchestrator.scheduler import sampling_args
-from prime_rl.orchestrator.verifiers_adapter import from_verifiers
+from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+from prime_rl.orchestrator.rollout import Rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
 
@@ -67,35 +66,19 @@ class Evaluator:
         )
 
     async def _evaluate(self, env: EvalEnv, version: int) -> list[Rollout]:
-        args = sampling_args(env.config.sampling)
         model = self.config.model.name
         n = env.config.rollouts_per_example
-        group_scoring = bool(getattr(env.vf_env, "requires_group_rollouts", False))
         limit = asyncio.Semaphore(max(1, self._budget // n))
 
         async def example(row) -> list[Rollout]:
             inp = rollout_input(row)
+            job = GroupJob(
+                env.name, env.vf_env, inp, inp.get("example_id", -1), n, version, env.config.sampling
+            )
             async with limit:
                 server = await self.pool.pick_when_up()
-                server.inflight += n
-                try:
-                    if group_scoring:
-                        outs = await env.vf_env.run_group([dict(inp) for _ in range(n)], server.client, model, args,
-                                                          state_columns=["trajectory"])  # fmt: skip
-                    else:
-                        outs = await asyncio.gather(
-                            *(env.vf_env.run_rollout(dict(inp), server.client, model, args, state_columns=["trajectory"])
-                              for _ in range(n))
-                        )  # fmt: skip
-                    return [from_verifiers(o, env.name, version, []) for o in outs]
-                except Exception as e:
-                    return [
-                        failed_rollout(
-                            env.name, inp.get("example_id", -1), version, f"{type(e).__name__}: {e}"
-                        )
-                    ] * n
-                finally:
-                    server.inflight -= n
+                lease(server, job)
+                return await run_group(job, server, self.pool, model)
 
         results = await asyncio.gather(*(example(env.dataset[i]) for i in range(len(env.dataset))))
         return [r for rs in results for r in rs]

@@ -23,32 +23,20 @@ import logging
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.orchestrator.advantage import Advantage, AdvantageInputs
 from prime_rl.orchestrator.client import Server, ServerPool
-from prime_rl.orchestrator.config import OrchestratorConfig, SamplingConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import Env, rollout_input
-from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+from prime_rl.orchestrator.rollout import Rollout
 from prime_rl.orchestrator.samples import sample_lengths
-from prime_rl.orchestrator.verifiers_adapter import from_verifiers
 
 log = logging.getLogger(__name__)
 
 BUCKETS = ("trained", "filtered", "failed", "stale")
 ZERO_ADVANTAGE = 1e-8
-
-
-def sampling_args(config: SamplingConfig) -> dict[str, Any]:
-    """Sampling args that make vLLM return token ids and logprobs (needed for training)."""
-    return {
-        "temperature": config.temperature,
-        "top_p": config.top_p,
-        "max_tokens": config.max_tokens,
-        "logprobs": True,
-        "extra_body": {**config.extra_body, "return_token_ids": True},
-    }
 
 
 @dataclass
@@ -168,57 +156,18 @@ class Scheduler:
         row = env.examples.next()
         server = self.pool.pick()
         assert server is not None
-        group = Group(
-            self._next_group_id, env, row["example_id"], self.policy_version, env.config.group_size, server
-        )
+        job = GroupJob(
+            env.name, env.vf_env, rollout_input(row), row["example_id"], env.config.group_size,
+            self.policy_version, env.config.sampling, tuple(env.config.state_columns),
+        )  # fmt: skip
+        group = Group(self._next_group_id, env, job.example_id, job.policy_version, job.size, server)
         self._next_group_id += 1
-        server.inflight += group.size
+        lease(server, job)
         self.acc.dispatched[env.name] += group.size
-        task = asyncio.create_task(self._run(group, rollout_input(row)), name=f"group-{group.id}")
+        task = asyncio.create_task(
+            run_group(job, server, self.pool, self.config.model.name), name=f"group-{group.id}"
+        )
         self.inflight[task] = group
-
-    async def _run(self, group: Group, inp: dict[str, Any]) -> list[Rollout]:
-        """All rollouts of a group; never raises (failures become failed rollouts)."""
-        env, server = group.env, group.server
-        args = sampling_args(env.config.sampling)
-        columns = ["trajectory", *env.config.state_columns]
-        model = self.config.model.name
-
-        def convert(output) -> Rollout:
-            return from_verifiers(output, env.name, group.policy_version, env.config.state_columns)
-
-        def failed(e: BaseException) -> Rollout:
-            return failed_rollout(
-                env.name, group.example_id, group.policy_version, f"{type(e).__name__}: {e}"
-            )
-
-        try:
-            if env.group_scoring:
-                inputs = [dict(inp) for _ in range(group.size)]
-                try:
-                    outputs = await env.vf_env.run_group(
-                        inputs, server.client, model, args, state_columns=columns
-                    )
-                    if len(outputs) != group.size:
-                        raise RuntimeError(
-                            f"run_group returned {len(outputs)} outputs for {group.size} inputs"
-                        )
-                    return [convert(o) for o in outputs]
-                except Exception as e:
-                    return [failed(e) for _ in range(group.size)]
-
-            async def one() -> Rollout:
-                try:
-                    output = await env.vf_env.run_rollout(
-                        dict(inp), server.client, model, args, state_columns=columns
-                    )
-                    return convert(output)
-                except Exception as e:
-                    return failed(e)
-
-            return list(await asyncio.gather(*(one() for _ in range(group.size))))
-        finally:
-            server.inflight -= group.size
 
     # ---------------------------------------------------------------- collect
 
@@ -240,8 +189,6 @@ class Scheduler:
         self.failures.extend(failures)
         for r in failures:
             log.info("%s %s example %s: %s", ROLLOUT_FAILED, name, r.example_id, (r.error or "")[:500])
-        if failures and len(failures) == len(rollouts):
-            self.pool.suspect(group.server)  # a dead server fails everything: check before sending more
         if failures and group.env.group_scoring:
             self.acc.add("failed", name, len(rollouts))
             return

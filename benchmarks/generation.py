@@ -1,0 +1,176 @@
+"""The orchestrator's rollout path against vLLM's own offline engine, on the same prompts and cores.
+
+    uv run python benchmarks/generation.py [--rounds 5] [--workloads A B] [--model models/reverse_text-tiny]
+
+Workloads (16 examples x 8 rollouts = 128 rollouts per round, float32 everywhere):
+- A: the main reverse-text config (its system prompt), temperature 1, at most 16 tokens;
+- B: reverse-text with short prompts (no system prompt, 5-12 letters), temperature 1, at most 24 tokens.
+
+Per workload, in one run:
+1. `uv run inference` (the real vLLM server) is started, and the orchestrator's group runner
+   (`group_runner.run_group`: verifiers' `run_rollout`, the OpenAI client, scoring and conversion to
+   training rollouts) runs the 16 groups concurrently, as a synchronous step does: once with one
+   request per rollout (`client.group_requests = false`, the path before group requests) and once
+   with the group's requests merged into one `n = 8` request (the default).
+2. The server is stopped, and `vllm.LLM.generate` runs in this process on the same prompt token
+   ids (taken from the rollouts) with `n = 8` and the same sampling.
+Each timing is the median of `--rounds` rounds after one warm-up round; the ratios compare rows of
+this run. The process (and so the server it starts) keeps the cores it was given: run it under
+`taskset` to pin everything to the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES, GROUP = 16, 8
+
+WORKLOADS = {
+    "A": {"args": {}, "temperature": 1.0, "max_tokens": 16},
+    "B": {"args": {"system_prompt": "", "min_len": 5, "max_len": 12}, "temperature": 1.0, "max_tokens": 24},
+}
+
+
+def start_server(model: str, max_model_len: int, out: Path, extra: list[str] = ()):
+    from prime_rl.inference.server import wait_until_healthy
+    from prime_rl.net import free_port
+
+    port = free_port()
+    log = (out / "server.log").open("w")
+    cmd = [str(Path(sys.executable).parent / "inference"), "--model.name", model, "--model.dtype", "float32",
+           "--model.max_model_len", str(max_model_len), "--server.port", str(port), "--output_dir", str(out)]  # fmt: skip
+    if extra:
+        cmd += ["--extra_args", json.dumps(list(extra))]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=300, process=proc)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise SystemExit("the server did not start:\n" + (out / "server.log").read_text()[-3000:]) from None
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def stop_server(proc) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def time_path(env, rows, base_url: str, model: str, sampling, group_requests: bool, rounds: int):
+    """Median seconds per round of 16 concurrent groups through the group runner, and the rollouts."""
+    from prime_rl.orchestrator.client import ServerPool
+    from prime_rl.orchestrator.config import ClientConfig
+    from prime_rl.orchestrator.envs import rollout_input
+    from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+
+    pool = ServerPool(ClientConfig(base_urls=[base_url], group_requests=group_requests, timeout_s=120))
+    server = pool.servers[0]
+    times, rollouts = [], []
+    for i in range(rounds + 1):
+        jobs = [
+            GroupJob(env.name, env.vf_env, rollout_input(r), r["example_id"], GROUP, 0, sampling)
+            for r in rows
+        ]
+        t0 = time.perf_counter()
+        for job in jobs:
+            lease(server, job)
+        groups = await asyncio.gather(*(run_group(job, server, pool, model) for job in jobs))
+        if i:
+            times.append(time.perf_counter() - t0)
+        rollouts = [r for g in groups for r in g]
+        # Empty completions fail (verifiers' EmptyModelResponseError) but were generated all the same.
+        bad = [r for r in rollouts if r.failed and "EmptyModelResponse" not in (r.error or "")]
+        if bad:
+            raise SystemExit(f"{len(bad)} rollouts failed, e.g. {bad[0].error}")
+    return statistics.median(times), rollouts
+
+
+def time_engine(model: str, max_model_len: int, prompts: list[list[int]], sampling, rounds: int) -> float:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0,
+              kv_cache_memory_bytes=268435456)  # fmt: skip
+    params = SamplingParams(n=GROUP, temperature=sampling.temperature, top_p=sampling.top_p,
+                            max_tokens=sampling.max_tokens, logprobs=0)  # fmt: skip
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    times = []
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        llm.generate(inputs, params, use_tqdm=False)
+        if i:
+            times.append(time.perf_counter() - t0)
+    del llm
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(REPO / "models/reverse_text-tiny"))
+    ap.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from prime_rl.logging_setup import adopt_verifiers_logging
+    from prime_rl.orchestrator.config import EnvConfig, SamplingConfig
+    from prime_rl.orchestrator.envs import load_env
+
+    adopt_verifiers_logging()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    results = {}
+    for name in args.workloads:
+        w = WORKLOADS[name]
+        sampling = SamplingConfig(temperature=w["temperature"], max_tokens=w["max_tokens"])
+        env = load_env(
+            EnvConfig(id="reverse-text", args=w["args"], group_size=GROUP, sampling=sampling), seed=0
+        )
+        rows = [env.examples.next() for _ in range(EXAMPLES)]
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, url = start_server(args.model, args.max_model_len, Path(tmp))
+            try:
+                alone, _ = asyncio.run(time_path(env, rows, url, args.model, sampling, False, args.rounds))
+                merged, rollouts = asyncio.run(
+                    time_path(env, rows, url, args.model, sampling, True, args.rounds)
+                )
+            finally:
+                stop_server(proc)
+        prompts = [
+            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+            for row in rows
+        ]
+        ok = {r.example_id: r.turns[0].prompt_ids for r in rollouts if not r.failed}
+        assert all(ok.get(row["example_id"], p) == p for row, p in zip(rows, prompts, strict=True))
+        tokens = sum(r.num_completion_tokens for r in rollouts)
+        empty = sum(r.failed for r in rollouts)
+        engine = time_engine(args.model, args.max_model_len, prompts, sampling, args.rounds)
+        results[name] = (alone, merged, engine, tokens, empty)
+        print(f"workload {name} done", flush=True)
+
+    print(f"{'workload':>8}{'engine s':>10}{'per-rollout s':>15}{'ratio':>7}{'grouped s':>11}{'ratio':>7}"
+          f"{'tokens':>8}{'empty':>7}")  # fmt: skip
+    for name, (alone, merged, engine, tokens, empty) in results.items():
+        print(f"{name:>8}{engine:>10.3f}{alone:>15.3f}{alone / engine:>7.2f}{merged:>11.3f}{merged / engine:>7.2f}"
+              f"{tokens:>8}{empty:>7}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Run the rollouts of one group on one server: the one path that training and evaluation share.
+
+Invariants: `run_group` returns exactly `size` rollouts, one distinct object each, and raises only
+when cancelled: any failure (an exception of the env, a wrong number of outputs, an untrainable
+output) becomes a failed rollout that says why. The group holds its server's in-flight count from
+dispatch to return (the lease that load balancing reads), and a group whose every rollout failed
+makes the server suspect, so that no more work goes to a dead server before it was checked.
+Requests of the group's first turns are merged into one `n` request where possible (`coalesce.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from prime_rl.orchestrator.client import Server, ServerPool
+from prime_rl.orchestrator.coalesce import grouped, rollout_slot
+from prime_rl.orchestrator.config import SamplingConfig
+from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.orchestrator.verifiers_adapter import from_verifiers
+
+
+def sampling_args(config: SamplingConfig) -> dict[str, Any]:
+    """Sampling args that make vLLM return token ids and logprobs (needed for training)."""
+    return {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "max_tokens": config.max_tokens,
+        "logprobs": True,
+        "extra_body": {**config.extra_body, "return_token_ids": True},
+    }
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """What to run: `size` rollouts of one example of one env, at one policy version."""
+
+    env_name: str
+    vf_env: Any
+    inp: dict[str, Any]
+    """The verifiers rollout input (prompt, example_id, answer, info, task)."""
+    example_id: int | str
+    size: int
+    policy_version: int
+    sampling: SamplingConfig
+    state_columns: tuple[str, ...] = ()
+
+    @property
+    def group_scoring(self) -> bool:
+        """Whether the rubric scores the group together (then one `run_group` call)."""
+        return bool(getattr(self.vf_env, "requires_group_rollouts", False))
+
+
+async def run_group(job: GroupJob, server: Server, pool: ServerPool, model: str) -> list[Rollout]:
+    """The group's rollouts on `server`, which must already carry the lease (`lease`)."""
+    try:
+        rollouts = await _run(job, server, model)
+    finally:
+        server.inflight -= job.size
+    if all(r.failed for r in rollouts):
+        pool.suspect(server)  # a dead server fails everything: check it before sending more
+    return rollouts
+
+
+def lease(server: Server, job: GroupJob) -> None:
+    """Count the group against `server` at once, so that the next dispatch sees its load."""
+    server.inflight += job.size
+
+
+async def _run(job: GroupJob, server: Server, model: str) -> list[Rollout]:
+    args = sampling_args(job.sampling)
+    columns = ["trajectory", *job.state_columns]
+
+    def convert(output: dict[str, Any]) -> Rollout:
+        return from_verifiers(output, job.env_name, job.policy_version, list(job.state_columns))
+
+    def failed(e: BaseException) -> Rollout:
+        return failed_rollout(job.env_name, job.example_id, job.policy_version, f"{type(e).__name__}: {e}")
+
+    with grouped(job.size):
+        if job.group_scoring:
+            try:
+                outputs = await job.vf_env.run_group(
+                    [dict(job.inp) for _ in range(job.size)],
+                    server.client,
+                    model,
+                    args,
+                    state_columns=columns,
+                )
+                if len(outputs) != job.size:
+                    raise RuntimeError(f"run_group returned {len(outputs)} outputs for {job.size} inputs")
+                return [convert(o) for o in outputs]
+            except Exception as e:
+                return [failed(e) for _ in range(job.size)]
+
+        async def one() -> Rollout:
+            with rollout_slot():
+                try:
+                    output = await job.vf_env.run_rollout(
+                        dict(job.inp), server.client, model, args, state_columns=columns
+                    )
+                    return convert(output)
+                except Exception as e:
+                    return failed(e)
+
+        return list(await asyncio.gather(*(one() for _ in range(job.size))))
