@@ -22,8 +22,8 @@ this run. The process (and so the server it starts) keeps the cores it was given
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import json
 import os
 import signal
 import statistics

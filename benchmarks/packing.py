@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 import time
 
-from prime_rl.orchestrator.packing import pack
 from prime_rl.transport.messages import TrainingSample
+from prime_rl.transport.packing import pack
 
 
 def sample(prompt_len: int, completion_len: int) -> TrainingSample:

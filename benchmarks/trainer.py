@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
-from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.dist import init_world
 from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
+from prime_rl.transport.packing import pack
 
 
 def micro_batches(seq_len: int, count: int, vocab: int):

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from prime_rl.net import free_port
-from prime_rl.orchestrator.packing import pack
 from prime_rl.transport.messages import TrainingSample, encode
+from prime_rl.transport.packing import pack
 from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender
 
 RUN = "bench"

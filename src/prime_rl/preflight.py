@@ -64,11 +64,11 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
 
 def import_path_problem(key: str, import_path: str) -> str | None:
     """Why the function at 'package.module:function' cannot be loaded (None when it can)."""
-    from prime_rl.orchestrator.advantage import AdvantageError, load_function
+    from prime_rl.plugins import PluginError, load_function
 
     try:
         load_function(import_path, key=key)
-    except AdvantageError as e:
+    except PluginError as e:
         return str(e)
     return None
 

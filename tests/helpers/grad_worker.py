@@ -11,11 +11,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.dist import close_world, exit_rank, init_world
 from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
+from prime_rl.transport.packing import pack
 
 SEQ_LEN = 128
 

@@ -36,7 +36,7 @@ def test_rloo_uses_the_mean_of_the_others():
 
 def test_reinforce_baseline_normalizes_by_the_batch_std():
     fn = Advantage.from_config(ReinforceBaselineAdvantage())
-    assert fn.batch_std_normalize
+    assert fn.batch_hook is batch_std_normalize
     advs = fn(group(2, 0)).advantages + fn(group(1, 1)).advantages
     out = batch_std_normalize(advs)
     assert math.isclose(sum(x * x for x in out) / len(out), 1.0, rel_tol=1e-4)

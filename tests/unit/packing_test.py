@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from prime_rl.orchestrator.packing import pack, pack_bins
 from prime_rl.transport.messages import TrainingSample
+from prime_rl.transport.packing import pack, pack_bins
 
 
 def sample(n_prompt: int, n_completion: int, env: str = "e", temperature: float = 1.0) -> TrainingSample:

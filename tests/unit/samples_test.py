@@ -5,11 +5,11 @@ from prime_rl.orchestrator.samples import rollout_to_samples, sample_lengths
 
 
 def rollout(*turns: Turn) -> Rollout:
-    return Rollout("env", 1, policy_version=3, reward=0.5, turns=list(turns), advantage=0.2)
+    return Rollout("env", 1, policy_version=3, reward=0.5, turns=list(turns))
 
 
 def test_single_turn():
-    [s] = rollout_to_samples(rollout(Turn([1, 2], [3, 4], [1, 1], [-0.1, -0.2])), temperature=0.7)
+    [s] = rollout_to_samples(rollout(Turn([1, 2], [3, 4], [1, 1], [-0.1, -0.2])), 0.2, temperature=0.7)
     assert (s.prompt_ids, s.completion_ids, s.completion_mask) == ([1, 2], [3, 4], [1, 1])
     assert (s.advantage, s.reward, s.policy_version, s.temperature) == (0.2, 0.5, 3, 0.7)
 
@@ -19,7 +19,7 @@ def test_extending_turns_merge_and_mask_inserted_tokens():
         Turn([1, 2], [3, 4], [1, 1], [-0.1, -0.2]),
         Turn([1, 2, 3, 4, 9, 9], [5], [1], [-0.3]),  # env inserted [9, 9]
     )
-    [s] = rollout_to_samples(r)
+    [s] = rollout_to_samples(r, 0.2)
     assert s.prompt_ids == [1, 2]
     assert s.completion_ids == [3, 4, 9, 9, 5]
     assert s.completion_mask == [1, 1, 0, 0, 1]
@@ -29,6 +29,6 @@ def test_extending_turns_merge_and_mask_inserted_tokens():
 
 def test_non_extending_turn_starts_a_new_sample():
     r = rollout(Turn([1, 2], [3], [1], [-0.1]), Turn([7, 8], [9], [1], [-0.2]))
-    samples = rollout_to_samples(r)
+    samples = rollout_to_samples(r, 0.2)
     assert [s.prompt_ids for s in samples] == [[1, 2], [7, 8]]
     assert sample_lengths(r) == [3, 3]

@@ -4,12 +4,12 @@ import asyncio
 import random
 
 from fake_server import FakeServer, Reply
-from prime_rl.orchestrator.advantage import Advantage
+from prime_rl.layout import READY
 from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import load_env
 from prime_rl.orchestrator.scheduler import Scheduler
-from prime_rl.orchestrator.weights import READY, WeightSync
+from prime_rl.orchestrator.weights import WeightSync
 
 
 def make(server: FakeServer, **overrides) -> Scheduler:
@@ -24,8 +24,7 @@ def make(server: FakeServer, **overrides) -> Scheduler:
         }
     )
     envs = [load_env(e, 0) for e in config.envs]
-    advantages = {e.name: Advantage.from_config(None) for e in envs}
-    return Scheduler(config, envs, ServerPool(config.client), advantages, random.Random(0))
+    return Scheduler(config, envs, ServerPool(config.client), random.Random(0))
 
 
 def test_generation_runs_ahead_by_at_most_max_async_level_steps():
@@ -33,11 +32,10 @@ def test_generation_runs_ahead_by_at_most_max_async_level_steps():
         with FakeServer(lambda req, i: Reply(delay_s=5)) as server:
             for level in (0, 1, 2):
                 sched = make(server, max_async_level=level)
-                sched.fill(step=0)
+                sched.fill(step=0, policy_version=0)
                 # batch 8 = two groups of 4 per step: steps 0..level may be in flight at version 0.
                 assert sched.inflight_rollouts == 8 * (level + 1)
-                sched.policy_version = 1
-                sched.fill(step=0)
+                sched.fill(step=0, policy_version=1)
                 assert sched.inflight_rollouts == 8 * (level + 2)
                 await sched.shutdown()
 
@@ -48,7 +46,7 @@ def test_in_flight_limit_is_respected():
     async def scenario():
         with FakeServer(lambda req, i: Reply(delay_s=5)) as server:
             sched = make(server, max_async_level=10, max_inflight_rollouts=12)
-            sched.fill(step=0)
+            sched.fill(step=0, policy_version=0)
             assert sched.inflight_rollouts == 12 and sched.pool.inflight == 12
             await sched.shutdown()
 
@@ -59,11 +57,10 @@ def test_stale_groups_are_cancelled_and_counted():
     async def scenario():
         with FakeServer(lambda req, i: Reply(delay_s=30)) as server:
             sched = make(server, max_async_level=1)
-            sched.fill(step=0)
+            sched.fill(step=0, policy_version=0)
             tasks = list(sched.inflight)
             assert sched.inflight_rollouts == 16
             # Weights moved on to version 2: step 2 cannot use rollouts of version 0.
-            sched.policy_version = 2
             dropped = sched.drop_stale(step=2)
             assert dropped == 16 and sched.inflight_rollouts == 0
             await asyncio.sleep(0)
@@ -79,7 +76,7 @@ def test_finished_groups_become_stale_too():
     async def scenario():
         with FakeServer() as server:
             sched = make(server, max_async_level=0)
-            sched.fill(step=0)
+            sched.fill(step=0, policy_version=0)
             while sched.inflight:
                 await sched.wait(timeout=5)
             assert sched.ready_rollouts == 8

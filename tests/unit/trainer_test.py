@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl.net import free_port
-from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
 from prime_rl.trainer.logprobs import forward_logprobs
@@ -25,6 +24,7 @@ from prime_rl.trainer.main import NaNLossError, train
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
+from prime_rl.transport.packing import pack
 from prime_rl.transport.zmq_transport import ZmqSender
 
 TRAINER = str(Path(sys.executable).parent / "trainer")

@@ -20,7 +20,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-READY = "READY"
+from prime_rl.layout import READY
 
 
 def make_router(weights_dir: Path) -> APIRouter:

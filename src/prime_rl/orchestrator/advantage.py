@@ -12,7 +12,6 @@ calling the function (no baseline exists for it).
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 from prime_rl.orchestrator.config import AdvantageConfig, CustomAdvantage, GRPOAdvantage
 from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.plugins import PluginError, load_function
 
 STD_EPS = 1e-6
 
@@ -87,26 +87,6 @@ def reinforce_baseline(inputs: AdvantageInputs) -> AdvantageOutputs:
 BUILTINS: dict[str, AdvantageFn] = {"grpo": grpo, "rloo": rloo, "reinforce_baseline": reinforce_baseline}
 
 
-def load_function(import_path: str, key: str = "advantage import_path") -> Callable[..., Any]:
-    """Resolve 'package.module:function' (or 'package.module.function'); errors name it as `key`."""
-    where = f"{key} = {import_path!r}"
-    module_name, sep, attr = import_path.partition(":")
-    if not sep:
-        module_name, _, attr = import_path.rpartition(".")
-    if not module_name or not attr:
-        raise AdvantageError(f"{where} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise AdvantageError(f"{where}: cannot import '{module_name}': {e}") from None
-    except Exception as e:  # the module's own code failed while it was imported
-        raise AdvantageError(f"{where}: importing '{module_name}' raised {type(e).__name__}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise AdvantageError(f"{where}: '{module_name}' has no function '{attr}'")
-    return fn
-
-
 @dataclass
 class Advantage:
     """A configured advantage function, validated on every call."""
@@ -114,16 +94,22 @@ class Advantage:
     name: str
     fn: AdvantageFn
     kwargs: dict[str, Any]
-    batch_std_normalize: bool = False
-    """Divide this function's advantages by their std over the whole step (reinforce_baseline)."""
+    batch_hook: Callable[[list[float]], list[float]] | None = None
+    """Applied once per step to the advantages this function gave the step's trained rollouts (in
+    batch order), after every group was scored: reinforce_baseline divides by their std."""
 
     @classmethod
     def from_config(cls, config: AdvantageConfig | None) -> Advantage:
         config = config or GRPOAdvantage()
         if isinstance(config, CustomAdvantage):
-            return cls(config.import_path, load_function(config.import_path), dict(config.kwargs))
+            try:
+                fn = load_function(config.import_path, key="advantage import_path")
+            except PluginError as e:
+                raise AdvantageError(str(e)) from None
+            return cls(config.import_path, fn, dict(config.kwargs))
         kwargs = config.model_dump(exclude={"type"})
-        return cls(config.type, BUILTINS[config.type], kwargs, config.type == "reinforce_baseline")
+        hook = batch_std_normalize if config.type == "reinforce_baseline" else None
+        return cls(config.type, BUILTINS[config.type], kwargs, hook)
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantageOutputs:
         where = f"advantage function '{self.name}' on env '{inputs.env_name}', example {inputs.example_id!r}"

@@ -7,37 +7,14 @@ the progress checkpoint saves, so a resumed run continues with the same next exa
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
+from prime_rl.environments import EnvError, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
 
 REQUIRED_COLUMNS = ("prompt", "example_id")
-
-
-class EnvError(ValueError):
-    """An environment cannot be loaded or used; the message names it."""
-
-
-def load_vf_env(env_id: str, args: dict[str, Any]):
-    """`verifiers.load_environment`, with failures turned into an `EnvError` naming the env."""
-    import verifiers as vf
-
-    # verifiers logs a traceback-like error before raising; our message says it better.
-    logging.getLogger("verifiers").setLevel(logging.CRITICAL)
-    try:
-        env = vf.load_environment(env_id, **args)
-    except Exception as e:
-        cause = e.__cause__ or e
-        raise EnvError(
-            f"env '{env_id}' could not be loaded: {type(cause).__name__}: {cause}. "
-            f"It must be an installed package or importable module exposing load_environment(**args)."
-        ) from None
-    finally:
-        logging.getLogger("verifiers").setLevel(logging.WARNING)
-    return env
 
 
 def check_columns(dataset, env_id: str, which: str) -> None:

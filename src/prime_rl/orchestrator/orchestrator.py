@@ -17,21 +17,22 @@ import random
 import signal
 import threading
 import time
-from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from prime_rl.layout import checkpoint_root, complete_steps, weights_root
 from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
-from prime_rl.orchestrator.advantage import Advantage, batch_std_normalize
+from prime_rl.orchestrator.advantage import Advantage
 from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import Env, load_env
 from prime_rl.orchestrator.eval import Evaluator
 from prime_rl.orchestrator.health import ServerHealth
-from prime_rl.orchestrator.packing import pack
+from prime_rl.orchestrator.pipeline import FinishedGroup, PipelineConfig, StepBuild, build_step
 from prime_rl.orchestrator.progress import (
     Progress,
     cursor_from_json,
@@ -43,14 +44,13 @@ from prime_rl.orchestrator.progress import (
     save_progress,
 )
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
-from prime_rl.orchestrator.samples import rollout_to_samples
-from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Group, Scheduler
-from prime_rl.orchestrator.weights import WeightSync, weights_dir
-from prime_rl.trainer.checkpoint_layout import checkpoint_root, complete_steps
+from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Scheduler
+from prime_rl.orchestrator.weights import WeightSync
 from prime_rl.transport import transport_dir
 from prime_rl.transport.config import resolve_run_id
 from prime_rl.transport.file_transport import FileSender
-from prime_rl.transport.messages import Header, MicroBatch, TrainingBatch, TrainingSample
+from prime_rl.transport.messages import MicroBatch, TrainingBatch
+from prime_rl.transport.packing import pack
 from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -94,39 +94,14 @@ class BatchSender:
             await asyncio.to_thread(s.close, None if deliver else 0.0)
 
 
-def build_batch(
-    groups: list[Group],
-    advantages: dict[str, Advantage],
-    temperatures: dict[str, float],
-    run_id: str,
-    step: int,
-) -> TrainingBatch:
-    """Advantages finished at batch level (reinforce_baseline), then training samples; filtered rollouts excluded."""
-    by_fn: dict[str, list[Rollout]] = defaultdict(list)
-    for g in groups:
-        if advantages[g.env_name].batch_std_normalize:
-            by_fn[advantages[g.env_name].name].extend(
-                r for i, r in enumerate(g.rollouts) if i not in g.filtered
-            )
-    for rollouts in by_fn.values():
-        for r, a in zip(rollouts, batch_std_normalize([r.advantage for r in rollouts]), strict=True):
-            r.advantage = a
-    samples: list[TrainingSample] = []
-    for g in groups:
-        for i, r in enumerate(g.rollouts):
-            if i not in g.filtered:
-                samples.extend(rollout_to_samples(r, temperatures[g.env_name]))
-    return TrainingBatch(Header(run_id, step), samples)
-
-
-def rollout_record(r: Rollout, step: int, trained: bool | None) -> dict[str, Any]:
+def rollout_record(r: Rollout, step: int, advantage: float | None, trained: bool | None) -> dict[str, Any]:
     return {
         "step": step,
         "env": r.env_name,
         "example_id": r.example_id,
         "policy_version": r.policy_version,
         "reward": r.reward,
-        "advantage": r.advantage,
+        "advantage": advantage,
         "trained": trained,
         "prompt": r.prompt,
         "completion": r.completion,
@@ -145,6 +120,16 @@ _JSONL = msgspec.json.Encoder(enc_hook=str)  # several times json.dumps; NaN is 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(_JSONL.encode_lines(records))
+
+
+@dataclass
+class Collected:
+    """What a step collected: its finished groups, the rollouts that failed meanwhile, and timings."""
+
+    groups: list[FinishedGroup]
+    failures: list[Rollout]
+    times: dict[str, float]
+    policy_version: int
 
 
 class Orchestrator:
@@ -196,10 +181,13 @@ class Orchestrator:
         self.pool = ServerPool(c.client)
         log.info("checking inference at %s", ", ".join(c.client.base_urls))
         await self.pool.wait_healthy()
-        self.scheduler = Scheduler(c, self.envs, self.pool, self.advantages, rng, acc)
+        self.pipeline = PipelineConfig(
+            c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters)
+        )
+        self.scheduler = Scheduler(c, self.envs, self.pool, rng, acc)
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
-        self.weights = WeightSync(weights_dir(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
-        self.scheduler.policy_version = await self.weights.poll()
+        self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
+        await self.weights.poll()
         self.health = ServerHealth(
             self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s
         )
@@ -264,11 +252,11 @@ class Orchestrator:
             await self._resend(progress.step)
             self._step_clock, self._send_s = time.perf_counter(), 0.0
             if self.evaluator and c.eval.at_start and progress.step == 0:
-                self.evaluator.start(0, self.scheduler.policy_version)
+                self.evaluator.start(0, self.weights.version)
             for step in range(progress.step, c.max_steps):
                 await self._step(step)
                 if self.evaluator and (step + 1) % c.eval.interval == 0:
-                    self.evaluator.start(step + 1, self.scheduler.policy_version)
+                    self.evaluator.start(step + 1, self.weights.version)
         except BaseException:
             monitor.cancel()
             if self.evaluator:
@@ -315,65 +303,19 @@ class Orchestrator:
         )
 
     async def _step(self, step: int) -> None:
-        c, sched = self.config, self.scheduler
         t0 = self._step_clock  # since the previous step's commit: its send belongs to this step's time
-        t_start = time.perf_counter()
-        next_notice = t_start + 10.0
-        t_blocked = 0.0  # time nothing could be generated because the trainer is too far behind
-        while True:
-            version = await self.weights.poll()
-            sched.policy_version = version
-            sched.drop_stale(step)
-            sched.fill(step)
-            groups = sched.take_batch()
-            if groups is not None:
-                break
-            blocked = not sched.inflight and step - version > c.max_async_level
-            if time.perf_counter() > next_notice:
-                if blocked:
-                    log.info(
-                        "step %d waits for the trainer's weights of step %d", step, step - c.max_async_level
-                    )
-                elif self.pool.pick() is None:
-                    log.info("step %d waits for an inference server to come back", step)
-                else:
-                    last_error = f"; last failure: {sched.failures[-1].error}" if sched.failures else ""
-                    log.info(
-                        "step %d still collecting: %d/%d rollouts ready, %d in flight, %d failed so far%s",
-                        step, sched.ready_rollouts, c.batch_size, sched.inflight_rollouts,
-                        sum(sched.acc.buckets["failed"].values()), last_error[:300],
-                    )  # fmt: skip
-                next_notice = time.perf_counter() + 30.0
-            t_wait = time.perf_counter()
-            await sched.wait(timeout=c.weights_poll_s)
-            self.health.raise_if_failed()
-            if blocked:
-                t_blocked += time.perf_counter() - t_wait
-        t_collect = time.perf_counter() - t_start
-        t_reload, self.weights.reload_s = self.weights.reload_s, 0.0
-        times = {
-            "time/generate": max(0.0, t_collect - t_blocked - t_reload),
-            "time/wait_trainer": t_blocked,
-            "time/reload": t_reload,
-        }
-
-        batch = await asyncio.to_thread(
-            build_batch, groups, self.advantages, self.temperatures, self.run_id, step
-        )
-        per_rank = await asyncio.to_thread(self._pack, batch)
+        collected = await self._collect(step)
+        built, per_rank = await asyncio.to_thread(self._build, collected.groups, step)
         # The step's records (rollouts, metrics line) are written before its commit point, the
         # progress save: a kill after it loses none, one before it has them rewritten by the rebuilt
-        # step. Failures, accounting and metrics are taken in one synchronous block, so the loop's
-        # callbacks cannot move them apart.
-        failures, sched.failures = sched.failures, []
-        sched.check_accounting()
+        # step. Accounting and metrics are taken in one synchronous block, so the loop's callbacks
+        # cannot move them apart.
+        self.scheduler.account(built.counts)
+        self.scheduler.check_accounting()
         progress = self._progress(step + 1)
-        times.update({
-            "time/collect": t_collect,
-            "time/send": self._send_s,  # the previous batch's, which this step's clock includes
-            "time/step": time.perf_counter() - t0,
-        })  # fmt: skip
-        self._log_step(step, groups, per_rank, times)
+        times = {**collected.times, "time/send": self._send_s, "time/step": time.perf_counter() - t0}
+        self._log_step(step, built, per_rank, times)
+        failures = collected.failures
         if len(failures) > self.config.failure_warning_fraction * self.config.batch_size:
             reason, count = most_common_failure(failures)
             log.warning(
@@ -381,11 +323,66 @@ class Orchestrator:
                 step, len(failures), count, reason, "the orchestrator log", step,
             )  # fmt: skip
         self._step_clock = time.perf_counter()
-        await asyncio.to_thread(self._write_rollouts, step, groups, failures)
-        await asyncio.to_thread(self._save, batch, progress)
+        await asyncio.to_thread(self._write_rollouts, step, built, failures)
+        await asyncio.to_thread(self._save, built.batch, progress)
         t1 = time.perf_counter()
         await self.sender.send(per_rank)
         self._send_s = time.perf_counter() - t1
+
+    async def _collect(self, step: int) -> Collected:
+        """Follow the weights, drop what is stale, dispatch, and wait until the step's groups are in."""
+        c, sched = self.config, self.scheduler
+        t_start = time.perf_counter()
+        next_notice = t_start + 10.0
+        t_blocked = 0.0  # time nothing could be generated because the trainer is too far behind
+        t_reload = 0.0
+        while True:
+            t_poll, before = time.perf_counter(), self.weights.version
+            version = await self.weights.poll()
+            if version != before:
+                t_reload += time.perf_counter() - t_poll
+            sched.drop_stale(step)
+            sched.fill(step, version)
+            taken = sched.take_batch()
+            if taken is not None:
+                break
+            blocked = not sched.inflight and step - version > c.max_async_level
+            if time.perf_counter() > next_notice:
+                self._notice_waiting(step, blocked)
+                next_notice = time.perf_counter() + 30.0
+            t_wait = time.perf_counter()
+            await sched.wait(timeout=c.weights_poll_s)
+            self.health.raise_if_failed()
+            if blocked:
+                t_blocked += time.perf_counter() - t_wait
+        t_collect = time.perf_counter() - t_start
+        times = {
+            "time/generate": max(0.0, t_collect - t_blocked - t_reload),
+            "time/wait_trainer": t_blocked,
+            "time/reload": t_reload,
+            "time/collect": t_collect,
+        }
+        return Collected(*taken, times=times, policy_version=version)
+
+    def _notice_waiting(self, step: int, blocked: bool) -> None:
+        c, sched = self.config, self.scheduler
+        if blocked:
+            log.info("step %d waits for the trainer's weights of step %d", step, step - c.max_async_level)
+        elif self.pool.pick() is None:
+            log.info("step %d waits for an inference server to come back", step)
+        else:
+            last = sched.last_failure
+            last_error = f"; last failure: {last}" if last else ""
+            log.info(
+                "step %d still collecting: %d/%d rollouts ready, %d in flight, %d failed so far%s",
+                step, sched.ready_rollouts, c.batch_size, sched.inflight_rollouts,
+                sum(sched.acc.buckets["failed"].values()), last_error[:300],
+            )  # fmt: skip
+
+    def _build(self, groups: list[FinishedGroup], step: int) -> tuple[StepBuild, list[list[MicroBatch]]]:
+        """The step's batch and its micro-batches per rank: one worker-thread hop per step."""
+        built = build_step(groups, self.advantages, self.temperatures, self.pipeline, self.run_id, step)
+        return built, self._pack(built.batch)
 
     def _progress(self, next_step: int) -> Progress:
         return Progress(
@@ -400,25 +397,29 @@ class Orchestrator:
         save_batch(self.output_dir, batch, keep_from=self._trainer_resume_step())
         save_progress(self.output_dir, progress)
 
-    def _write_rollouts(self, step: int, groups: list[Group], failures: list[Rollout]) -> None:
+    def _write_rollouts(self, step: int, built: StepBuild, failures: list[Rollout]) -> None:
         records = [
-            rollout_record(r, step, i not in g.filtered) for g in groups for i, r in enumerate(g.rollouts)
+            rollout_record(r, step, a, i not in g.filtered)
+            for g in built.groups
+            for i, (r, a) in enumerate(zip(g.rollouts, g.advantages, strict=True))
         ]
-        records += [rollout_record(r, step, None) for r in failures]
+        records += [rollout_record(r, step, None, None) for r in failures]
         write_jsonl(self.output_dir / "rollouts" / f"step_{step:06d}.jsonl", records)
 
     # ------------------------------------------------------------------ metrics
 
-    def _log_step(self, step, groups, per_rank, times: dict[str, float]) -> None:
+    def _log_step(self, step: int, built: StepBuild, per_rank, times: dict[str, float]) -> None:
         sched, c = self.scheduler, self.config
-        rollouts = [(g, r) for g in groups for r in g.rollouts]
+        rollouts = [(g, r, a) for g in built.groups for r, a in zip(g.rollouts, g.advantages, strict=True)]
         m: dict[str, Any] = {}
         env_names = ["all", *[e.name for e in self.envs]]
-        metric_names = sorted({k for _, r in rollouts for k in r.metrics})
+        metric_names = sorted({k for _, r, _ in rollouts for k in r.metrics})
         for env in env_names:
-            rs = [r for g, r in rollouts if env == "all" or g.env_name == env]
+            rs = [r for g, r, _ in rollouts if env == "all" or g.env_name == env]
             m.update(stats(f"reward/{env}", [r.reward for r in rs]))
-            m.update(stats(f"advantage/{env}", [r.advantage for r in rs]))
+            m.update(
+                stats(f"advantage/{env}", [a for g, _, a in rollouts if env == "all" or g.env_name == env])
+            )
             m.update(
                 stats(f"seq_len/{env}", [float(r.num_prompt_tokens + r.num_completion_tokens) for r in rs])
             )
@@ -441,15 +442,14 @@ class Orchestrator:
             m[f"rollouts/all/{bucket}_total"] = sum(now.values())
         m["rollouts/all/inflight"] = sched.inflight_rollouts
         m["rollouts/all/waiting"] = sched.ready_rollouts
-        for key, n in sched.monitor_counts.items():
+        for key, n in built.filter_counts.items():
             m[f"filter/{key}"] = n
-        sched.monitor_counts = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
         m["batch/micro_batches_per_rank"] = len(per_rank[0])
         m["batch/tokens"] = tokens
         m["batch/packing_efficiency"] = tokens / (c.seq_len * len(per_rank) * max(1, len(per_rank[0])))
-        m["policy_version"] = sched.policy_version
+        m["policy_version"] = self.weights.version
         m.update(times)
         m["throughput/tokens_per_s"] = tokens / max(times["time/step"], 1e-9)
         self.metrics.log(step, m)

@@ -43,7 +43,6 @@ class Rollout:
     """Why the rollout failed (exception, HTTP error, timeout, env error, missing tokens), or None."""
     state: dict[str, Any] = field(default_factory=dict)
     """The env's `state_columns`, JSON-ready."""
-    advantage: float | None = None
 
     @property
     def failed(self) -> bool:

@@ -3,12 +3,13 @@
 Invariant: a sample's tokens are exactly the tokens the server saw and sampled (never re-tokenized
 text). Multi-turn: when a turn's prompt extends the previous prompt plus completion, the turns merge
 into one sample and the tokens in between (env or tool messages) get loss mask 0 and logprob 0;
-a turn that does not extend the previous one starts a new sample.
+a turn that does not extend the previous one starts a new sample. `segments` is the one place
+that rule lives: samples and their lengths both follow it.
 """
 
 from __future__ import annotations
 
-from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.orchestrator.rollout import Rollout, Turn
 from prime_rl.transport.messages import TrainingSample
 
 
@@ -16,44 +17,52 @@ def _extends(prefix: list[int], ids: list[int]) -> bool:
     return len(ids) >= len(prefix) and ids[: len(prefix)] == prefix
 
 
-def rollout_to_samples(rollout: Rollout, temperature: float = 1.0) -> list[TrainingSample]:
-    assert rollout.advantage is not None, "advantages are computed before samples are built"
-    samples: list[TrainingSample] = []
-    context: list[int] = []  # prompt + completion so far of the current sample
+def segments(rollout: Rollout) -> list[list[Turn]]:
+    """The rollout's turns, split where a turn's prompt does not extend the previous context."""
+    out: list[list[Turn]] = []
+    context: list[int] = []  # prompt + completion so far of the current segment
     for turn in rollout.turns:
-        if samples and _extends(context, turn.prompt_ids):
-            sample = samples[-1]
-            inserted = turn.prompt_ids[len(context) :]
-            sample.completion_ids += inserted + turn.completion_ids
-            sample.completion_mask += [0] * len(inserted) + turn.completion_mask
-            sample.completion_logprobs += [0.0] * len(inserted) + turn.completion_logprobs
+        if out and _extends(context, turn.prompt_ids):
+            out[-1].append(turn)
         else:
-            samples.append(
-                TrainingSample(
-                    prompt_ids=list(turn.prompt_ids),
-                    completion_ids=list(turn.completion_ids),
-                    completion_mask=list(turn.completion_mask),
-                    completion_logprobs=list(turn.completion_logprobs),
-                    advantage=rollout.advantage,
-                    reward=rollout.reward,
-                    env_name=rollout.env_name,
-                    example_id=rollout.example_id,
-                    policy_version=rollout.policy_version,
-                    temperature=temperature,
-                )
-            )
+            out.append([turn])
         context = turn.prompt_ids + turn.completion_ids
-    return samples
+    return out
 
 
 def sample_lengths(rollout: Rollout) -> list[int]:
-    """Token counts of the samples `rollout_to_samples` would build, without building them."""
-    lengths: list[int] = []
-    context: list[int] = []
-    for turn in rollout.turns:
-        if lengths and _extends(context, turn.prompt_ids):
-            lengths[-1] = len(turn.prompt_ids) + len(turn.completion_ids)
-        else:
-            lengths.append(len(turn.prompt_ids) + len(turn.completion_ids))
-        context = turn.prompt_ids + turn.completion_ids
-    return lengths
+    """Token counts of the samples `rollout_to_samples` builds (a merged sample ends with its last turn)."""
+    return [len(seg[-1].prompt_ids) + len(seg[-1].completion_ids) for seg in segments(rollout)]
+
+
+def rollout_to_samples(rollout: Rollout, advantage: float, temperature: float = 1.0) -> list[TrainingSample]:
+    samples = []
+    for seg in segments(rollout):
+        first = seg[0]
+        ids, mask, logprobs = (
+            list(first.completion_ids),
+            list(first.completion_mask),
+            list(first.completion_logprobs),
+        )
+        context = len(first.prompt_ids) + len(first.completion_ids)
+        for turn in seg[1:]:
+            inserted = turn.prompt_ids[context:]
+            ids += inserted + turn.completion_ids
+            mask += [0] * len(inserted) + turn.completion_mask
+            logprobs += [0.0] * len(inserted) + turn.completion_logprobs
+            context = len(turn.prompt_ids) + len(turn.completion_ids)
+        samples.append(
+            TrainingSample(
+                prompt_ids=list(first.prompt_ids),
+                completion_ids=ids,
+                completion_mask=mask,
+                completion_logprobs=logprobs,
+                advantage=advantage,
+                reward=rollout.reward,
+                env_name=rollout.env_name,
+                example_id=rollout.example_id,
+                policy_version=rollout.policy_version,
+                temperature=temperature,
+            )
+        )
+    return samples

@@ -6,14 +6,16 @@ New groups are dispatched while the step they would land in is within that bound
 `max_inflight_rollouts` are in flight; so generation runs ahead of the trainer by at most
 `max_async_level` steps, and `max_async_level = 0` is fully synchronous.
 
-Finalization (when every rollout of a group is back):
+When every rollout of a group is back:
 - individual scoring: failed rollouts are dropped, the survivors form a (partial) group;
 - group scoring: any failure drops the whole group;
-- no survivors, or fewer than `min_group_size`: dropped.
-Then advantages are computed and the filters applied.
+- no survivors: dropped.
+The scheduler only dispatches, collects, drops and accounts: advantages, filters and samples are
+the pipeline's (`pipeline.py`), which reports back how many of a batch trained and were filtered.
 
 Invariant (checked every step): every dispatched rollout is in exactly one place: in flight,
-finalized and waiting for a batch, or counted once as trained, filtered, failed or stale.
+finished and waiting for a batch, handed out in a batch that is not yet accounted, or counted
+once as trained, filtered, failed or stale.
 """
 
 from __future__ import annotations
@@ -25,18 +27,16 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from prime_rl.logging_setup import ROLLOUT_FAILED
-from prime_rl.orchestrator.advantage import Advantage, AdvantageInputs
 from prime_rl.orchestrator.client import Server, ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import Env, rollout_input
 from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+from prime_rl.orchestrator.pipeline import FinishedGroup
 from prime_rl.orchestrator.rollout import Rollout
-from prime_rl.orchestrator.samples import sample_lengths
 
 log = logging.getLogger(__name__)
 
 BUCKETS = ("trained", "filtered", "failed", "stale")
-ZERO_ADVANTAGE = 1e-8
 
 
 @dataclass
@@ -48,9 +48,7 @@ class Group:
     size: int
     server: Server
     rollouts: list[Rollout] = field(default_factory=list)
-    """After finalization: the surviving rollouts, with advantages."""
-    filtered: set[int] = field(default_factory=set)
-    """Indices into `rollouts` that a filter keeps out of training."""
+    """Once back: the surviving rollouts."""
 
     @property
     def env_name(self) -> str:
@@ -85,27 +83,23 @@ class Scheduler:
         config: OrchestratorConfig,
         envs: list[Env],
         pool: ServerPool,
-        advantages: dict[str, Advantage],
         rng: random.Random,
         accounting: Accounting | None = None,
     ):
         self.config = config
         self.envs = envs
         self.pool = pool
-        self.advantages = advantages
         self.rng = rng
         self.acc = accounting or Accounting()
-        self.policy_version = 0
         self.inflight: dict[asyncio.Task, Group] = {}
         self.ready: deque[Group] = deque()
         self._next_group_id = 0
         self._next_env: Env | None = None
-        self.failures: list[Rollout] = []
-        """Failed rollouts since the last step (for the rollouts log), without tokens."""
+        self._failures: list[Rollout] = []
+        """Failed rollouts since the last batch was taken (they go with it, for the rollouts log)."""
+        self._unaccounted = 0
+        """Rollouts handed out in batches whose trained/filtered counts are not yet in."""
         self._weights = [e.config.ratio for e in envs]
-        self._filters = {f.type: f.monitor_only for f in config.filters}
-        self.monitor_counts: Counter = Counter()
-        """Rollouts that monitor-only filters would have dropped, per '<filter>/<env>'."""
 
     # ---------------------------------------------------------------- counts
 
@@ -120,7 +114,7 @@ class Scheduler:
     def check_accounting(self) -> None:
         accounted = sum(sum(c.values()) for c in self.acc.buckets.values())
         dispatched = sum(self.acc.dispatched.values())
-        pending = self.inflight_rollouts + self.ready_rollouts
+        pending = self.inflight_rollouts + self.ready_rollouts + self._unaccounted
         if dispatched != accounted + pending:
             raise AssertionError(
                 f"rollout accounting broken: dispatched {dispatched} != accounted {accounted} + pending {pending}"
@@ -128,8 +122,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- dispatch
 
-    def fill(self, step: int) -> int:
-        """Dispatch groups while the policy lag and the in-flight limit allow; return how many."""
+    @property
+    def last_failure(self) -> str | None:
+        return self._failures[-1].error if self._failures else None
+
+    def fill(self, step: int, policy_version: int) -> int:
+        """Dispatch groups at `policy_version` (what the servers serve) while the policy lag and the
+        in-flight limit allow; return how many."""
         n = 0
         c = self.config
         while True:
@@ -144,21 +143,21 @@ class Scheduler:
             ):
                 return n
             target = step + (self.inflight_rollouts + self.ready_rollouts) // c.batch_size
-            if target >= c.max_steps or target - self.policy_version > c.max_async_level:
+            if target >= c.max_steps or target - policy_version > c.max_async_level:
                 return n
             if self.pool.pick() is None:
                 return n  # no server is up: the health monitor is bringing one back
             self._next_env = None
-            self._dispatch(env)
+            self._dispatch(env, policy_version)
             n += 1
 
-    def _dispatch(self, env: Env) -> None:
+    def _dispatch(self, env: Env, policy_version: int) -> None:
         row = env.examples.next()
         server = self.pool.pick()
         assert server is not None
         job = GroupJob(
             env.name, env.vf_env, rollout_input(row), row["example_id"], env.config.group_size,
-            self.policy_version, env.config.sampling, tuple(env.config.state_columns),
+            policy_version, env.config.sampling, tuple(env.config.state_columns),
         )  # fmt: skip
         group = Group(self._next_group_id, env, job.example_id, job.policy_version, job.size, server)
         self._next_group_id += 1
@@ -186,47 +185,16 @@ class Scheduler:
     def _finalize(self, group: Group, rollouts: list[Rollout]) -> None:
         name = group.env_name
         failures = [r for r in rollouts if r.failed]
-        self.failures.extend(failures)
+        self._failures.extend(failures)
         for r in failures:
             log.info("%s %s example %s: %s", ROLLOUT_FAILED, name, r.example_id, (r.error or "")[:500])
         if failures and group.env.group_scoring:
             self.acc.add("failed", name, len(rollouts))
             return
-        survivors = [r for r in rollouts if not r.failed]
         self.acc.add("failed", name, len(failures))
-        if not survivors:
-            return
-        group.rollouts = survivors
-        if len(survivors) < self.config.min_group_size:
-            # Kept as a fully filtered group: it counts toward the batch like any filtered rollout.
-            for r in survivors:
-                r.advantage = 0.0
-            group.filtered = set(range(len(survivors)))
-            self.monitor_counts[f"min_group_size/{name}"] += len(survivors)
-        else:
-            out = self.advantages[name](AdvantageInputs(survivors, name, group.example_id))
-            for r, a in zip(survivors, out.advantages, strict=True):
-                r.advantage = a
-            self._apply_filters(group)
-        self.ready.append(group)
-
-    def _apply_filters(self, group: Group) -> None:
-        # Always on: a sample longer than seq_len cannot be packed (raise max_tokens or seq_len).
-        drop = {i for i, r in enumerate(group.rollouts) if max(sample_lengths(r)) > self.config.seq_len}
-        self.monitor_counts[f"overlong/{group.env_name}"] += len(drop)
-        for kind, monitor_only in self._filters.items():
-            if kind == "zero_advantage":
-                hit = (
-                    set(range(len(group.rollouts)))
-                    if all(abs(r.advantage) < ZERO_ADVANTAGE for r in group.rollouts)  # float noise is 0
-                    else set()
-                )
-            else:  # truncated
-                hit = {i for i, r in enumerate(group.rollouts) if r.is_truncated}
-            self.monitor_counts[f"{kind}/{group.env_name}"] += len(hit)
-            if not monitor_only:
-                drop |= hit
-        group.filtered = drop
+        group.rollouts = [r for r in rollouts if not r.failed]
+        if group.rollouts:
+            self.ready.append(group)
 
     def drop_stale(self, step: int) -> int:
         """Drop finalized groups and cancel in-flight ones that can no longer train step >= `step`."""
@@ -248,18 +216,26 @@ class Scheduler:
                 n += g.size
         return n
 
-    def take_batch(self) -> list[Group] | None:
-        """Whole groups, oldest first, once they hold at least `batch_size` rollouts; else None."""
+    def take_batch(self) -> tuple[list[FinishedGroup], list[Rollout]] | None:
+        """Whole groups, oldest first, once they hold at least `batch_size` rollouts, with the failed
+        rollouts since the last batch; else None. Account for them with `account` once built."""
         if self.ready_rollouts < self.config.batch_size:
             return None
         batch, n = [], 0
         while n < self.config.batch_size:
             g = self.ready.popleft()
-            batch.append(g)
+            batch.append(FinishedGroup(g.env_name, g.example_id, tuple(g.rollouts)))
             n += len(g.rollouts)
-            self.acc.add("filtered", g.env_name, len(g.filtered))
-            self.acc.add("trained", g.env_name, len(g.rollouts) - len(g.filtered))
-        return batch
+        self._unaccounted += n
+        failures, self._failures = self._failures, []
+        return batch, failures
+
+    def account(self, buckets: dict[str, Counter]) -> None:
+        """The trained and filtered counts per env of a batch from `take_batch`."""
+        for bucket, per_env in buckets.items():
+            for env, n in per_env.items():
+                self.acc.add(bucket, env, n)
+                self._unaccounted -= n
 
     async def shutdown(self) -> None:
         """Cancel what is in flight and count it, and what waits unused, as stale."""

@@ -11,38 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import time
 from pathlib import Path
 
 import httpx
 
+from prime_rl.layout import latest_ready_step, step_dir
 from prime_rl.orchestrator.client import Server, ServerPool
 
 log = logging.getLogger(__name__)
 
-READY = "READY"
 LOAD_ROUTE = "/prime_rl/load_weights"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def weights_dir(output_dir: Path) -> Path:
-    return Path(output_dir) / "weights"
-
-
-def latest_ready_step(root: Path) -> int | None:
-    """The highest N with `step_<N>/READY` under root, or None."""
-    best = None
-    try:
-        entries = list(root.iterdir())
-    except FileNotFoundError:
-        return None
-    for entry in entries:
-        m = _STEP_DIR.match(entry.name)
-        if m and (entry / READY).exists():
-            n = int(m.group(1))
-            best = n if best is None or n > best else best
-    return best
 
 
 class WeightSyncError(RuntimeError):
@@ -55,8 +33,6 @@ class WeightSync:
         self.pool = pool
         self.version = version
         self.timeout_s = timeout_s
-        self.reload_s = 0.0
-        """Seconds spent in weight reloads since the orchestrator last read and reset it."""
         self.lock = asyncio.Lock()
 
     async def poll(self) -> int:
@@ -65,9 +41,7 @@ class WeightSync:
         if newest is not None and newest > self.version:
             async with self.lock:
                 if newest > self.version:
-                    t0 = time.perf_counter()
                     await self.load([s for s in self.pool.servers if s.up], newest)
-                    self.reload_s += time.perf_counter() - t0
                     self.version = newest
         return self.version
 
@@ -79,7 +53,7 @@ class WeightSync:
         published weights with it.
         """
         newest = await asyncio.to_thread(latest_ready_step, self.root)
-        if newest is not None and newest > self.version and not (self.root / f"step_{self.version}").exists():
+        if newest is not None and newest > self.version and not step_dir(self.root, self.version).exists():
             unreachable = await self.load([*[s for s in self.pool.servers if s.up], server], newest)
             self.version = newest
             return server not in unreachable
@@ -95,7 +69,7 @@ class WeightSync:
     async def load(self, servers: list[Server], step: int) -> list[Server]:
         """Make `servers` serve the weights of `step`; return those that could not be reached (now
         suspected, see `ServerPool.suspect`)."""
-        path = str((self.root / f"step_{step}").resolve())
+        path = str(step_dir(self.root, step).resolve())
         unreachable: list[Server] = []
         async with httpx.AsyncClient(timeout=self.timeout_s) as http:
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from prime_rl.trainer.checkpoint_layout import DONE, checkpoint_root, complete_steps
+from prime_rl.layout import DONE, checkpoint_root, complete_steps
 from prime_rl.trainer.dist import World
 
 __all__ = ["checkpoint_root", "complete_steps", "load_checkpoint", "save_checkpoint"]

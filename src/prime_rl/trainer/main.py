@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
+from prime_rl.plugins import PluginError, load_function
 from prime_rl.preflight import check_trainer
 from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import TrainerConfig
@@ -54,8 +55,6 @@ def resume_step(config: TrainerConfig) -> int:
 def load_custom_loss(config: TrainerConfig) -> LossFn | None:
     if not config.loss.custom_import_path:
         return None
-    from prime_rl.orchestrator.advantage import load_function
-
     fn = load_function(config.loss.custom_import_path, key="loss.custom_import_path")
     return lambda inputs: fn(inputs, **config.loss.custom_kwargs)
 
@@ -133,7 +132,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         receiver.receiver.close()
 
 
-USER_ERRORS = (ModelLoadError, TransportError, NaNLossError, CheckpointError)
+USER_ERRORS = (ModelLoadError, TransportError, NaNLossError, CheckpointError, PluginError)
 
 
 def main(argv: list[str] | None = None) -> None:

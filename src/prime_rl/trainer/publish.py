@@ -18,13 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from prime_rl.layout import READY, marked_steps, step_dir, weights_root
 from prime_rl.trainer.dist import World
-
-READY = "READY"
-
-
-def weights_root(output_dir: Path) -> Path:
-    return Path(output_dir) / "weights"
 
 
 class Publisher:
@@ -77,11 +72,9 @@ class Publisher:
 
     def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:
         t0 = time.perf_counter()
-        self._write_folder(self.root / f"step_{step}", state, config)
-        for old in sorted(int(p.name[5:]) for p in self.root.glob("step_*") if (p / READY).exists())[
-            : -self.keep
-        ]:
-            shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
+        self._write_folder(step_dir(self.root, step), state, config)
+        for old in marked_steps(self.root, READY)[: -self.keep]:
+            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
         self.last_write_s = time.perf_counter() - t0
 
     def wait(self) -> None:

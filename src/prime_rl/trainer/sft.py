@@ -18,7 +18,6 @@ from typing import Any
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
-from prime_rl.orchestrator.packing import pack
 from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import SFTConfig, SFTDataConfig
 from prime_rl.trainer.dist import World, init_world, run_rank
@@ -27,6 +26,7 @@ from prime_rl.trainer.main import USER_ERRORS, resume_step
 from prime_rl.trainer.publish import Publisher
 from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
+from prime_rl.transport.packing import pack
 
 log = logging.getLogger("prime_rl.sft")
 
@@ -54,7 +54,7 @@ def read_examples(config: SFTDataConfig) -> list[tuple[list[dict], list[dict], s
                     raise SFTDataError(f"{where}: not JSON ({e})") from None
                 out.append((*split_row(row, where), where))
     else:
-        from prime_rl.orchestrator.envs import load_vf_env
+        from prime_rl.environments import load_vf_env
 
         dataset = load_vf_env(config.env_id, config.env_args).get_dataset()
         for i in range(len(dataset)):
