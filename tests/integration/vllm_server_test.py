@@ -74,6 +74,7 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         m.lm_head.weight.mul_(3.0)
+        m.model.layers[0].self_attn.v_proj.weight.mul_(2.0)  # changes the KV cache, not only the logits
     m.save_pretrained(step_dir)
     for f in Path(model).glob("tokenizer*"):
         shutil.copy(f, step_dir)
@@ -91,18 +92,40 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     assert httpx.get(f"{base}/prime_rl/weights").json() == {"step": 1}
 
     client = OpenAI(base_url=f"{base}/v1", api_key="local", max_retries=0, timeout=60)
-    resp = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "abc"}], max_tokens=8, logprobs=True,
-        extra_body={"return_token_ids": True},
-    )  # fmt: skip
-    prompt, completion = resp.model_extra["prompt_token_ids"], resp.choices[0].model_extra["token_ids"]
-    served = torch.tensor([t.logprob for t in resp.choices[0].logprobs.content])
-    ids = torch.tensor(prompt + completion)
-    with torch.no_grad():
-        expected, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 1.0)
+
+    def served_and_expected(content: str, salt: str | None = None):
+        extra = {"return_token_ids": True, **({"cache_salt": salt} if salt else {})}
+        resp = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=8, logprobs=True,
+            extra_body=extra,
+        )  # fmt: skip
+        prompt, completion = resp.model_extra["prompt_token_ids"], resp.choices[0].model_extra["token_ids"]
+        served = torch.tensor([t.logprob for t in resp.choices[0].logprobs.content])
+        ids = torch.tensor(prompt + completion)
+        with torch.no_grad():
+            expected, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 1.0)
+        return served, expected[len(prompt) :]
+
     # float32 parity with the trainer's logprobs after the reload (not the old weights').
-    assert (served - expected[len(prompt) :]).abs().max() < 1e-3
-    assert route(weights_dir / "step_1").json()["step"] == 1  # reloading again is fine
+    served, expected = served_and_expected("abc")
+    assert (served - expected).abs().max() < 1e-3
+    # The server keeps its prefix cache across reloads; the orchestrator's requests carry the policy
+    # version as cache salt, so a long prompt cached under the old weights is computed again.
+    long = "the same long prompt " * 8
+    m_new = m
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)  # step 0's weights
+    route_step0 = weights_dir / "step_0"
+    m.save_pretrained(route_step0)
+    for f in Path(model).glob("tokenizer*"):
+        shutil.copy(f, route_step0)
+    (route_step0 / "READY").touch()
+    assert route(route_step0, step=0).status_code == 200
+    served, expected = served_and_expected(long, salt="prime-rl-policy-0")  # cached under step 0
+    assert (served - expected).abs().max() < 1e-3
+    assert route(step_dir).json()["step"] == 1  # reloading again is fine
+    m = m_new
+    served, expected = served_and_expected(long, salt="prime-rl-policy-1")
+    assert (served - expected).abs().max() < 1e-3
     # The served model is back to what the other tests expect.
     m = AutoModelForCausalLM.from_pretrained(model)
     m.save_pretrained(weights_dir / "step_0")

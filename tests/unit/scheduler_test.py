@@ -60,8 +60,9 @@ def test_stale_groups_are_cancelled_and_counted():
             sched.fill(step=0, policy_version=0)
             tasks = list(sched.inflight)
             assert sched.inflight_rollouts == 16
-            # Weights moved on to version 2: step 2 cannot use rollouts of version 0.
-            dropped = sched.drop_stale(step=2)
+            # Step 2 may still train them (one step later than planned: 2 - 0 <= 1 + 1), step 3 not.
+            assert sched.drop_stale(step=2) == 0 and sched.inflight_rollouts == 16
+            dropped = sched.drop_stale(step=3)
             assert dropped == 16 and sched.inflight_rollouts == 0
             await asyncio.sleep(0)
             assert all(t.cancelled() or t.cancelling() for t in tasks)
@@ -101,5 +102,20 @@ def test_weight_sync_loads_the_newest_ready_step_on_every_server(tmp_path):
                 assert [x["step"] for x in server.loads] == [2]
                 assert server.loads[0]["path"].endswith("step_2")
             assert await sync.poll() == 2 and len(a.loads) == 1  # nothing new: no reload
+
+    asyncio.run(scenario())
+
+
+def test_the_off_policy_bound_defaults_to_one_step_more_than_the_async_level():
+    assert OrchestratorConfig(max_async_level=0).off_policy_bound == 0  # synchronous stays on-policy
+    assert OrchestratorConfig(max_async_level=1).off_policy_bound == 2
+    assert OrchestratorConfig(max_async_level=1, max_off_policy_steps=1).off_policy_bound == 1
+
+    async def scenario():
+        with FakeServer(lambda req, i: Reply(delay_s=30)) as server:
+            sched = make(server, max_async_level=1, max_off_policy_steps=1)
+            sched.fill(step=0, policy_version=0)
+            assert sched.drop_stale(step=2) == 16
+            await sched.shutdown()
 
     asyncio.run(scenario())

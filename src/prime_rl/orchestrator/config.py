@@ -212,7 +212,14 @@ class OrchestratorConfig(RootConfig):
     """Tokens per packed micro-batch (the trainer's sequence length)."""
 
     max_async_level: int = Field(default=DEFAULT_MAX_ASYNC_LEVEL, ge=0)
-    """A rollout from policy version v may train step s only if s - v <= this (0 = synchronous)."""
+    """How far generation runs ahead: a group is dispatched at policy version v only for a step s
+    with s - v <= this (0 = synchronous: every step's rollouts come from the step's own weights)."""
+
+    max_off_policy_steps: int | None = Field(default=None, ge=0)
+    """The bound at training time: a rollout whose oldest tokens come from policy version v trains
+    step s only if s - v <= this; older ones are dropped and counted as stale (in-flight ones once
+    they can no longer make it). Default: max_async_level + 1, so that a group that finishes one
+    step later than planned still trains; 0 when max_async_level is 0."""
 
     batch_size: int = Field(default=64, ge=1)
     """Rollouts per training step (a multiple of the groups' sizes)."""
@@ -259,6 +266,13 @@ class OrchestratorConfig(RootConfig):
 
     resume: bool = True
     """Continue from the progress checkpoint in output_dir when there is one."""
+
+    @property
+    def off_policy_bound(self) -> int:
+        """`max_off_policy_steps` with its default resolved."""
+        if self.max_off_policy_steps is not None:
+            return self.max_off_policy_steps
+        return self.max_async_level + 1 if self.max_async_level else 0
 
     @model_validator(mode="after")
     def _check_env_names(self):

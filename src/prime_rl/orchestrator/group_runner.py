@@ -21,15 +21,18 @@ from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 from prime_rl.orchestrator.verifiers_adapter import from_verifiers
 
 
-def sampling_args(config: SamplingConfig) -> dict[str, Any]:
-    """Sampling args that make vLLM return token ids and logprobs (needed for training)."""
+def sampling_args(config: SamplingConfig, policy_version: int) -> dict[str, Any]:
+    """Sampling args that make vLLM return token ids and logprobs (needed for training), with the
+    prefix cache salted by the policy version: a server keeps its cache across weight reloads (for
+    the requests in flight), and no new request may reuse a prefix computed by older weights."""
     return {
         "temperature": config.temperature,
         "top_p": config.top_p,
         "max_tokens": config.max_tokens,
         "logprobs": True,
-        "extra_body": {**config.extra_body, "return_token_ids": True},
-    }
+        "extra_body": {"cache_salt": f"prime-rl-policy-{policy_version}", **config.extra_body,
+                       "return_token_ids": True},
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def lease(server: Server, job: GroupJob) -> None:
 
 
 async def _run(job: GroupJob, server: Server, model: str) -> list[Rollout]:
-    args = sampling_args(job.sampling)
+    args = sampling_args(job.sampling, job.policy_version)
     columns = ["trajectory", *job.state_columns]
 
     def convert(output: dict[str, Any]) -> Rollout:

@@ -29,7 +29,8 @@ class Rollout:
     env_name: str
     example_id: int | str
     policy_version: int
-    """The policy version (trainer step of the weights) that was served when it started."""
+    """The policy version (trainer step of the weights) that was served when it started: the
+    oldest among its tokens (a weight update during the rollout does not interrupt it)."""
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     turns: list[Turn] = field(default_factory=list)

@@ -1,10 +1,14 @@
 """Keep the inference servers busy with groups of rollouts, within the policy-lag bound.
 
 A group is the `group_size` rollouts of one (env_name, example_id), dispatched together to one
-server at the current policy version v. It may train step s only if `s - v <= max_async_level`.
-New groups are dispatched while the step they would land in is within that bound and fewer than
-`max_inflight_rollouts` are in flight; so generation runs ahead of the trainer by at most
-`max_async_level` steps, and `max_async_level = 0` is fully synchronous.
+server at the current policy version v. New groups are dispatched while the step s they would land
+in has `s - v <= max_async_level` and fewer than `max_inflight_rollouts` are in flight; so
+generation runs ahead of the trainer by at most `max_async_level` steps, and `max_async_level = 0`
+is fully synchronous. Weight updates do not interrupt a rollout (the server keeps it across the
+reload), so v is the oldest policy version among its tokens. The bound that drops rollouts is
+checked at training time: a group trains step s only if `s - v <= max_off_policy_steps` (by
+default one more than `max_async_level`, so a group that finishes a step later than planned still
+trains); in-flight groups are cancelled only once they are past it.
 
 When every rollout of a group is back:
 - individual scoring: failed rollouts are dropped, the survivors form a (partial) group;
@@ -197,8 +201,9 @@ class Scheduler:
             self.ready.append(group)
 
     def drop_stale(self, step: int) -> int:
-        """Drop finalized groups and cancel in-flight ones that can no longer train step >= `step`."""
-        oldest = step - self.config.max_async_level
+        """Drop finished groups and cancel in-flight ones that can no longer train step >= `step`
+        (policy version older than `max_off_policy_steps` allows)."""
+        oldest = step - self.config.off_policy_bound
         n = 0
         keep: deque[Group] = deque()
         for g in self.ready:
