@@ -8,7 +8,8 @@ metrics. Placements: `default` is what `rl` does; `pinned` / `free` force the or
 API server onto the inference cores / leave them unpinned (`deployment.pin_orchestrator`). Start-up
 and the first step (vLLM warm-up, first batch) are left out: the rate is over steps 1..N-1 of the
 trainer. Prints steps per minute, trained tokens per second, the trainer's idle fraction (waiting for
-data) and inference's (the orchestrator holding generation back for the trainer), and the speed-up
+data) and inference's (the orchestrator holding generation back for the trainer), the rollouts
+discarded as stale over the whole run, the mean off-policy lag of trained rollouts, and the speed-up
 over the first row.
 """
 
@@ -38,13 +39,16 @@ def run(level: int, placement: str, steps: int, out: Path) -> dict[str, float]:
     if proc.returncode != 0:
         raise SystemExit(f"level {level} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     trainer = read_metrics(out / "trainer" / "metrics.jsonl")[1:]
-    orch = [m for m in read_metrics(out / "orchestrator" / "metrics.jsonl") if "time/step" in m][1:]
+    all_orch = [m for m in read_metrics(out / "orchestrator" / "metrics.jsonl") if "time/step" in m]
+    orch = all_orch[1:]
     wall = sum(m["time/step"] for m in trainer)
     return {
         "steps_per_min": 60 * len(trainer) / wall,
         "tokens_per_s": sum(m["loss_tokens"] for m in trainer) / wall,
         "trainer_idle": sum(m["time/wait_for_data"] for m in trainer) / wall,
         "inference_idle": sum(m["time/wait_trainer"] for m in orch) / sum(m["time/step"] for m in orch),
+        "stale": sum(m["rollouts/all/stale"] for m in all_orch),
+        "lag": sum(m["off_policy_lag/all/mean"] for m in orch) / len(orch),
     }
 
 
@@ -65,11 +69,11 @@ def main() -> None:
     base = next(iter(results.values()))
     print(
         f"{'level':>6}{'placement':>10}{'steps/min':>11}{'tokens/s':>10}{'trainer idle':>14}"
-        f"{'inference idle':>16}{'speed-up':>10}"
+        f"{'inference idle':>16}{'stale':>7}{'lag':>6}{'speed-up':>10}"
     )
     for (level, placement), r in results.items():
         print(f"{level:>6}{placement:>10}{r['steps_per_min']:>11.1f}{r['tokens_per_s']:>10.0f}"
-              f"{r['trainer_idle']:>14.2f}{r['inference_idle']:>16.2f}"
+              f"{r['trainer_idle']:>14.2f}{r['inference_idle']:>16.2f}{r['stale']:>7}{r['lag']:>6.2f}"
               f"{r['steps_per_min'] / base['steps_per_min']:>10.2f}")  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 argv: model_path out_file split. With 2 ranks, rank 0 takes samples[:split] and rank 1 the rest,
 each packed into its own micro-batches (the poorer rank gets filler micro-batches). Rank 0 saves the
-full (unsharded) gradients.
+full (unsharded) gradients and the per-token metrics reduced over the ranks.
 """
 
 import random
@@ -59,13 +59,15 @@ def main() -> None:
     )
     torch.manual_seed(0)
     trainer = Trainer(config, world)
-    _, _, global_tokens = trainer.accumulate(mbs)
+    stats, _, global_tokens = trainer.accumulate(mbs)
+    metrics = stats.reduce(world)
     grads = {}
     for name, p in trainer.model.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name] = g.detach().clone()
     if world.is_main:
-        torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs)}, out_file)
+        torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs), "metrics": metrics},
+                   out_file)  # fmt: skip
     close_world(world)
     exit_rank(world, 0)
 

@@ -39,3 +39,9 @@ def test_two_ranks_give_the_same_gradients_as_one(tiny_model, tmp_path, single_r
         g2 = two["grads"][name]
         assert g1.abs().max() > 0, name
         torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-6, msg=f"gradient of {name} differs")
+    # Per-env token metrics reduced over the ranks equal those of one rank (the ranks hold different
+    # envs' samples, in different orders).
+    one, both = single_rank["metrics"], two["metrics"]
+    assert set(both) == set(one) and "mismatch_kl/a/mean" in one and "entropy/b/max" in one
+    for key, value in one.items():
+        assert abs(both[key] - value) <= 1e-6 * max(1.0, abs(value)), key

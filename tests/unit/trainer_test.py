@@ -2,6 +2,7 @@
 published weights, checkpoints and resume; plus packed-sequence correctness and bad input."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -276,3 +277,21 @@ def test_two_ranks_train_checkpoint_publish_and_resume(tiny_model, tmp_path):
     assert "resumed from checkpoint step 2" in second.stderr
     published = AutoModelForCausalLM.from_pretrained(out / "weights" / "step_3")
     assert published.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_model).config.vocab_size
+
+
+def test_token_stats_match_a_hand_computation():
+    from prime_rl.trainer.dist import World
+    from prime_rl.trainer.trainer import TokenStats
+
+    stats = TokenStats()
+    rows = stats.rows(["a", "b", "a"])  # three samples
+    per_token = rows[torch.tensor([0, 0, 1, 2, 2, 2])]
+    stats.add("x", per_token, torch.tensor([1.0, 3.0, 10.0, 2.0, 2.0, 8.0]))
+    stats.add("y", stats.rows(["c"])[torch.tensor([0])], torch.tensor([-1.0]))  # a new env later
+    out = stats.reduce(World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    a = [1.0, 3.0, 2.0, 2.0, 8.0]
+    mean = sum(a) / 5
+    assert math.isclose(out["x/a/mean"], mean) and out["x/a/max"] == 8.0 and out["x/b/mean"] == 10.0
+    assert math.isclose(out["x/a/std"], math.sqrt(sum((v - mean) ** 2 for v in a) / 5))
+    assert math.isclose(out["x/all/mean"], 26.0 / 6) and out["x/all/max"] == 10.0
+    assert out["y/c/mean"] == -1.0 and out["y/all/max"] == -1.0 and "y/a/mean" not in out

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,44 +31,68 @@ LossFn = Callable[[LossInputs], LossOutputs]
 
 @dataclass
 class TokenStats:
-    """Per-env sums of per-token metrics on this rank, reduced over ranks at the end of a step."""
+    """Per-env count, sum, sum of squares and max of per-token metrics on this rank.
 
-    sums: dict[tuple[str, str], list[float]] = field(
-        default_factory=lambda: defaultdict(lambda: [0.0, 0.0, 0.0, -math.inf])
-    )
+    Kept on the device and filled with index_add / scatter_reduce, so a step costs no host sync
+    until `reduce`, which copies everything to the host once (after the all-reduce over ranks).
+    """
 
-    def add(self, metric: str, env: str, values: torch.Tensor) -> None:
-        if values.numel() == 0:
-            return
-        v = values.detach().double()
-        for key in ((metric, env), (metric, "all")):
-            s = self.sums[key]
-            s[0] += v.numel()
-            s[1] += v.sum().item()
-            s[2] += (v * v).sum().item()
-            s[3] = max(s[3], v.max().item())
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    envs: dict[str, int] = field(default_factory=dict)
+    """Env name -> row in the tensors below."""
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Metric -> [envs, 3] float64: token count, sum, sum of squares."""
+    maxes: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Metric -> [envs] float64."""
+
+    def rows(self, env_names: list[str]) -> torch.Tensor:
+        """The row of each env name (new names get new rows)."""
+        return torch.tensor([self.envs.setdefault(e, len(self.envs)) for e in env_names], device=self.device)
+
+    def add(self, metric: str, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Per-token `values` of the envs at `rows` (one row index per token)."""
+        n = len(self.envs)
+        m, mx = self.moments.get(metric), self.maxes.get(metric)
+        if m is None or m.shape[0] < n:
+            grown = torch.zeros(n, 3, dtype=torch.float64, device=self.device)
+            grown_max = torch.full((n,), -math.inf, dtype=torch.float64, device=self.device)
+            if m is not None:
+                grown[: m.shape[0]] = m
+                grown_max[: mx.shape[0]] = mx
+            m, mx = self.moments[metric], self.maxes[metric] = grown, grown_max
+        v = values.detach().to(torch.float64)
+        m.index_add_(0, rows, torch.stack([torch.ones_like(v), v, v * v], dim=1))
+        mx.scatter_reduce_(0, rows, v, reduce="amax")
 
     def reduce(self, world: World) -> dict[str, float]:
-        keys = sorted(self.sums)
+        metrics, envs = sorted(self.moments), sorted(self.envs)
         if world.distributed:
-            gathered: list[list] = [None] * world.world_size  # type: ignore[list-item]
-            dist.all_gather_object(gathered, keys)
-            keys = sorted({k for ks in gathered for k in ks})
-        counts = torch.tensor(
-            [self.sums[k][:3] if k in self.sums else [0.0, 0.0, 0.0] for k in keys], dtype=torch.float64
-        )
-        maxes = torch.tensor(
-            [self.sums[k][3] if k in self.sums else -math.inf for k in keys], dtype=torch.float64
-        )
-        counts, maxes = all_reduce_sum(counts, world), all_reduce_max(maxes, world)
+            gathered: list = [None] * world.world_size
+            dist.all_gather_object(gathered, (metrics, envs))
+            metrics = sorted({k for ms, _ in gathered for k in ms})
+            envs = sorted({e for _, es in gathered for e in es})
+        moments = torch.zeros(len(metrics), len(envs), 3, dtype=torch.float64, device=self.device)
+        maxes = torch.full((len(metrics), len(envs)), -math.inf, dtype=torch.float64, device=self.device)
+        cols = torch.tensor([envs.index(e) for e in self.envs], device=self.device, dtype=torch.long)
+        for i, name in enumerate(metrics):
+            if name in self.moments:
+                k = self.moments[name].shape[0]
+                moments[i, cols[:k]] = self.moments[name]
+                maxes[i, cols[:k]] = self.maxes[name]
+        moments, maxes = all_reduce_sum(moments, world), all_reduce_max(maxes, world)
+        everything = torch.cat([moments.sum(dim=1, keepdim=True), moments], dim=1)  # "all" first
+        top = torch.cat([maxes.max(dim=1, keepdim=True).values if envs else maxes[:, :0], maxes], dim=1)
+        moments_host, maxes_host = everything.tolist(), top.tolist()  # the step's one host copy
         out = {}
-        for (metric, env), (n, s, ss), mx in zip(keys, counts.tolist(), maxes.tolist(), strict=True):
-            if n == 0:
-                continue
-            mean = s / n
-            out[f"{metric}/{env}/mean"] = mean
-            out[f"{metric}/{env}/std"] = math.sqrt(max(ss / n - mean * mean, 0.0))
-            out[f"{metric}/{env}/max"] = mx
+        for i, name in enumerate(metrics):
+            for j, env in enumerate(["all", *envs]):
+                n, s, ss = moments_host[i][j]
+                if n == 0:
+                    continue
+                mean = s / n
+                out[f"{name}/{env}/mean"] = mean
+                out[f"{name}/{env}/std"] = math.sqrt(max(ss / n - mean * mean, 0.0))
+                out[f"{name}/{env}/max"] = maxes_host[i][j]
         return out
 
 
@@ -114,7 +137,7 @@ class Trainer:
         local = sum(int(mb.arrays()["loss_mask"].sum()) for mb in micro_batches)
         global_tokens = all_reduce_sum(torch.tensor(float(local), dtype=torch.float64), self.world).item()
         denom = max(global_tokens, 1.0)
-        stats, results = TokenStats(), []
+        stats, results = TokenStats(self.world.device), []
         for mb in micro_batches:
             t = self._tensors(mb)
             lp, entropy = forward_logprobs(self.model, t["input_ids"], t["position_ids"], mb.temperature)
@@ -143,18 +166,15 @@ class Trainer:
         self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs
     ) -> None:
         mask = t["loss_mask"]
-        ids = sample_ids(mb.sample_lens, mask.device)
-        d = lp - t["logprobs"]
-        mismatch_kl = torch.exp(d) - 1 - d  # KL(sampler || trainer), k3 estimate
-        for i, env in enumerate(mb.env_names):
-            m = mask & (ids == i)
-            if not m.any():
-                continue
-            stats.add("loss", env, out.token_loss[m])
-            stats.add("entropy", env, entropy[m])
-            stats.add("mismatch_kl", env, mismatch_kl[m])
-            for name, flag in out.masks.items():
-                stats.add(name, env, flag[m].float())
+        rows = stats.rows(mb.env_names)[sample_ids(mb.sample_lens, mask.device)][
+            mask
+        ]  # env row per loss token
+        d = (lp - t["logprobs"])[mask]
+        stats.add("loss", rows, out.token_loss[mask])
+        stats.add("entropy", rows, entropy[mask])
+        stats.add("mismatch_kl", rows, torch.exp(d) - 1 - d)  # KL(sampler || trainer), k3 estimate
+        for name, flag in out.masks.items():
+            stats.add(name, rows, flag[mask].float())
 
     def optimizer_step(self) -> float:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_norm)
