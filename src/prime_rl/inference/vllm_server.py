@@ -33,6 +33,7 @@ def make_router(weights_dir: Path) -> APIRouter:
         try:
             body = await request.json()
             path, step = Path(str(body["path"])), int(body["step"])
+            clear_cache = bool(body.get("clear_cache", False))
         except Exception:
             return JSONResponse({"error": 'expected JSON {"path": str, "step": int}'}, status_code=400)
         resolved = path.resolve()
@@ -48,7 +49,7 @@ def make_router(weights_dir: Path) -> APIRouter:
             # resume, which halved generation throughput with a reload every 0.5 s). New requests
             # do not reuse prefixes cached under older weights: the orchestrator salts the prefix
             # cache with the policy version (`cache_salt`).
-            await engine.pause_generation(mode="keep", clear_cache=False)
+            await engine.pause_generation(mode="keep", clear_cache=clear_cache)
             try:
                 await engine.collective_rpc("prime_rl_reload", args=(str(resolved),))
             finally:
