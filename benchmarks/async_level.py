@@ -1,16 +1,17 @@
 """Async speed-up: the reverse_text run at max_async_level 0 (synchronous), 1 and 2.
 
     uv run python benchmarks/async_level.py [--steps 12] [--levels 0 1 2] [--placements default pinned free]
-                                            [--heavy]
+                                            [--workload A|B|heavy]
 
 Runs `rl @ configs/reverse_text/rl.toml` once per level and placement, one after the other on this
 machine, each into its own temporary output dir, and reads the trainer's and the orchestrator's
 metrics. Placements: `default` is what `rl` does; `pinned` / `free` force the orchestrator and vLLM's
 API server onto the inference cores / leave them unpinned (`deployment.pin_orchestrator`). Start-up
 and the first step (vLLM warm-up, first batch) are left out: the rate is over steps 1..N-1 of the
-trainer. `--heavy` makes generation the larger part of a step: a fresh 4-layer model (hidden 256,
-untrained: only speed is measured) and completions of exactly 128 tokens (`min_tokens`), 64 rollouts
-per step. Prints steps per minute, trained tokens per second, the trainer's idle fraction (waiting for
+trainer. Workloads: A is the config as it is; B the same env with short prompts (no system prompt,
+5-12 letters, at most 24 tokens); `heavy` makes generation the larger part of a step: a fresh 4-layer
+model (hidden 256, untrained: only speed is measured) and completions of exactly 128 tokens
+(`min_tokens`), 64 rollouts per step. Prints steps per minute, trained tokens per second, the trainer's idle fraction (waiting for
 data) and inference's (the orchestrator holding generation back for the trainer), the rollouts
 discarded as stale over the whole run, the mean off-policy lag of trained rollouts, and the speed-up
 over the first row.
@@ -34,14 +35,23 @@ PLACEMENTS = {"default": [], "pinned": ["--deployment.pin_orchestrator", "true"]
               "free": ["--deployment.pin_orchestrator", "false"]}  # fmt: skip
 
 
-def heavy_args(tmp: Path) -> list[str]:
-    """Overrides for a generation-heavy run: a 4-layer model, 128-token completions."""
-    from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
+def workload_args(workload: str, tmp: Path) -> list[str]:
+    """A config file composed after the main one (later files win) for workloads B and heavy."""
+    if workload == "A":
+        return []
+    if workload == "B":
+        text = """[[orchestrator.envs]]
+id = "reverse-text"
+group_size = 8
+args = { system_prompt = "", min_len = 5, max_len = 12 }
+sampling = { temperature = 1.0, max_tokens = 24 }
+"""
+    else:
+        from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 
-    model = make_tiny_model(TinyModelConfig(output=tmp / "heavy-model", hidden_size=256, intermediate_size=768,
-                                            num_layers=4))  # fmt: skip
-    toml = tmp / "heavy.toml"  # composed after the main config: later files win
-    toml.write_text(f"""model = "{model}"
+        model = make_tiny_model(TinyModelConfig(output=tmp / "heavy-model", hidden_size=256,
+                                                intermediate_size=768, num_layers=4))  # fmt: skip
+        text = f"""model = "{model}"
 [orchestrator]
 batch_size = 64
 [[orchestrator.envs]]
@@ -50,7 +60,9 @@ group_size = 8
 sampling = {{ temperature = 1.0, max_tokens = 128, extra_body = {{ min_tokens = 128 }} }}
 [orchestrator.eval]
 envs = []
-""")
+"""
+    toml = tmp / f"{workload}.toml"
+    toml.write_text(text)
     return ["@", str(toml)]
 
 
@@ -80,11 +92,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--levels", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--placements", nargs="+", choices=sorted(PLACEMENTS), default=["default"])
-    ap.add_argument("--heavy", action="store_true", help="a 4-layer model and 128-token completions")
+    ap.add_argument("--workload", choices=["A", "B", "heavy"], default="A")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        extra = heavy_args(Path(tmp)) if args.heavy else []
+        extra = workload_args(args.workload, Path(tmp))
         for placement in args.placements:
             for level in args.levels:
                 results[level, placement] = run(
