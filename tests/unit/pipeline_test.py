@@ -56,10 +56,11 @@ def test_too_small_and_overlong_and_truncated():
 def test_batch_hooks_see_the_trained_rollouts_of_their_function_only():
     rb = Advantage.from_config(ReinforceBaselineAdvantage())
     a, _ = score_group(group(2.0, 0.0, env="a"), rb, CONFIG)
-    b, _ = score_group(group(1.0, 0.0, env="a"), rb, CONFIG)
+    rb_c = Advantage.from_config(ReinforceBaselineAdvantage())  # env c's own instance, same function
+    b, _ = score_group(group(1.0, 0.0, env="c"), rb_c, CONFIG)
     flat, _ = score_group(group(1.0, 1.0, env="a"), rb, CONFIG)  # filtered: not in the std
     other, _ = score_group(group(1.0, 0.0, env="b"), GRPO, CONFIG)
-    out = apply_batch_hooks([a, b, flat, other], {"a": rb, "b": GRPO})
+    out = apply_batch_hooks([a, b, flat, other], {"a": rb, "b": GRPO, "c": rb_c})
     raw = [1.0, -1.0, 0.5, -0.5]
     std = math.sqrt(sum(x * x for x in raw) / 4)
     assert [x for g in out[:2] for x in g.advantages] == [x / (std + 1e-6) for x in raw]

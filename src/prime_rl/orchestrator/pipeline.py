@@ -86,14 +86,15 @@ def score_group(
 
 
 def apply_batch_hooks(groups: list[ScoredGroup], advantages: dict[str, Advantage]) -> list[ScoredGroup]:
-    """Each advantage function's batch hook over the advantages it gave the step's trained rollouts."""
-    by_fn: dict[int, list[tuple[int, int]]] = {}  # hook owner -> (group index, rollout index)
-    owners: dict[int, Advantage] = {}
+    """Each advantage function's batch hook over the advantages it gave the step's trained rollouts,
+    across envs: envs configured with the same function (by name) share one hook call."""
+    by_fn: dict[str, list[tuple[int, int]]] = {}  # function name -> (group index, rollout index)
+    owners: dict[str, Advantage] = {}
     for gi, g in enumerate(groups):
         fn = advantages[g.env_name]
         if fn.batch_hook is not None:
-            owners[id(fn)] = fn
-            by_fn.setdefault(id(fn), []).extend(
+            owners.setdefault(fn.name, fn)
+            by_fn.setdefault(fn.name, []).extend(
                 (gi, ri) for ri in range(len(g.rollouts)) if ri not in g.filtered
             )
     if not by_fn:
