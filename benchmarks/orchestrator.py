@@ -12,6 +12,11 @@ another core that drops what it receives; this process pinned to one core):
 3. The real path: verifiers' `run_rollout` and the OpenAI client against an instant fake server
    (an in-process httpx2 mock transport, openai's own HTTP library: no sockets, each distinct reply built once), so the ratio
    to run 1 shows what the env library costs per rollout next to the orchestrator.
+4. The same with the multi-turn env digit-sum-feedback: the fake server's replies are never in the
+   answer format, so every rollout takes three model turns and two env turns (one sample each).
+5. The real path (reverse-text) with a second reward function that burns 50 ms of CPU per rollout,
+   run by the reward runner's worker threads (`orchestrator.rewards`), `--slow-batch-size` rollouts
+   per step: rollouts/s is then the reward's bound, and the loop lag is what the rest sees.
 """
 
 from __future__ import annotations
@@ -93,7 +98,9 @@ class InstantServer:
         return vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=base_url, api_key="x", http_client=http))
 
 
-def make_config(out: Path, port: int, batch_size: int, steps: int, inflight: int) -> OrchestratorConfig:
+def make_config(
+    out: Path, port: int, batch_size: int, steps: int, inflight: int, env: str = "reverse-text"
+) -> OrchestratorConfig:
     return OrchestratorConfig(
         output_dir=str(out),
         max_steps=steps,
@@ -101,7 +108,7 @@ def make_config(out: Path, port: int, batch_size: int, steps: int, inflight: int
         max_async_level=1000,  # no trainer publishes weights: never wait for them
         max_inflight_rollouts=inflight,
         seq_len=2048,
-        envs=[{"id": "reverse-text", "group_size": 8, "sampling": {"max_tokens": 64}}],
+        envs=[{"id": env, "group_size": 8, "sampling": {"max_tokens": 64}}],
         client={"base_urls": ["http://fake/v1"], "health_interval_s": 3600},
         transport={"type": "zmq", "port": port, "run_id": "bench"},
         filters=[],
@@ -129,14 +136,25 @@ class InstantEnv:
         }  # fmt: skip
 
 
-def use_env(env_factory) -> None:
-    """Make the orchestrator's envs run rollouts with `env_factory()` (None: the real env)."""
+def burn_50ms(completion, **kwargs) -> float:
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    return 0.0
+
+
+def use_env(env_factory, extra_reward=None) -> None:
+    """Make the orchestrator's envs run rollouts with `env_factory()` (None: the real env), or give
+    the real env one more (zero-weight) reward function, run by the orchestrator's reward runner."""
     real = orchestrator_module.__dict__.setdefault("_real_load_env", orchestrator_module.load_env)
 
-    def load(*args, **kwargs):
-        env = real(*args, **kwargs)
+    def load(config, seed, cursor=None, rewards=None):
+        env = real(config, seed, cursor, rewards)
         if env_factory is not None:
             env.vf_env = env_factory()
+        if extra_reward is not None:
+            env.vf_env.rubric.add_reward_func(extra_reward, weight=0.0)
+            rewards.install(env.vf_env)
         return env
 
     orchestrator_module.load_env = load
@@ -184,6 +202,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--slow-batch-size", type=int, default=64)
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores[:1])
@@ -206,6 +225,12 @@ def main() -> None:
             slow, lags = run(make_config(Path(tmp) / "lag", port, 1000, steps, inflight=1000))
             use_env(None)
             real, real_lags = run(make_config(Path(tmp) / "real", port, bs, steps, inflight=bs))
+            multi, multi_lags = run(
+                make_config(Path(tmp) / "multi", port, bs, steps, inflight=bs, env="digit-sum-feedback")
+            )
+            sbs = args.slow_batch_size
+            use_env(None, extra_reward=burn_50ms)
+            burn, burn_lags = run(make_config(Path(tmp) / "burn", port, sbs, steps, inflight=sbs))
     finally:
         sink.kill()
 
@@ -221,6 +246,8 @@ def main() -> None:
         ("orchestrator alone (instant rollouts)", alone, bs, alone_lags),
         ("rollouts take 0.5-1.5 s", slow, 1000, lags),
         ("verifiers + OpenAI client, instant server", real, bs, real_lags),
+        ("the same, multi-turn env (3 model turns per rollout)", multi, bs, multi_lags),
+        ("the same, single-turn, + a reward burning 50 ms CPU", burn, sbs, burn_lags),
     ):
         print(f"| {name} | {n} | up to {n} | {rate:,.0f} | {rate / alone:.3f} | "
               f"{ms(ls, 0.5)} / {ms(ls, 0.99)} / {max(ls) * 1e3:.1f} |")  # fmt: skip

@@ -4,10 +4,12 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import tomli_w
 
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.net import free_port
@@ -21,15 +23,21 @@ class Served(NamedTuple):
     """Where weights must be published to be reloadable."""
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
+@contextmanager
+def vllm_server(
+    model: Path | str, out: Path, max_model_len: int, extra_args: tuple[str, ...] = (), **settings
+):
+    """A real vLLM server (`uv run inference`) on a free port, stopped on exit; `settings` are
+    further inference config keys (e.g. tool_call_parser="hermes")."""
     port = free_port()
-    out = tmp_path_factory.mktemp("inference")
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "inference.toml"
+    config.write_text(tomli_w.dumps({"extra_args": list(extra_args), **settings}))
     log = (out / "server.log").open("w")
     cmd = [
-        str(Path(sys.executable).parent / "inference"),
-        "--model.name", str(tiny_model),
-        "--model.max-model-len", "256",
+        str(Path(sys.executable).parent / "inference"), "@", str(config),
+        "--model.name", str(model),
+        "--model.max-model-len", str(max_model_len),
         "--server.port", str(port),
         "--output-dir", str(out),
     ]  # fmt: skip
@@ -40,9 +48,23 @@ def server(tiny_model, tmp_path_factory):
     except Exception:
         os.killpg(proc.pid, signal.SIGKILL)
         raise RuntimeError("vLLM did not start:\n" + (out / "server.log").read_text()[-4000:]) from None
-    yield Served(base, str(tiny_model), out / "weights")
-    os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        yield Served(base, str(model), out / "weights")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def start_vllm():
+    """`vllm_server`, for tests that need a server of their own (another model, other flags)."""
+    return vllm_server
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    with vllm_server(tiny_model, tmp_path_factory.mktemp("inference"), 256) as served:
+        yield served

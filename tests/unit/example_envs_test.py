@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import digit_sum_feedback
 import pytest
 import reverse_text
 import sum_digits
@@ -33,6 +34,49 @@ def test_sum_digits_is_exact_match_with_a_separate_format_metric():
     assert sum_digits.correct_answer([], "12") == 0.0 and sum_digits.answer_format([]) == 0.0
 
 
+def test_digit_sum_feedback_rewards_the_first_right_answer_by_its_turn():
+    def game(*answers):
+        out = []
+        for a in answers:
+            out += [
+                {"role": "assistant", "content": f"<answer>{a}</answer>"},
+                {"role": "user", "content": "x"},
+            ]
+        return out[:-1]
+
+    reward = digit_sum_feedback.make_reward([1.0, 0.5, 0.25])
+    assert reward(game(12), "12") == 1.0
+    assert reward(game(10, 12), "12") == 0.5
+    assert reward(game(10, 11, 12), "12") == 0.25
+    assert reward(game(10, 11, 13), "12") == 0.0
+    assert reward([], "12") == 0.0  # a failed rollout has no messages
+    assert digit_sum_feedback.solved(game(10, 12), "12") == 1.0
+    assert digit_sum_feedback.first_turn_correct(game(10, 12), "12") == 0.0
+
+
+def test_digit_sum_feedback_replies_with_the_direction_or_the_format():
+    assert digit_sum_feedback.feedback(10, 12) == "Too low."
+    assert digit_sum_feedback.feedback(13, 12) == "Too high."
+    assert digit_sum_feedback.feedback(None, 12) == digit_sum_feedback.FORMAT_HINT
+    assert digit_sum_feedback.feedback(12, 12) is None
+
+
+def test_digit_sum_feedback_sft_games_end_right_and_follow_the_feedback():
+    from digit_sum_feedback.transcripts import transcripts
+
+    rows = transcripts(200, seed=0)
+    assert rows == transcripts(200, seed=0)
+    lengths = {len(r["messages"]) for r in rows}
+    assert lengths == {3, 5, 7}  # solved at once, after one wrong answer, after two
+    for row in rows:
+        msgs = row["messages"]
+        answer = sum(map(int, msgs[1]["content"]))
+        assert msgs[-1] == {"role": "assistant", "content": f"<answer>{answer}</answer>"}
+        for said, heard in zip(msgs[2:-1:2], msgs[3:-1:2], strict=True):
+            guess = digit_sum_feedback.parse_answer(said["content"])
+            assert guess != answer and heard["content"] == digit_sum_feedback.feedback(guess, answer)
+
+
 def test_sum_digits_dataset_is_seeded_and_correct():
     a = sum_digits.make_examples(50, seed=3, min_digits=2, max_digits=3)
     assert a == sum_digits.make_examples(50, seed=3, min_digits=2, max_digits=3)
@@ -41,7 +85,7 @@ def test_sum_digits_dataset_is_seeded_and_correct():
         sum_digits.load_environment(min_digits=0)
 
 
-@pytest.mark.parametrize("env", ["reverse_text", "sum_digits"])
+@pytest.mark.parametrize("env", ["reverse_text", "sum_digits", "digit_sum_feedback"])
 def test_example_configs_parse(env):
     rl = parse_config(RLConfig, ["@", str(REPO / "configs" / env / "rl.toml")])
     sft = parse_config(SFTConfig, ["@", str(REPO / "configs" / env / "sft.toml")])

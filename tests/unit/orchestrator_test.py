@@ -401,3 +401,40 @@ def test_a_fifth_of_rollouts_failing_still_trains_every_step(tmp_path, caplog):
             groups.setdefault((r["step"], r["example_id"]), []).append(r["advantage"])
     assert any(len(g) < 4 for g in groups.values())  # partial groups train on their survivors
     assert all(math.isclose(sum(g), 0.0, abs_tol=1e-9) for g in groups.values())
+
+
+def test_a_multi_turn_env_trains_merged_samples_and_logs_its_turns(tmp_path):
+    # The fake server reverses the user's text, never an `<answer>`: every game takes all 3 turns.
+    with FakeServer() as server:
+        config = make_config(
+            tmp_path, server, max_steps=2, envs=[{"id": "digit-sum-feedback", "group_size": 4}]
+        )
+        metrics = run(config)
+        mbs = received(config, steps=2)
+    env = "digit-sum-feedback"
+    for m in metrics:
+        assert m[f"turns/{env}/mean"] == 3.0 and m[f"samples_per_rollout/{env}"] == 1.0
+        assert m[f"tokens/{env}/env"] > 0 and m[f"tokens/{env}/model"] > 0
+        assert m[f"tool_calls/{env}"] == 0.0 and m[f"truncated_multi_turn/{env}"] == 0.0  # no length cut
+    rows = rollouts(config, 0)
+    assert all(
+        [m["role"] for m in r["completion"]] == ["assistant", "user"] * 2 + ["assistant"] for r in rows
+    )
+    assert all(len(r["turns"]) == 3 and {t["sample"] for t in r["turns"]} == {0} for r in rows)
+    # One sample per trained rollout, holding the env's two replies with loss mask 0 and the
+    # model's three answers with mask 1.
+    hint = "Reply as <answer>N</answer>."
+    samples = 0
+    for mb in mbs:
+        a, start = mb.arrays(), 0
+        for n in mb.sample_lens:
+            ids, mask = a["input_ids"][start : start + n], a["loss_mask"][start : start + n]
+            start += n
+            if not mask.any():
+                continue  # filler
+            samples += 1
+            env_text = bytes(int(t) for t, m in zip(ids, mask, strict=True) if not m).decode()
+            model_text = bytes(int(t) for t, m in zip(ids, mask, strict=True) if m).decode()
+            # the system prompt says it once, the env twice
+            assert env_text.count(hint) == 3 and hint not in model_text
+    assert samples == sum(m["rollouts/all/trained"] for m in metrics) > 0

@@ -32,3 +32,17 @@ def test_non_extending_turn_starts_a_new_sample():
     samples = rollout_to_samples(r, 0.2)
     assert [s.prompt_ids for s in samples] == [[1, 2], [7, 8]]
     assert sample_lengths(r) == [3, 3]
+
+
+def test_turn_stats_count_turns_samples_and_env_tokens():
+    from prime_rl.orchestrator.samples import turn_stats
+
+    merged = rollout(
+        Turn([1, 2], [3, 4], [1, 1], [-0.1, -0.2]),
+        Turn([1, 2, 3, 4, 9, 9], [5], [1], [-0.3]),  # env inserted [9, 9]
+        Turn([1, 2, 3, 4, 9, 9, 5, 8], [6, 6], [1, 1], [-0.1, -0.1]),  # and [8]
+    )
+    s = turn_stats(merged)
+    assert (s.turns, s.samples, s.model_tokens, s.env_tokens) == (3, 1, 5, 3)
+    split = rollout(Turn([1, 2], [3], [1], [-0.1]), Turn([7, 8, 7, 8], [9], [1], [-0.2]))
+    assert turn_stats(split).samples == 2 and turn_stats(split).env_tokens == 1

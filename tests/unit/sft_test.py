@@ -61,7 +61,7 @@ def test_sft_from_an_env_dataset(tiny_model, tmp_path):
 
 def test_answer_format_wraps_an_env_answer_into_the_completion():
     data = SFTDataConfig(env_id="sum-digits", answer_format="<answer>{answer}</answer>", num_examples=3)
-    for prompt, completion, _ in read_examples(data):
+    for prompt, completion, *_ in read_examples(data):
         number = prompt[-1]["content"]
         assert completion == [{"role": "assistant", "content": f"<answer>{sum(map(int, number))}</answer>"}]
 

@@ -36,3 +36,50 @@ def test_loads_in_transformers_with_chatml_and_untied_head(tiny_model):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def turn_extends(tok, before: list[dict], reply: dict, after: list[dict], tools=None) -> bool:
+    """Whether the prompt after `reply` starts with the prompt before it plus the reply's tokens as
+    the model would sample them (its own text tokenized alone, then the end-of-turn token)."""
+    p1 = tok.apply_chat_template(before, tools=tools, add_generation_prompt=True, return_dict=False)
+    full = tok.apply_chat_template(before + [reply], tools=tools, tokenize=False)
+    p1_text = tok.apply_chat_template(before, tools=tools, add_generation_prompt=True, tokenize=False)
+    sampled = tok(full[len(p1_text) :].removesuffix("\n"), add_special_tokens=False)["input_ids"]
+    p2 = tok.apply_chat_template(
+        before + [reply, *after], tools=tools, add_generation_prompt=True, return_dict=False
+    )
+    return p2[: len(p1) + len(sampled)] == p1 + sampled
+
+
+def test_a_conversation_re_renders_to_the_tokens_sampled_turn_by_turn(tiny_model):
+    # Content starting with punctuation: "\n<" must not merge at the message boundary.
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    before = [{"role": "system", "content": "S"}, {"role": "user", "content": "343"}]
+    reply = {"role": "assistant", "content": "<answer>11</answer>"}
+    assert turn_extends(tok, before, reply, [{"role": "user", "content": "Too high."}])
+
+
+def test_tools_calls_and_results_render_and_re_render_exactly(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert all(
+        len(tok(t, add_special_tokens=False)["input_ids"]) == 1 for t in ["<tool_call>", "</tool_response>"]
+    )
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+    before = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2 + 3"}]
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}  # fmt: skip
+    result = {"role": "tool", "tool_call_id": "c", "content": "5"}
+    text = tok.apply_chat_template(
+        before + [call, result], tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert "add(a: integer, b: integer) - Add two integers." in text
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+    assert turn_extends(tok, before, call, [result], tools=tools)
+    # Without tools the template is plain ChatML.
+    plain = tok.apply_chat_template(before, add_generation_prompt=True, tokenize=False)
+    assert (
+        plain
+        == "<|im_start|>system\nUse tools.<|im_end|>\n<|im_start|>user\n2 + 3<|im_end|>\n<|im_start|>assistant\n"
+    )

@@ -78,5 +78,10 @@ class InferenceConfig(RootConfig):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     """Fraction of GPU memory vLLM may use (CUDA only, when kv_cache_memory_bytes is unset)."""
 
+    tool_call_parser: str | None = None
+    """vLLM's tool-call parser for the model's output format (e.g. "hermes" for `<tool_call>{json}
+    </tool_call>`, which the project's tiny models use); turns on automatic tool choice, so chat
+    requests with `tools` come back with parsed `tool_calls`. None: tool calls stay plain text."""
+
     extra_args: list[str] = []
     """Further vLLM server arguments, passed as is (e.g. ['--max-num-seqs', '64'])."""

@@ -48,6 +48,8 @@ def server_command(config: InferenceConfig) -> list[str]:
         cmd += ["--kv-cache-memory-bytes", str(config.kv_cache_memory_bytes)]
     elif not is_cpu_build():
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.tool_call_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     return cmd + list(config.extra_args)
 
 
@@ -92,6 +94,11 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if Path(config.model.name).is_dir():
         env.setdefault("HF_HUB_OFFLINE", "1")
+    # verifiers marks tools strict, and vLLM then constrains tool-call output by a grammar applied to
+    # the logits before sampling: the logprobs it returns would not be the policy's (the trainer's
+    # importance ratio compares them), and the grammar admits JSON spacings that do not re-render
+    # to the sampled tokens. Tool calls are the model's own text, parsed afterwards.
+    env.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
     if is_cpu_build():
         # Otherwise the first logprob request compiles a kernel with gcc (8-16 s on 2 cores).
         env.setdefault("TORCH_COMPILE_DISABLE", "1")

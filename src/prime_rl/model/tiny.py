@@ -21,14 +21,56 @@ from prime_rl.config import RootConfig, parse_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+"""Single tokens, not special ones: decoded text keeps them whatever skip_special_tokens says, and
+vLLM's `hermes` tool parser finds calls in the text."""
 
-# ChatML, as Qwen models use it. Content may be a string or a list of text parts.
+# ChatML, as Qwen models use it; content may be a string or a list of text parts. With `tools`, the
+# system turn lists them (compactly: `name(arg: type, ...) - description`, a tiny model's context is
+# short), an assistant turn's calls follow its content as `<tool_call>\n{"name": ..., "arguments":
+# {...}}\n</tool_call>` (what vLLM's hermes parser reads, and what re-renders to the very tokens the
+# model sampled when it wrote canonical JSON), and tool results come back in one user turn of
+# `<tool_response>` blocks. Without tools and tool messages it renders plain ChatML.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}{{- part['text'] }}{%- endfor %}{%- endif %}"
+    "{%- macro text(content) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content %}{%- for part in content %}{{- part['text'] }}{%- endfor %}{%- endif %}"
+    "{%- endmacro %}"
+    "{%- set ns = namespace(first=0) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- text(messages[0]['content']) + '\\n\\n' }}{%- set ns.first = 1 %}"
+    "{%- endif %}"
+    "{{- 'Tools:' }}"
+    "{%- for tool in tools %}"
+    "{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- '\\n' + f['name'] + '(' }}"
+    "{%- for name, schema in ((f['parameters'] or {})['properties'] or {}).items() %}"
+    "{{- name + ': ' + (schema['type'] if schema['type'] is string else 'any') }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- ')' }}{%- if f['description'] %}{{- ' - ' + f['description'] }}{%- endif %}"
+    "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[ns.first:] %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user\\n' }}"
+    "{%- else %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{{- text(message['content']) }}"
+    "{%- for call in (message['tool_calls'] or []) if message['role'] == 'assistant' %}"
+    "{%- set f = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -104,14 +146,18 @@ def corpus(seed: int, lines: int) -> Iterator[str]:
 
 
 def build_tokenizer(config: TinyModelConfig):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     # Letters and digits stay one token each (merges happen only among spaces and punctuation):
     # reversing text or summing digits is then a token-level task that a tiny model can learn.
+    # A newline is a token of its own too: ChatML puts one right before every message's content, and
+    # a merge across it ("\n<") would make a rendered conversation tokenize differently from the
+    # tokens sampled turn by turn, so multi-turn rollouts could not merge into one sample.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
+            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
             pre_tokenizers.Split(Regex("[A-Za-z0-9]"), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
@@ -124,6 +170,7 @@ def build_tokenizer(config: TinyModelConfig):
         show_progress=False,
     )
     tok.train_from_iterator(corpus(config.seed, config.corpus_lines), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,

@@ -15,6 +15,7 @@ from prime_rl.defaults import (
 )
 from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
+from prime_rl.orchestrator.rewards import RewardsConfig
 from prime_rl.transport.config import TransportConfig
 
 
@@ -257,6 +258,9 @@ class OrchestratorConfig(RootConfig):
 
     eval: EvalConfig = EvalConfig()
     """Periodic evaluation."""
+
+    rewards: RewardsConfig = RewardsConfig()
+    """How the envs' reward functions run: worker threads, concurrency, timeout."""
 
     wandb: WandbConfig = WandbConfig()
     """W&B logging."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from prime_rl.environments import EnvError, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
+from prime_rl.orchestrator.rewards import RewardRunner
 
 REQUIRED_COLUMNS = ("prompt", "example_id")
 
@@ -77,8 +78,12 @@ class Env:
         return bool(getattr(self.vf_env, "requires_group_rollouts", False))
 
 
-def load_env(config: EnvConfig, seed: int, cursor: Cursor | None = None) -> Env:
+def load_env(
+    config: EnvConfig, seed: int, cursor: Cursor | None = None, rewards: RewardRunner | None = None
+) -> Env:
     vf_env = load_vf_env(config.id, config.args)
+    if rewards is not None:
+        rewards.install(vf_env)
     try:
         dataset = vf_env.get_dataset()
     except Exception as e:
@@ -98,8 +103,10 @@ class EvalEnv:
         return self.config.resolved_name
 
 
-def load_eval_env(config: EvalEnvConfig) -> EvalEnv:
+def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> EvalEnv:
     vf_env = load_vf_env(config.id, config.args)
+    if rewards is not None:
+        rewards.install(vf_env)
     try:
         dataset = vf_env.get_eval_dataset(n=config.num_examples)
     except Exception as e:

@@ -15,17 +15,24 @@ from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EvalEnv, load_eval_env, rollout_input
 from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+from prime_rl.orchestrator.rewards import RewardRunner
 from prime_rl.orchestrator.rollout import Rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
 
 
 class Evaluator:
-    def __init__(self, config: OrchestratorConfig, pool: ServerPool, metrics: MetricsLogger):
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        pool: ServerPool,
+        metrics: MetricsLogger,
+        rewards: RewardRunner | None = None,
+    ):
         self.config = config
         self.pool = pool
         self.metrics = metrics
-        self.envs: list[EvalEnv] = [load_eval_env(e) for e in config.eval.envs]
+        self.envs: list[EvalEnv] = [load_eval_env(e, rewards) for e in config.eval.envs]
         self._task: asyncio.Task | None = None
         # Evaluation uses at most half the in-flight budget, counted in examples of n rollouts.
         self._budget = max(1, config.max_inflight_rollouts // 2)

@@ -17,6 +17,7 @@ from typing import Any
 from prime_rl.orchestrator.client import Server, ServerPool
 from prime_rl.orchestrator.coalesce import grouped, rollout_slot
 from prime_rl.orchestrator.config import SamplingConfig
+from prime_rl.orchestrator.rewards import REWARD_ERROR
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 from prime_rl.orchestrator.verifiers_adapter import from_verifiers
 
@@ -73,7 +74,7 @@ def lease(server: Server, job: GroupJob) -> None:
 
 async def _run(job: GroupJob, server: Server, model: str) -> list[Rollout]:
     args = sampling_args(job.sampling, job.policy_version)
-    columns = ["trajectory", *job.state_columns]
+    columns = ["trajectory", REWARD_ERROR, *job.state_columns]
 
     def convert(output: dict[str, Any]) -> Rollout:
         return from_verifiers(output, job.env_name, job.policy_version, list(job.state_columns))

@@ -43,7 +43,9 @@ from prime_rl.orchestrator.progress import (
     save_batch,
     save_progress,
 )
+from prime_rl.orchestrator.rewards import RewardRunner
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
+from prime_rl.orchestrator.samples import segments, turn_stats
 from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Scheduler
 from prime_rl.orchestrator.weights import WeightSync
 from prime_rl.transport import transport_dir
@@ -94,6 +96,24 @@ class BatchSender:
             await asyncio.to_thread(s.close, None if deliver else 0.0)
 
 
+def turn_metrics(env: str, rollouts: list[Rollout]) -> dict[str, float]:
+    """Per-rollout means of the shape of multi-turn and tool rollouts (see `samples.TurnStats`)."""
+    shapes = [turn_stats(r) for r in rollouts]
+    n = len(rollouts)
+    multi = [r for r, s in zip(rollouts, shapes, strict=True) if s.turns > 1]
+    m = {
+        **stats(f"turns/{env}", [float(s.turns) for s in shapes]),
+        f"samples_per_rollout/{env}": sum(s.samples for s in shapes) / n,
+        f"tokens/{env}/model": sum(s.model_tokens for s in shapes) / n,
+        f"tokens/{env}/env": sum(s.env_tokens for s in shapes) / n,
+        f"tool_calls/{env}": sum(r.tool_calls for r in rollouts) / n,
+        f"tool_errors/{env}": sum(r.tool_errors for r in rollouts) / n,
+    }
+    if multi:
+        m[f"truncated_multi_turn/{env}"] = sum(r.is_truncated for r in multi) / len(multi)
+    return m
+
+
 def rollout_record(r: Rollout, step: int, advantage: float | None, trained: bool | None) -> dict[str, Any]:
     return {
         "step": step,
@@ -106,12 +126,22 @@ def rollout_record(r: Rollout, step: int, advantage: float | None, trained: bool
         "prompt": r.prompt,
         "completion": r.completion,
         "completion_tokens": r.num_completion_tokens,
+        # Per model call: its prompt and sampled token counts and the sample it trains in.
+        "turns": turn_records(r),
         "is_truncated": r.is_truncated,
         "stop_condition": r.stop_condition,
         "metrics": r.metrics,
         "error": r.error,
         **r.state,
     }
+
+
+def turn_records(r: Rollout) -> list[dict[str, int]]:
+    return [
+        {"prompt_tokens": len(t.prompt_ids), "completion_tokens": len(t.completion_ids), "sample": i}
+        for i, seg in enumerate(segments(r))
+        for t in seg
+    ]
 
 
 _JSONL = msgspec.json.Encoder(enc_hook=str)  # several times json.dumps; NaN is written as null
@@ -129,7 +159,6 @@ class Collected:
     groups: list[FinishedGroup]
     failures: list[Rollout]
     times: dict[str, float]
-    policy_version: int
 
 
 class Orchestrator:
@@ -169,8 +198,10 @@ class Orchestrator:
     async def setup(self) -> Progress:
         c = self.config
         progress, rng, acc = self._restore()
+        self.rewards = RewardRunner(c.rewards)
         self.envs: list[Env] = [
-            load_env(e, c.seed, cursor_from_json(progress.cursors.get(e.resolved_name))) for e in c.envs
+            load_env(e, c.seed, cursor_from_json(progress.cursors.get(e.resolved_name)), self.rewards)
+            for e in c.envs
         ]
         adopt_verifiers_logging()
         self.advantages = {
@@ -196,7 +227,7 @@ class Orchestrator:
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
         )
-        self.evaluator = Evaluator(c, self.pool, self.metrics) if c.eval.envs else None
+        self.evaluator = Evaluator(c, self.pool, self.metrics, self.rewards) if c.eval.envs else None
         self._take_signals()
         return progress
 
@@ -265,12 +296,14 @@ class Orchestrator:
             await self.sender.close(deliver=False)
             self.metrics.close()
             await self._teardown_envs()
+            self.rewards.close()
             raise
         monitor.cancel()
         await self.scheduler.shutdown()
         await self._teardown_envs()
         if self.evaluator:
             await self.evaluator.finish()
+        self.rewards.close()
         await self.sender.close(deliver=True)
         self.metrics.close()
 
@@ -362,7 +395,7 @@ class Orchestrator:
             "time/reload": t_reload,
             "time/collect": t_collect,
         }
-        return Collected(*taken, times=times, policy_version=version)
+        return Collected(*taken, times=times)
 
     def _notice_waiting(self, step: int, blocked: bool) -> None:
         c, sched = self.config, self.scheduler
@@ -427,6 +460,7 @@ class Orchestrator:
             m.update(stats(f"off_policy_lag/{env}", [float(step - r.policy_version) for r in rs]))
             if rs:
                 m[f"truncated/{env}"] = sum(r.is_truncated for r in rs) / len(rs)
+                m.update(turn_metrics(env, rs))
             # The env's own metric functions (e.g. a format check), averaged over its rollouts.
             for name in metric_names:
                 values = [r.metrics[name] for r in rs if name in r.metrics]

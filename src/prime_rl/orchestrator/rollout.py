@@ -44,6 +44,10 @@ class Rollout:
     """Why the rollout failed (exception, HTTP error, timeout, env error, missing tokens), or None."""
     state: dict[str, Any] = field(default_factory=dict)
     """The env's `state_columns`, JSON-ready."""
+    tool_calls: int = 0
+    """Tool calls the model made (parsed by the server), over all turns."""
+    tool_errors: int = 0
+    """Tool results that report an error (a tool message whose text starts with "Error")."""
 
     @property
     def failed(self) -> bool:

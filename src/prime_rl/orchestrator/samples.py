@@ -9,6 +9,8 @@ that rule lives: samples and their lengths both follow it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prime_rl.orchestrator.rollout import Rollout, Turn
 from prime_rl.transport.messages import TrainingSample
 
@@ -28,6 +30,32 @@ def segments(rollout: Rollout) -> list[list[Turn]]:
             out.append([turn])
         context = turn.prompt_ids + turn.completion_ids
     return out
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """The shape of a (multi-turn) rollout, for per-env metrics."""
+
+    turns: int
+    """Model calls."""
+    samples: int
+    """Training samples it becomes: 1, unless a turn's prompt did not extend the previous context."""
+    model_tokens: int
+    """Sampled tokens, over all turns."""
+    env_tokens: int
+    """Tokens the env (or tools) added between turns: what each prompt has beyond the previous
+    prompt and completion."""
+
+
+def turn_stats(rollout: Rollout) -> TurnStats:
+    env_tokens, previous = 0, None
+    for turn in rollout.turns:
+        if previous is not None:
+            env_tokens += max(
+                0, len(turn.prompt_ids) - len(previous.prompt_ids) - len(previous.completion_ids)
+            )
+        previous = turn
+    return TurnStats(len(rollout.turns), len(segments(rollout)), rollout.num_completion_tokens, env_tokens)
 
 
 def sample_lengths(rollout: Rollout) -> list[int]:

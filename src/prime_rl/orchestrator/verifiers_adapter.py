@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prime_rl.orchestrator.rewards import REWARD_ERROR
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
 
 # Large per-step objects that the orchestrator never needs after conversion.
@@ -60,6 +61,19 @@ def _turns(output: dict[str, Any]) -> tuple[list[Turn], str | None]:
     return turns, None
 
 
+def count_tools(completion: Any) -> tuple[int, int]:
+    """(tool calls, tool errors) in a rollout's completion messages."""
+    calls = errors = 0
+    for m in completion if isinstance(completion, list) else []:
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "assistant":
+            calls += len(m.get("tool_calls") or [])
+        elif m.get("role") == "tool" and str(m.get("content") or "").lstrip().lower().startswith("error"):
+            errors += 1
+    return calls, errors
+
+
 def from_verifiers(
     output: dict[str, Any], env_name: str, policy_version: int, state_columns: list[str]
 ) -> Rollout:
@@ -70,6 +84,8 @@ def from_verifiers(
             error.get("error_chain_repr") or error.get("message") if isinstance(error, dict) else str(error)
         )
         return failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
+    if output.get(REWARD_ERROR):
+        return failed_rollout(env_name, example_id, policy_version, f"reward error: {output[REWARD_ERROR]}")
     if output.get("stop_condition") == "prompt_too_long":
         return failed_rollout(
             env_name, example_id, policy_version, "prompt too long for the server's max model len"
@@ -80,6 +96,8 @@ def from_verifiers(
     reward = output.get("reward")
     if reward is None:
         return failed_rollout(env_name, example_id, policy_version, "the env returned no reward")
+    completion = to_json(output.get("completion"))
+    tool_calls, tool_errors = count_tools(completion)
     return Rollout(
         env_name=env_name,
         example_id=example_id,
@@ -88,8 +106,10 @@ def from_verifiers(
         metrics={k: float(v) for k, v in (output.get("metrics") or {}).items() if isinstance(v, int | float)},
         turns=turns,
         prompt=to_json(output.get("prompt")),
-        completion=to_json(output.get("completion")),
+        completion=completion,
         is_truncated=bool(output.get("is_truncated", False)),
         stop_condition=output.get("stop_condition"),
         state={c: to_json(output.get(c)) for c in state_columns if c not in _NOT_STATE},
+        tool_calls=tool_calls,
+        tool_errors=tool_errors,
     )

@@ -173,7 +173,8 @@ class SFTDataConfig(BaseConfig):
     """Where SFT examples come from: a local JSONL, or an env's dataset (prompt + answer)."""
 
     path: Path | None = None
-    """JSONL with {"messages": [...]} (trained on the assistant turns at the end) or {"prompt", "completion"}."""
+    """JSONL with {"messages": [...]} (trained on the assistant turns at the end) or {"prompt", "completion"};
+    a row may add "tools": [...] (OpenAI tool definitions, rendered by the chat template as in inference)."""
 
     env_id: str | None = None
     """Instead of a file: a verifiers env whose dataset rows give the prompt and `answer` the completion."""

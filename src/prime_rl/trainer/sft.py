@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
@@ -35,8 +35,17 @@ class SFTDataError(ValueError):
     """The SFT data cannot be read or has the wrong shape; the message names the file and line."""
 
 
-def read_examples(config: SFTDataConfig) -> list[tuple[list[dict], list[dict], str]]:
-    """(prompt messages, completion messages, source) for every example."""
+class Example(NamedTuple):
+    prompt: list[dict]
+    completion: list[dict]
+    where: str
+    """Its source, for error messages: `file:line` or `env row i`."""
+    tools: list[dict] | None = None
+    """Tool definitions (OpenAI format) the chat template renders into the prompt, as inference would."""
+
+
+def read_examples(config: SFTDataConfig) -> list[Example]:
+    """Every example: prompt and completion messages, source, tools."""
     if (config.path is None) == (config.env_id is None):
         raise SFTDataError("set exactly one of data.path and data.env_id")
     out = []
@@ -52,7 +61,11 @@ def read_examples(config: SFTDataConfig) -> list[tuple[list[dict], list[dict], s
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SFTDataError(f"{where}: not JSON ({e})") from None
-                out.append((*split_row(row, where), where))
+                prompt, completion = split_row(row, where)
+                tools = row.get("tools")
+                if tools is not None and not isinstance(tools, list):
+                    raise SFTDataError(f"{where}: 'tools' must be a list of tool definitions")
+                out.append(Example(prompt, completion, where, tools))
     else:
         from prime_rl.environments import load_vf_env
 
@@ -62,7 +75,9 @@ def read_examples(config: SFTDataConfig) -> list[tuple[list[dict], list[dict], s
             if "answer" not in row:
                 raise SFTDataError(f"env '{config.env_id}': its dataset has no 'answer' column to train on")
             content = config.answer_format.replace("{answer}", str(row["answer"]))
-            out.append((list(row["prompt"]), [{"role": "assistant", "content": content}], f"env row {i}"))
+            out.append(
+                Example(list(row["prompt"]), [{"role": "assistant", "content": content}], f"env row {i}")
+            )
     if config.num_examples:
         out = out[: config.num_examples]
     if not out:
@@ -87,15 +102,19 @@ def split_row(row: dict[str, Any], where: str) -> tuple[list[dict], list[dict]]:
     raise SFTDataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': ..., 'completion': ...}}")
 
 
-def tokenize(tokenizer, prompt: list[dict], completion: list[dict], where: str) -> TrainingSample:
+def tokenize(
+    tokenizer, prompt: list[dict], completion: list[dict], where: str, tools: list[dict] | None = None
+) -> TrainingSample:
     """Prompt ids exactly as inference sees them, then the completion as the model would produce it.
 
     The completion is tokenized on its own, after the rendered prompt: BPE may merge characters across
     the boundary when prompt and completion are tokenized as one text, and a model never sees those
     merged tokens when it generates after the prompt.
     """
-    prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    prompt_text = tokenizer.apply_chat_template(
+        prompt, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    full_text = tokenizer.apply_chat_template(prompt + completion, tools=tools, tokenize=False)
     if not full_text.startswith(prompt_text):
         raise SFTDataError(
             f"{where}: the chat template renders the prompt differently with the completion appended"
@@ -126,10 +145,10 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
     output_dir = Path(config.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     samples = []
-    for prompt, completion, where in read_examples(config.data):
-        s = tokenize(tokenizer, prompt, completion, where)
+    for ex in read_examples(config.data):
+        s = tokenize(tokenizer, ex.prompt, ex.completion, ex.where, ex.tools)
         if len(s) > config.seq_len:
-            raise SFTDataError(f"{where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
+            raise SFTDataError(f"{ex.where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
         samples.append(s)
     trainer = Trainer(config, world, loss_fn=sft_loss)
     start = resume_step(config)

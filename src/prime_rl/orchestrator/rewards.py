@@ -1,0 +1,164 @@
+"""Reward functions run off the event loop, under a concurrency bound and a timeout.
+
+verifiers calls a rubric's plain (sync) functions on the caller's event loop, and turns a raising one
+into reward 0.0 with a log line. Here every function of an env's rubric is replaced, once, at load
+time, by a wrapper with the same name and signature (so verifiers' argument selection and group
+detection see the original) that:
+
+- runs a sync function in a worker thread of a pool shared by all envs, never on the event loop;
+  an async one on the loop (it awaits its I/O; an async function that computes without awaiting
+  still blocks the loop: make it sync);
+- holds one of `concurrency` slots from the start of the call until the function really returns,
+  so a function that timed out keeps its slot while its thread still runs, and the timeout measures
+  the function's own time, not the queue before it;
+- on a timeout or an exception, records the reason in the rollout's state under `REWARD_ERROR`
+  (every state of the group for a group function) and re-raises, so that the adapter turns the
+  rollout into a failed one with that reason instead of training on a made-up 0.0.
+
+Invariant: a rollout whose reward could not be computed never trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pydantic import Field
+
+from prime_rl.config import BaseConfig
+
+REWARD_ERROR = "prime_rl_reward_error"
+"""State key (and requested state column) that carries why a reward function failed."""
+
+
+class RewardsConfig(BaseConfig):
+    """How reward functions run: in worker threads, bounded and timed."""
+
+    concurrency: int = Field(default=2, ge=1)
+    """Sync reward function calls running at once, one worker thread each. Threads share the GIL
+    with the event loop: for rewards that compute in Python, more threads add loop lag, not speed;
+    for rewards that wait (a blocking HTTP judge, a subprocess), raise it. (An `async def` reward
+    that awaits its I/O needs no thread and is not bounded by this.)"""
+
+    timeout_s: float = Field(default=60.0, gt=0)
+    """A reward function call running longer fails its rollout(s) with a timeout."""
+
+
+GIL_SWITCH_S = 0.001
+"""The interpreter's thread switch interval while a runner exists (Python's default is 5 ms)."""
+
+
+class RewardRunner:
+    """Runs wrapped reward functions; one per orchestrator, shared by its envs."""
+
+    def __init__(self, config: RewardsConfig):
+        self.config = config
+        # A reward thread computing in Python holds the GIL for a whole switch interval each time the
+        # loop thread wants it back, and the loop wants it after every socket call: at 5 ms a 50 ms
+        # reward per rollout gave 36 ms p99 loop lag and slowed generation 5x; at 1 ms, 19 ms and 1x
+        # (2 threads, tests/unit/rewards_test.py).
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        self._executor = ThreadPoolExecutor(config.concurrency, thread_name_prefix="reward")
+        self._slots: asyncio.Semaphore | None = None  # made on the loop that uses it
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _call_sync(self, func, kwargs: dict[str, Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._slots, self._loop = asyncio.Semaphore(self.config.concurrency), loop
+        slots = self._slots
+        await slots.acquire()
+        try:
+            future = self._executor.submit(functools.partial(func, **kwargs))
+        except BaseException:
+            slots.release()
+            raise
+
+        def free(_) -> None:  # the slot frees when the thread is done, not when we stop waiting for it
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(slots.release)
+
+        future.add_done_callback(free)
+        return await asyncio.wait_for(asyncio.wrap_future(future), self.config.timeout_s)
+
+    async def call(self, func, is_async: bool, kwargs: dict[str, Any]) -> Any:
+        if is_async:
+            return await asyncio.wait_for(func(**kwargs), self.config.timeout_s)
+        return await self._call_sync(func, kwargs)
+
+    def wrap(self, func, group: bool | None = None):
+        """`func` as an async function with its name and signature, run as described above.
+        `group`: whether verifiers calls it once per group (default: verifiers' own rule)."""
+        if getattr(func, "_prime_rl_wrapped", False):
+            return func
+        sig = inspect.signature(func)
+        params = sig.parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        name = getattr(func, "__name__", repr(func))
+        is_async = inspect.iscoroutinefunction(func)
+        # We need the state(s) to record a failure; the function gets them only if it asked.
+        group = _is_group(sig) if group is None else group
+        key = "states" if group else "state"
+        own_key = takes_any or key in params
+        extra = [] if key in params else [inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY)]
+        positional = [p for p in params.values() if p.kind is not p.VAR_KEYWORD]
+        var_kw = [p for p in params.values() if p.kind is p.VAR_KEYWORD]
+        ordered = sorted(positional + extra, key=lambda p: p.kind)
+        timeout = self.config.timeout_s
+
+        async def wrapper(**kwargs):
+            states = kwargs.get(key)
+            call_kwargs = kwargs if own_key else {k: v for k, v in kwargs.items() if k != key}
+            try:
+                return await self.call(func, is_async, call_kwargs)
+            except TimeoutError:
+                _record(states, group, f"reward function '{name}' timed out after {timeout:g}s")
+                raise
+            except Exception as e:
+                _record(states, group, f"reward function '{name}' raised {type(e).__name__}: {e}")
+                raise
+
+        wrapper.__name__ = name
+        wrapper.__qualname__ = getattr(func, "__qualname__", name)
+        wrapper.__doc__ = func.__doc__
+        wrapper.__signature__ = sig.replace(parameters=ordered + var_kw)
+        wrapper._prime_rl_wrapped = True
+        return wrapper
+
+    def install(self, vf_env) -> None:
+        """Wrap every reward and metric function of the env's rubric tree, in place (once per env)."""
+        for rubric in _rubrics(getattr(vf_env, "rubric", None)):
+            funcs = getattr(rubric, "funcs", None)
+            if isinstance(funcs, list):
+                is_group = getattr(rubric, "_is_group_func", None)
+                funcs[:] = [self.wrap(f, is_group(f) if is_group else None) for f in funcs]
+
+
+def _is_group(sig: inspect.Signature) -> bool:
+    # verifiers' rule (Rubric._is_group_func), for a function wrapped outside a rubric.
+    plural = {"completions", "prompts", "answers", "states", "tasks", "infos"}
+    ret = sig.return_annotation
+    return bool(plural & set(sig.parameters)) or ret is list or getattr(ret, "__origin__", None) is list
+
+
+def _record(states, group: bool, reason: str) -> None:
+    for state in (states or []) if group else [states]:
+        if isinstance(state, dict) and not state.get(REWARD_ERROR):
+            state[REWARD_ERROR] = reason
+
+
+def _rubrics(rubric):
+    if rubric is None:
+        return
+    yield rubric
+    for child in getattr(rubric, "rubrics", None) or []:
+        yield from _rubrics(child)
+    for env in (getattr(rubric, "env_map", None) or {}).values():  # an EnvGroup routes to its envs
+        yield from _rubrics(getattr(env, "rubric", None))

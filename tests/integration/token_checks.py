@@ -1,0 +1,111 @@
+"""Checks shared by the multi-turn and tool tests against real vLLM: run groups of an env through the
+orchestrator's group runner while recording what the server received and sampled, and check that
+every training sample holds exactly those tokens."""
+
+import asyncio
+import json
+
+import httpx2
+import torch
+
+from prime_rl.orchestrator.client import ServerPool
+from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+from prime_rl.orchestrator.envs import load_env, rollout_input
+from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+from prime_rl.orchestrator.samples import rollout_to_samples, segments
+from prime_rl.trainer.logprobs import forward_logprobs
+
+
+class Wire(httpx2.AsyncBaseTransport):
+    """Records what the server received and sampled: (prompt ids, [(token ids, logprobs)] per choice)."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    async def handle_async_request(self, request):
+        response = await self.inner.handle_async_request(request)
+        body = await response.aread()
+        data = json.loads(body)
+        choices = [
+            (c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]]) for c in data["choices"]
+        ]
+        self.seen.append((data["prompt_token_ids"], choices))
+        return httpx2.Response(response.status_code, headers=response.headers, content=body)
+
+
+def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, until=None, size: int = 8):
+    """Up to `groups` groups of `size` rollouts (fewer once `until(rollouts)` holds), and the wire."""
+    env = load_env(EnvConfig(id=env_id, group_size=size, sampling=sampling), seed=0)
+    pool = ServerPool(ClientConfig(base_urls=[f"{served.base}/v1"], timeout_s=60))
+    server = pool.servers[0]
+    transport = server.client.client._client._transport
+    wire = Wire(transport.inner)
+    transport.inner = wire
+    out = []
+    for _ in range(groups):
+        row = env.examples.next()
+        job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
+
+        async def go(job=job):
+            lease(server, job)
+            return await run_group(job, server, pool, served.model)
+
+        out += asyncio.run(go())
+        if until is not None and until(out):
+            break
+    assert not [r.error for r in out if r.failed]
+    return out, wire, env
+
+
+def as_served(message: dict) -> dict:
+    """A message as vLLM hands it to the chat template: tool-call arguments parsed to objects."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        f = dict(call["function"])
+        try:
+            f["arguments"] = json.loads(f["arguments"]) if isinstance(f["arguments"], str) else f["arguments"]
+        except ValueError:
+            f["arguments"] = {}
+        parsed.append({**call, "function": f})
+    return {**message, "tool_calls": parsed}
+
+
+def turn_messages(rollout, k: int) -> list[dict]:
+    """The messages the k-th model call was prompted with."""
+    assistant = [i for i, m in enumerate(rollout.completion) if m["role"] == "assistant"]
+    return [as_served(m) for m in list(rollout.prompt) + list(rollout.completion[: assistant[k]])]
+
+
+def check_exact(rollout, wire: Wire, hf, template: str | None = None, tools: list | None = None) -> None:
+    model, tok = hf
+    for k, turn in enumerate(rollout.turns):
+        # What the server received is the chat template over the conversation so far ...
+        rendered = tok.apply_chat_template(
+            turn_messages(rollout, k), tools=tools, add_generation_prompt=True, chat_template=template,
+            return_dict=False,
+        )  # fmt: skip
+        assert turn.prompt_ids == rendered
+        # ... and the turn holds one of its answers exactly: tokens and sampling logprobs.
+        sampled = [c for p, cs in wire.seen if p == turn.prompt_ids for c in cs]
+        assert (turn.completion_ids, turn.completion_logprobs) in sampled
+    for sample, seg in zip(rollout_to_samples(rollout, 1.0), segments(rollout), strict=True):
+        ids = sample.prompt_ids + sample.completion_ids
+        n_prompt = len(sample.prompt_ids)
+        expected_mask = [0] * len(sample.completion_ids)
+        expected_lp = [0.0] * len(sample.completion_ids)
+        for turn in seg:  # each turn is a prefix of the sample, its completion where it was sampled
+            start = len(turn.prompt_ids)
+            assert ids[: start + len(turn.completion_ids)] == turn.prompt_ids + turn.completion_ids
+            for j, lp in enumerate(turn.completion_logprobs):
+                expected_mask[start - n_prompt + j], expected_lp[start - n_prompt + j] = 1, lp
+        assert sample.completion_mask == expected_mask  # env tokens in between: mask 0
+        assert sample.completion_logprobs == expected_lp
+        # The whole sample, scored at once by the trainer's model, gives the sampling logprobs back.
+        with torch.no_grad():
+            scored, _ = forward_logprobs(model, torch.tensor(ids), torch.arange(len(ids)), 1.0)
+        trained = torch.tensor(sample.completion_mask, dtype=torch.bool)
+        diff = scored[n_prompt:][trained] - torch.tensor(sample.completion_logprobs)[trained]
+        assert diff.abs().max() < 1e-3

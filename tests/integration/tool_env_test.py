@@ -1,0 +1,48 @@
+"""A tool-use rollout against a real vLLM server with its hermes tool-call parser: the model's call is
+parsed into `tool_calls`, verifiers' ToolEnv runs the Python tool, the model answers with the result,
+and the rollout trains as one sample holding exactly the sampled tokens (the tool's response in
+between with loss mask 0)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from token_checks import check_exact, rollouts_of
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prime_rl.orchestrator.config import SamplingConfig
+from prime_rl.orchestrator.samples import turn_stats
+
+pytestmark = pytest.mark.slow
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tool_add-tiny"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, start_vllm):
+    out = tmp_path_factory.mktemp("tool-inference")
+    with start_vllm(MODEL, out, 512, tool_call_parser="hermes") as s:
+        yield s
+
+
+def test_a_tool_call_rollout_runs_the_tool_and_trains_on_the_exact_tokens(served):
+    sampling = SamplingConfig(temperature=1.0, max_tokens=64)
+
+    def called(rollouts):
+        return any(r.tool_calls and len(r.turns) == 2 and turn_stats(r).samples == 1 for r in rollouts)
+
+    rollouts, wire, env = rollouts_of(served, "tool-add", sampling, 4, until=called)
+    assert called(rollouts)
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": t.parameters}} for t in env.vf_env.tool_defs]  # fmt: skip
+    hf = (
+        AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(MODEL),
+    )
+    for r in rollouts:
+        check_exact(r, wire, hf, tools=tools)
+    r = next(r for r in rollouts if r.tool_calls and len(r.turns) == 2)
+    call, result = r.completion[0], r.completion[1]
+    assert call["role"] == "assistant" and call["tool_calls"][0]["function"]["name"] == "add"
+    assert result["role"] == "tool"  # the tool ran on the model's arguments
+    assert r.metrics["total_tool_calls"] == 1.0 and r.tool_errors == 0
