@@ -8,6 +8,7 @@ failed `Rollout` with a message saying why; nothing raises.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prime_rl.orchestrator.rewards import REWARD_ERROR
@@ -61,6 +62,31 @@ def _turns(output: dict[str, Any]) -> tuple[list[Turn], str | None]:
     return turns, None
 
 
+def openai_tool_call(call: Any) -> Any:
+    """A tool call as OpenAI writes it (`{"id", "type", "function": {"name", "arguments"}}`); verifiers'
+    outputs hold them as JSON strings of a flat `{"id", "name", "arguments"}`."""
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except ValueError:
+            return call
+    if isinstance(call, dict) and "function" not in call and "name" in call:
+        function = {"name": call["name"], "arguments": call.get("arguments")}
+        return {"id": call.get("id"), "type": "function", "function": function}
+    return call
+
+
+def with_openai_tool_calls(messages: Any) -> Any:
+    if not isinstance(messages, list):
+        return messages
+    return [
+        {**m, "tool_calls": [openai_tool_call(c) for c in m["tool_calls"]]}
+        if isinstance(m, dict) and m.get("tool_calls")
+        else m
+        for m in messages
+    ]
+
+
 def count_tools(completion: Any) -> tuple[int, int]:
     """(tool calls, tool errors) in a rollout's completion messages."""
     calls = errors = 0
@@ -96,7 +122,7 @@ def from_verifiers(
     reward = output.get("reward")
     if reward is None:
         return failed_rollout(env_name, example_id, policy_version, "the env returned no reward")
-    completion = to_json(output.get("completion"))
+    completion = with_openai_tool_calls(to_json(output.get("completion")))
     tool_calls, tool_errors = count_tools(completion)
     return Rollout(
         env_name=env_name,
