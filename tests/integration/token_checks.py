@@ -41,18 +41,18 @@ def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, unti
     transport = server.client.client._client._transport
     wire = Wire(transport.inner)
     transport.inner = wire
-    out = []
-    for _ in range(groups):
-        row = env.examples.next()
-        job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
-
-        async def go(job=job):
+    async def go():  # one event loop for all groups: the client's connections belong to it
+        out = []
+        for _ in range(groups):
+            row = env.examples.next()
+            job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
             lease(server, job)
-            return await run_group(job, server, pool, served.model)
+            out += await run_group(job, server, pool, served.model)
+            if until is not None and until(out):
+                break
+        return out
 
-        out += asyncio.run(go())
-        if until is not None and until(out):
-            break
+    out = asyncio.run(go())
     assert not [r.error for r in out if r.failed]
     return out, wire, env
 
