@@ -38,11 +38,12 @@ REWARD_ERROR = "prime_rl_reward_error"
 class RewardsConfig(BaseConfig):
     """How reward functions run: in worker threads, bounded and timed."""
 
-    concurrency: int = Field(default=2, ge=1)
-    """Sync reward function calls running at once, one worker thread each. Threads share the GIL
-    with the event loop: for rewards that compute in Python, more threads add loop lag, not speed;
-    for rewards that wait (a blocking HTTP judge, a subprocess), raise it. (An `async def` reward
-    that awaits its I/O needs no thread and is not bounded by this.)"""
+    concurrency: int = Field(default=1, ge=1)
+    """Plain (sync) reward function calls running at once, one worker thread each. Threads share the
+    GIL with the event loop: for rewards that compute in Python, more threads add loop lag, not
+    speed (a 50 ms reward: p99 lag 32 ms with 1 thread, 57 ms with 2, on one core); for rewards that
+    wait (a blocking HTTP judge, a subprocess), raise it. An `async def` reward that awaits its I/O
+    needs no thread and is not bounded by this."""
 
     timeout_s: float = Field(default=60.0, gt=0)
     """A reward function call running longer fails its rollout(s) with a timeout."""
@@ -58,9 +59,9 @@ class RewardRunner:
     def __init__(self, config: RewardsConfig):
         self.config = config
         # A reward thread computing in Python holds the GIL for a whole switch interval each time the
-        # loop thread wants it back, and the loop wants it after every socket call: at 5 ms a 50 ms
-        # reward per rollout gave 36 ms p99 loop lag and slowed generation 5x; at 1 ms, 19 ms and 1x
-        # (2 threads, tests/unit/rewards_test.py).
+        # loop thread wants it back, and the loop wants it after every socket call: at 5 ms, two
+        # threads of a 50 ms reward gave 36 ms p99 loop lag and slowed generation 5x; at 1 ms, 19 ms
+        # and no slowdown (the setup of tests/unit/rewards_test.py).
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self._executor = ThreadPoolExecutor(config.concurrency, thread_name_prefix="reward")
         self._slots: asyncio.Semaphore | None = None  # made on the loop that uses it
