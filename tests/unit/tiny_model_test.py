@@ -42,11 +42,11 @@ def turn_extends(tok, before: list[dict], reply: dict, after: list[dict], tools=
     """Whether the prompt after `reply` starts with the prompt before it plus the reply's tokens as
     the model would sample them (its own text tokenized alone, then the end-of-turn token)."""
     p1 = tok.apply_chat_template(before, tools=tools, add_generation_prompt=True, return_dict=False)
-    full = tok.apply_chat_template(before + [reply], tools=tools, tokenize=False)
+    full = tok.apply_chat_template([*before, reply], tools=tools, tokenize=False)
     p1_text = tok.apply_chat_template(before, tools=tools, add_generation_prompt=True, tokenize=False)
     sampled = tok(full[len(p1_text) :].removesuffix("\n"), add_special_tokens=False)["input_ids"]
     p2 = tok.apply_chat_template(
-        before + [reply, *after], tools=tools, add_generation_prompt=True, return_dict=False
+        [*before, reply, *after], tools=tools, add_generation_prompt=True, return_dict=False
     )
     return p2[: len(p1) + len(sampled)] == p1 + sampled
 
@@ -71,7 +71,7 @@ def test_tools_calls_and_results_render_and_re_render_exactly(tiny_model):
             "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}  # fmt: skip
     result = {"role": "tool", "tool_call_id": "c", "content": "5"}
     text = tok.apply_chat_template(
-        before + [call, result], tools=tools, add_generation_prompt=True, tokenize=False
+        [*before, call, result], tools=tools, add_generation_prompt=True, tokenize=False
     )
     assert "add(a: integer, b: integer) - Add two integers." in text
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>' in text
