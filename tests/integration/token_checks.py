@@ -41,6 +41,7 @@ def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, unti
     transport = server.client.client._client._transport
     wire = Wire(transport.inner)
     transport.inner = wire
+
     async def go():  # one event loop for all groups: the client's connections belong to it
         out = []
         for _ in range(groups):
