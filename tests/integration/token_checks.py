@@ -13,6 +13,7 @@ from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
 from prime_rl.orchestrator.envs import load_env, rollout_input
 from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
 from prime_rl.orchestrator.samples import rollout_to_samples, segments
+from prime_rl.orchestrator.v1_env import V1Env
 from prime_rl.trainer.logprobs import forward_logprobs
 
 
@@ -44,13 +45,17 @@ def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, unti
 
     async def go():  # one event loop for all groups: the client's connections belong to it
         out = []
-        for _ in range(groups):
-            row = env.examples.next()
-            job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
-            lease(server, job)
-            out += await run_group(job, server, pool, served.model)
-            if until is not None and until(out):
-                break
+        try:
+            for _ in range(groups):
+                row = env.examples.next()
+                job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
+                lease(server, job)
+                out += await run_group(job, server, pool, served.model)
+                if until is not None and until(out):
+                    break
+        finally:
+            if isinstance(env.vf_env, V1Env):  # its interception servers live on this loop
+                await env.vf_env._teardown()
         return out
 
     out = asyncio.run(go())
@@ -80,7 +85,9 @@ def turn_messages(rollout, k: int) -> list[dict]:
     return [as_served(m) for m in list(rollout.prompt) + list(rollout.completion[: assistant[k]])]
 
 
-def check_exact(rollout, wire: Wire, hf, template: str | None = None, tools: list | None = None) -> None:
+def check_exact(
+    rollout, wire: Wire | None, hf, template: str | None = None, tools: list | None = None
+) -> None:
     model, tok = hf
     for k, turn in enumerate(rollout.turns):
         # What the server received is the chat template over the conversation so far ...
@@ -90,8 +97,9 @@ def check_exact(rollout, wire: Wire, hf, template: str | None = None, tools: lis
         )  # fmt: skip
         assert turn.prompt_ids == rendered
         # ... and the turn holds one of its answers exactly: tokens and sampling logprobs.
-        sampled = [c for p, cs in wire.seen if p == turn.prompt_ids for c in cs]
-        assert (turn.completion_ids, turn.completion_logprobs) in sampled
+        if wire is not None:  # (v1 envs call the server through verifiers' own client)
+            sampled = [c for p, cs in wire.seen if p == turn.prompt_ids for c in cs]
+            assert (turn.completion_ids, turn.completion_logprobs) in sampled
     for sample, seg in zip(rollout_to_samples(rollout, 1.0), segments(rollout), strict=True):
         ids = sample.prompt_ids + sample.completion_ids
         n_prompt = len(sample.prompt_ids)

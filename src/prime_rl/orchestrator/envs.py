@@ -7,6 +7,7 @@ the progress checkpoint saves, so a resumed run continues with the same next exa
 
 from __future__ import annotations
 
+import importlib
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from prime_rl.environments import EnvError, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.rewards import RewardRunner
+from prime_rl.orchestrator.v1_env import is_v1_module, load_v1_env
 
 REQUIRED_COLUMNS = ("prompt", "example_id")
 
@@ -78,12 +80,37 @@ class Env:
         return bool(getattr(self.vf_env, "requires_group_rollouts", False))
 
 
+def load_any_env(env_id: str, args: dict[str, Any], rewards: RewardRunner | None = None):
+    """A classic verifiers env, or a `verifiers.v1` one (by what its module exports), with its
+    reward functions run by `rewards` (classic envs; v1 runs its own scoring, off the loop's hot path
+    in its interception machinery)."""
+    module = env_module(env_id)
+    if module is not None and is_v1_module(module):
+        try:
+            return load_v1_env(env_id, args)
+        except Exception as e:
+            raise EnvError(
+                f"verifiers.v1 env '{env_id}' could not be loaded: {type(e).__name__}: {e}"
+            ) from None
+    vf_env = load_vf_env(env_id, args)
+    if rewards is not None:
+        rewards.install(vf_env)
+    return vf_env
+
+
+def env_module(env_id: str):
+    """The module an env id names (as verifiers resolves it), or None if it does not import."""
+    name = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_")
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        return None  # the loader says why, with the env's name
+
+
 def load_env(
     config: EnvConfig, seed: int, cursor: Cursor | None = None, rewards: RewardRunner | None = None
 ) -> Env:
-    vf_env = load_vf_env(config.id, config.args)
-    if rewards is not None:
-        rewards.install(vf_env)
+    vf_env = load_any_env(config.id, config.args, rewards)
     try:
         dataset = vf_env.get_dataset()
     except Exception as e:
@@ -104,9 +131,7 @@ class EvalEnv:
 
 
 def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> EvalEnv:
-    vf_env = load_vf_env(config.id, config.args)
-    if rewards is not None:
-        rewards.install(vf_env)
+    vf_env = load_any_env(config.id, config.args, rewards)
     try:
         dataset = vf_env.get_eval_dataset(n=config.num_examples)
     except Exception as e:

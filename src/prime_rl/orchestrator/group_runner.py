@@ -19,6 +19,7 @@ from prime_rl.orchestrator.coalesce import grouped, rollout_slot
 from prime_rl.orchestrator.config import SamplingConfig
 from prime_rl.orchestrator.rewards import REWARD_ERROR
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.orchestrator.v1_env import V1Env
 from prime_rl.orchestrator.verifiers_adapter import from_verifiers
 
 
@@ -81,6 +82,19 @@ async def _run(job: GroupJob, server: Server, model: str) -> list[Rollout]:
 
     def failed(e: BaseException) -> Rollout:
         return failed_rollout(job.env_name, job.example_id, job.policy_version, f"{type(e).__name__}: {e}")
+
+    if isinstance(job.vf_env, V1Env):  # its own client and harness: no request merging
+        try:
+            rollouts = await job.vf_env.run_group(
+                job.inp, job.size, server.base_url, model, args, job.env_name, job.policy_version,
+                list(job.state_columns),
+            )  # fmt: skip
+        except Exception as e:
+            return [failed(e) for _ in range(job.size)]
+        if len(rollouts) != job.size:
+            return [failed(RuntimeError(f"the v1 env returned {len(rollouts)} rollouts for {job.size}"))
+                    for _ in range(job.size)]  # fmt: skip
+        return rollouts
 
     with grouped(job.size):
         if job.group_scoring:

@@ -1,0 +1,60 @@
+"""verifiers.v1 envs run through the orchestrator's group runner like classic ones: chosen by what
+the env module exports, one rollout per episode with the exact tokens of its model calls, and
+failures (a raising reward, a server error) as failed rollouts that say why."""
+
+import asyncio
+
+from fake_server import FakeServer, Reply, encode
+from prime_rl.orchestrator.client import ServerPool
+from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+from prime_rl.orchestrator.envs import load_env, rollout_input
+from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+from prime_rl.orchestrator.v1_env import V1Env
+
+
+def run(server: FakeServer, args: dict | None = None, size: int = 3):
+    env = load_env(EnvConfig(id="v1_test_env", args=args or {}, group_size=size), seed=0)
+    pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=10))
+    row = env.examples.next()
+    job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 2,
+                   SamplingConfig(max_tokens=16), ("word",))  # fmt: skip
+
+    async def go():
+        lease(pool.servers[0], job)
+        try:
+            return await run_group(job, pool.servers[0], pool, "m")
+        finally:
+            await env.vf_env._teardown()
+
+    return env, row, asyncio.run(go())
+
+
+def test_a_v1_env_is_chosen_by_its_exports_and_its_rollouts_carry_tokens_reward_and_state():
+    with FakeServer() as server:
+        env, row, rollouts = run(server)
+    assert isinstance(env.vf_env, V1Env) and len(env.examples.dataset) == 6
+    assert len(server.requests) == 3 and all(r["logprobs"] and r["return_token_ids"] for r in server.requests)
+    assert len(rollouts) == 3 and len({id(r) for r in rollouts}) == 3
+    for r in rollouts:
+        assert not r.failed, r.error
+        assert r.reward == 1.0 and r.metrics == {"reversed_word": 1.0, "reply_length": 5.0}
+        assert (
+            r.policy_version == 2 and r.example_id == row["example_id"] and r.state == {"word": row["prompt"]}
+        )
+        (turn,) = r.turns  # the prompt the server saw, then what it sampled, with its logprobs
+        assert turn.prompt_ids == encode("".join(m["content"] for m in server.requests[0]["messages"]))
+        assert turn.completion_ids == encode(row["prompt"][::-1])
+        assert turn.completion_logprobs == [-0.5] * 5 and turn.completion_mask == [1] * 5
+        assert r.completion == [{"role": "assistant", "content": row["prompt"][::-1]}]
+
+
+def test_a_raising_v1_reward_fails_the_rollout_with_the_reason():
+    with FakeServer() as server:
+        _, _, rollouts = run(server, {"mode": "raise"})
+    assert all(r.failed and "judge said no" in r.error for r in rollouts)
+
+
+def test_a_server_error_fails_each_v1_rollout():
+    with FakeServer(lambda req, i: Reply(status=500)) as server:
+        _, _, rollouts = run(server)
+    assert len(rollouts) == 3 and all(r.failed and "500" in r.error for r in rollouts)
