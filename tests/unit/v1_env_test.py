@@ -58,3 +58,21 @@ def test_a_server_error_fails_each_v1_rollout():
     with FakeServer(lambda req, i: Reply(status=500)) as server:
         _, _, rollouts = run(server)
     assert len(rollouts) == 3 and all(r.failed and "500" in r.error for r in rollouts)
+
+
+def test_a_v1_episode_past_the_client_timeout_fails():
+    with FakeServer(lambda req, i: Reply(delay_s=5)) as server:
+        env = load_env(EnvConfig(id="v1_test_env", group_size=2), seed=0)
+        pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=0.5))
+        row = env.examples.next()
+        job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], 2, 0, SamplingConfig())
+
+        async def go():
+            lease(pool.servers[0], job)
+            try:
+                return await run_group(job, pool.servers[0], pool, "m")
+            finally:
+                await env.vf_env._teardown()
+
+        rollouts = asyncio.run(go())
+    assert len(rollouts) == 2 and all(r.failed and "TimeoutError" in r.error for r in rollouts)

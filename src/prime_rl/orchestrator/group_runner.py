@@ -60,7 +60,7 @@ class GroupJob:
 async def run_group(job: GroupJob, server: Server, pool: ServerPool, model: str) -> list[Rollout]:
     """The group's rollouts on `server`, which must already carry the lease (`lease`)."""
     try:
-        rollouts = await _run(job, server, model)
+        rollouts = await _run(job, server, model, pool.config.timeout_s)
     finally:
         server.inflight -= job.size
     if all(r.failed for r in rollouts):
@@ -73,7 +73,7 @@ def lease(server: Server, job: GroupJob) -> None:
     server.inflight += job.size
 
 
-async def _run(job: GroupJob, server: Server, model: str) -> list[Rollout]:
+async def _run(job: GroupJob, server: Server, model: str, timeout_s: float) -> list[Rollout]:
     args = sampling_args(job.sampling, job.policy_version)
     columns = ["trajectory", REWARD_ERROR, *job.state_columns]
 
@@ -87,7 +87,7 @@ async def _run(job: GroupJob, server: Server, model: str) -> list[Rollout]:
         try:
             rollouts = await job.vf_env.run_group(
                 job.inp, job.size, server.base_url, model, args, job.env_name, job.policy_version,
-                list(job.state_columns),
+                list(job.state_columns), timeout_s,
             )  # fmt: skip
         except Exception as e:
             return [failed(e) for _ in range(job.size)]

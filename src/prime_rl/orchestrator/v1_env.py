@@ -166,8 +166,10 @@ class V1Env:
 
     async def run_group(
         self, inp: dict[str, Any], size: int, base_url: str, model: str, args: dict[str, Any],
-        env_name: str, policy_version: int, state_columns: list[str],
+        env_name: str, policy_version: int, state_columns: list[str], timeout_s: float,
     ) -> list[Rollout]:  # fmt: skip
+        """`size` episodes of the task, each a rollout; an episode past `timeout_s` fails (verifiers'
+        v1 client has no read timeout of its own)."""
         import verifiers.v1 as v1
 
         await self._ensure_serving()
@@ -183,7 +185,10 @@ class V1Env:
         )
         example_id = inp["example_id"]
         episodes = await asyncio.gather(
-            *(self.env.run_slot(slot, ctx) for slot in self.env.slots(inp["task"], size)),
+            *(
+                asyncio.wait_for(self.env.run_slot(slot, ctx), timeout_s)
+                for slot in self.env.slots(inp["task"], size)
+            ),
             return_exceptions=True,
         )
         out: list[Rollout] = []
