@@ -202,9 +202,10 @@ class V1Env:
                     )
                 )
                 continue
-            if episode.errors and not episode.traces:
+            if episode.errors:  # an env hook failed: none of the episode's traces is trustworthy
                 message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)
-                out.append(failed_rollout(env_name, example_id, policy_version, f"env error: {message}"))
+                out += [failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
+                        for _ in episode.traces or [None]]  # fmt: skip
                 continue
             for trace in episode.traces:
                 out.append(from_v1_trace(trace, env_name, example_id, policy_version, state_columns))
