@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import sys
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.config import ConfigError
@@ -52,7 +53,12 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
         return f"{where}: importing module '{name}' raised {type(e).__name__}: {e}"
     load = getattr(module, "load_environment", None)
     if not callable(load):
-        return f"{where}: module '{name}' ({spec.origin}) has no function load_environment"
+        if exports_v1_taskset(module):
+            return None  # a verifiers.v1 env: its taskset config validates `args` when it loads
+        return (
+            f"{where}: module '{name}' ({spec.origin}) has no function load_environment (a classic "
+            "verifiers env) and exports no verifiers.v1 Taskset in __all__ (a v1 env)"
+        )
     try:
         inspect.signature(load).bind(**args)
     except TypeError as e:
@@ -60,6 +66,16 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
     except ValueError:
         pass  # no signature to inspect (a builtin): the call itself will tell
     return None
+
+
+def exports_v1_taskset(module) -> bool:
+    """Whether a module exports a `verifiers.v1` Taskset or Env subclass in `__all__`. Cheap: a v1
+    env module has imported verifiers.v1 already; without it, the answer is no."""
+    v1 = sys.modules.get("verifiers.v1")
+    if v1 is None:
+        return False
+    exported = [getattr(module, n, None) for n in getattr(module, "__all__", [])]
+    return any(isinstance(o, type) and issubclass(o, v1.Taskset | v1.Env) for o in exported)
 
 
 def import_path_problem(key: str, import_path: str) -> str | None:

@@ -1,5 +1,6 @@
-"""A verifiers.v1 env's rollouts against a real vLLM server: the tokens verifiers' v1 message graph
-records become training samples holding exactly what the server rendered and sampled."""
+"""A verifiers.v1 env's multi-turn rollouts against a real vLLM server: the tokens verifiers' v1 message
+graph records become training samples holding exactly what the server rendered and sampled on
+each turn, the env's replies in between with loss mask 0."""
 
 from pathlib import Path
 
@@ -9,28 +10,33 @@ from token_checks import check_exact, rollouts_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.orchestrator.config import SamplingConfig
+from prime_rl.orchestrator.samples import turn_stats
 from prime_rl.orchestrator.v1_env import V1Env
 
 pytestmark = pytest.mark.slow
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "sum_digits-tiny"
+MODEL = Path(__file__).resolve().parents[2] / "models" / "digit_sum_feedback-tiny"
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, start_vllm):
-    with start_vllm(MODEL, tmp_path_factory.mktemp("v1-inference"), 256) as s:
+    with start_vllm(MODEL, tmp_path_factory.mktemp("v1-inference"), 512) as s:
         yield s
 
 
-def test_a_v1_rollout_trains_on_the_exact_tokens_of_its_model_call(served):
+def test_a_multi_turn_v1_rollout_is_one_sample_with_the_exact_tokens_of_each_turn(served):
     sampling = SamplingConfig(temperature=1.0, max_tokens=24)
-    rollouts, _, env = rollouts_of(served, "sum-digits-v1", sampling, 1)
-    assert isinstance(env.vf_env, V1Env) and len(rollouts) == 8
+
+    def has_merged_turns(rollouts):
+        return any(len(r.turns) >= 2 and turn_stats(r).samples == 1 for r in rollouts)
+
+    rollouts, _, env = rollouts_of(served, "digit-sum-feedback-v1", sampling, 6, until=has_merged_turns)
+    assert isinstance(env.vf_env, V1Env) and has_merged_turns(rollouts)
     hf = (
         AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
         AutoTokenizer.from_pretrained(MODEL),
     )
     for r in rollouts:
-        assert len(r.turns) == 1 and r.completion[-1]["role"] == "assistant"
-        assert r.reward == r.metrics["correct_answer"] and "answer_format" in r.metrics
+        assert r.reward == r.metrics["feedback_reward"] and r.state["answer"] > 0
+        assert [m["role"] for m in r.completion] == ["assistant", "user"] * (len(r.turns) - 1) + ["assistant"]
         check_exact(r, None, hf)

@@ -76,3 +76,33 @@ def test_a_v1_episode_past_the_client_timeout_fails():
 
         rollouts = asyncio.run(go())
     assert len(rollouts) == 2 and all(r.failed and "TimeoutError" in r.error for r in rollouts)
+
+
+def test_a_multi_turn_v1_env_plays_its_turns_and_merges_them_into_one_sample():
+    # digit-sum-feedback-v1's own Env drives the turns; the fake server never answers in the format.
+    from prime_rl.orchestrator.samples import turn_stats
+
+    with FakeServer() as server:
+        env = load_env(EnvConfig(id="digit-sum-feedback-v1", group_size=2, args={"num_examples": 4}), seed=0)
+        pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=10))
+        row = env.examples.next()
+        job = GroupJob(
+            env.name, env.vf_env, rollout_input(row), row["example_id"], 2, 0, SamplingConfig(), ("answer",)
+        )
+
+        async def go():
+            lease(pool.servers[0], job)
+            try:
+                return await run_group(job, pool.servers[0], pool, "m")
+            finally:
+                await env.vf_env._teardown()
+
+        rollouts = asyncio.run(go())
+    assert len(server.requests) == 6  # 3 tries each
+    for r in rollouts:
+        assert not r.failed and r.reward == 0.0 and r.stop_condition == "max_turns"
+        assert [m["role"] for m in r.completion] == ["assistant", "user", "assistant", "user", "assistant"]
+        assert r.completion[1]["content"] == "Reply as <answer>N</answer>."
+        shape = turn_stats(r)
+        assert (shape.turns, shape.samples) == (3, 1) and shape.env_tokens > 0
+        assert r.state == {"answer": int(row["task"].data.answer)}

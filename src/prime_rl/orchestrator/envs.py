@@ -16,6 +16,7 @@ from prime_rl.environments import EnvError, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.rewards import RewardRunner
 from prime_rl.orchestrator.v1_env import is_v1_module, load_v1_env
+from prime_rl.preflight import env_module_name
 
 REQUIRED_COLUMNS = ("prompt", "example_id")
 
@@ -100,9 +101,8 @@ def load_any_env(env_id: str, args: dict[str, Any], rewards: RewardRunner | None
 
 def env_module(env_id: str):
     """The module an env id names (as verifiers resolves it), or None if it does not import."""
-    name = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_")
     try:
-        return importlib.import_module(name)
+        return importlib.import_module(env_module_name(env_id))
     except Exception:
         return None  # the loader says why, with the env's name
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 from prime_rl.orchestrator.verifiers_v1_adapter import from_v1_trace
+from prime_rl.preflight import exports_v1_taskset
 
 HARNESS_ID = "prime_rl_chat_harness"
 """The module name verifiers resolves our harness by (harness ids are importable module names)."""
@@ -39,13 +40,8 @@ API_KEY_VAR = "PRIME_RL_V1_API_KEY"
 
 def is_v1_module(module: types.ModuleType) -> bool:
     """Whether an env module is written against verifiers.v1: no classic `load_environment`, and a
-    `Taskset` subclass among its exports."""
-    if callable(getattr(module, "load_environment", None)):
-        return False
-    import verifiers.v1 as v1
-
-    exported = [getattr(module, n, None) for n in getattr(module, "__all__", [])]
-    return any(isinstance(o, type) and issubclass(o, v1.Taskset | v1.Env) for o in exported)
+    `Taskset` (or `Env`) subclass among its exports."""
+    return not callable(getattr(module, "load_environment", None)) and exports_v1_taskset(module)
 
 
 def _prepare() -> None:
@@ -91,6 +87,19 @@ def _harness_module(v1) -> types.ModuleType:
     from openai import AsyncOpenAI
     from verifiers.v1.dialects.chat import message_to_wire
 
+    # One client per interception endpoint and event loop: building an OpenAI client builds an SSL
+    # context, which took 70% of the orchestrator's CPU when done per model call (py-spy).
+    clients: dict[tuple[int, str], AsyncOpenAI] = {}
+
+    def client_for(endpoint: str) -> AsyncOpenAI:
+        loop = asyncio.get_running_loop()
+        key = (id(loop), endpoint)
+        if key not in clients:
+            for stale in [k for k, c in clients.items() if k[0] != id(loop)]:
+                del clients[stale]  # a finished loop's clients (tests run several loops)
+            clients[key] = AsyncOpenAI(base_url=endpoint, api_key="per-request", max_retries=0)
+        return clients[key]
+
     class ChatHarness(v1.Harness[v1.HarnessConfig]):
         """One chat completion on the conversation so far, through the interception endpoint."""
 
@@ -106,11 +115,9 @@ def _harness_module(v1) -> types.ModuleType:
                 messages.append({"role": "user", "content": prompt})
             elif prompt:
                 messages += [message_to_wire(m) for m in prompt]
-            client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
-            try:
-                await client.chat.completions.create(model=ctx.model, messages=messages)
-            finally:
-                await client.close()
+            await client_for(endpoint).chat.completions.create(
+                model=ctx.model, messages=messages, extra_headers={"Authorization": f"Bearer {secret}"}
+            )
             return v1.ProgramResult(exit_code=0, stdout="", stderr="")
 
     module = types.ModuleType(HARNESS_ID)
@@ -218,10 +225,16 @@ def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:
     _prepare()
     import verifiers.v1 as v1
 
+    taskset = {"id": env_id, **args}
+    # Every role of the env (one `agent` for a plain taskset, the roles an env's own config names)
+    # runs our harness in-process; what the env set for a role otherwise (e.g. max_turns) stays.
+    roles = {name: value for name, value in v1.resolve_env_config({"taskset": taskset})
+             if isinstance(value, v1.AgentConfig)}  # fmt: skip
+    local = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
     config = v1.resolve_env_config(
         {
-            "taskset": {"id": env_id, **args},
-            "agent": {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}},
+            "taskset": taskset,
+            **{name: {**role.model_dump(exclude_unset=True), **local} for name, role in roles.items()},
         }
     )
     env = v1.load_environment(config)
