@@ -300,9 +300,9 @@ class Orchestrator:
             raise
         monitor.cancel()
         await self.scheduler.shutdown()
-        await self._teardown_envs()
-        if self.evaluator:
+        if self.evaluator:  # before the teardown: a v1 env's eval runs on servers its teardown stops
             await self.evaluator.finish()
+        await self._teardown_envs()
         self.rewards.close()
         await self.sender.close(deliver=True)
         self.metrics.close()
