@@ -85,10 +85,16 @@ def test_sum_digits_dataset_is_seeded_and_correct():
         sum_digits.load_environment(min_digits=0)
 
 
-@pytest.mark.parametrize("env", ["reverse_text", "sum_digits", "digit_sum_feedback"])
+@pytest.mark.parametrize("env", ["reverse_text", "sum_digits", "digit_sum_feedback", "tool_add"])
 def test_example_configs_parse(env):
     rl = parse_config(RLConfig, ["@", str(REPO / "configs" / env / "rl.toml")])
     sft = parse_config(SFTConfig, ["@", str(REPO / "configs" / env / "sft.toml")])
     # RL starts from the model the documented SFT command saves.
     assert Path(rl.model) == Path(sft.save_dir)
     assert (REPO / rl.model / "config.json").is_file()
+
+
+def test_the_v1_example_config_parses_and_plays_on_the_classic_games_model():
+    rl = parse_config(RLConfig, ["@", str(REPO / "configs" / "digit_sum_feedback_v1" / "rl.toml")])
+    classic = parse_config(RLConfig, ["@", str(REPO / "configs" / "digit_sum_feedback" / "rl.toml")])
+    assert rl.model == classic.model and rl.orchestrator.envs[0].id == "digit-sum-feedback-v1"
