@@ -37,6 +37,6 @@ def test_a_multi_turn_v1_rollout_is_one_sample_with_the_exact_tokens_of_each_tur
         AutoTokenizer.from_pretrained(MODEL),
     )
     for r in rollouts:
-        assert r.reward == r.metrics["feedback_reward"] and r.state["answer"] > 0
+        assert r.reward == r.metrics["feedback_reward"]
         assert [m["role"] for m in r.completion] == ["assistant", "user"] * (len(r.turns) - 1) + ["assistant"]
         check_exact(r, None, hf)
