@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from server_health_test import ServerProcess, wait_for
 
@@ -63,3 +64,30 @@ sampling = {{ max_tokens = 16 }}
     assert f"stopped by {sig.name}" in out
     assert "Task was destroyed" not in out
     assert "Traceback" not in out
+
+
+def test_a_second_signal_mid_stop_still_reaps_every_child(tmp_path):
+    """uv and the shell often both forward a Ctrl-C: the second signal arrives while rl is waiting
+    for its children, and must not cut that wait short and leave a child running."""
+    helper = Path(__file__).parents[1] / "helpers" / "stubborn_launcher.py"
+    err_file = tmp_path / "stderr.txt"
+    with err_file.open("w") as err_out:
+        proc = subprocess.Popen(
+            [sys.executable, str(helper), str(tmp_path)], stdout=subprocess.PIPE, stderr=err_out, text=True
+        )
+    try:
+        child = psutil.Process(int(proc.stdout.readline()))
+        proc.send_signal(signal.SIGINT)
+        wait_for(
+            lambda: proc.poll() is not None or "stopping every process" in err_file.read_text(),
+            "rl stopping",
+            30,
+        )
+        proc.send_signal(signal.SIGTERM)  # mid-stop: the child ignores SIGTERM, rl waits its grace period
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    err = err_file.read_text()
+    assert proc.returncode == 130, err
+    assert err.count("stopping every process") == 1
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE

@@ -93,7 +93,8 @@ class Launcher:
         self.config = config
         self.out = Path(config.output_dir)
         self.children: list[Child] = []
-        self._stopping = False
+        self.stopping = False
+        self.grace_s = GRACE_S
 
     def _write_configs(self) -> dict[str, Path]:
         inference, orchestrator, trainer = self.config.resolved()
@@ -125,15 +126,19 @@ class Launcher:
         self.children.append(child)
         return child
 
-    def stop_all(self) -> None:
-        if self._stopping:
+    def stop_all(self, announce: str | None = None) -> None:
+        """SIGTERM every group, SIGKILL what is left after the grace period, reap. Runs once: a
+        second call (a second signal arriving mid-stop) returns at once and the first one finishes."""
+        if self.stopping:
             return
-        self._stopping = True
+        self.stopping = True
+        if announce:
+            print(announce, file=sys.stderr, flush=True)
         for child in self.children:
             if child.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + self.grace_s
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -208,16 +213,24 @@ class Launcher:
             time.sleep(0.5)
 
 
-def launch(config: RLConfig) -> int:
-    launcher = Launcher(config)
+def install_signal_handlers(launcher: Launcher) -> None:
+    """Ctrl-C and SIGTERM stop every child, then exit 130 / 143."""
 
     def on_signal(signum, frame):
-        print(f"\nrl: {signal.Signals(signum).name}, stopping every process ...", file=sys.stderr, flush=True)
-        launcher.stop_all()
+        if launcher.stopping:
+            # A second signal (uv and the shell often both forward one) must not abort the stop in
+            # progress by raising inside it: that would orphan whatever it had not yet reaped.
+            return
+        launcher.stop_all(f"\nrl: {signal.Signals(signum).name}, stopping every process ...")
         raise SystemExit(130 if signum == signal.SIGINT else 143)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+
+
+def launch(config: RLConfig) -> int:
+    launcher = Launcher(config)
+    install_signal_handlers(launcher)
     try:
         return launcher.run()
     finally:
