@@ -1,4 +1,5 @@
-"""`uv run plot --output_dir outputs/reverse_text`: draw a run's curves to one PNG.
+"""`uv run plot --output_dir outputs/reverse_text`: draw a run's curves to one PNG; with
+`--compare '["outputs/a", "outputs/b"]'`, several runs' reward curves on common axes.
 
 Reads only the metrics JSONL files under the output dir (orchestrator/ and trainer/), so it works on
 a finished run, a running one, or one copied from another machine. A step logged twice (a resumed
@@ -32,7 +33,10 @@ class PlotConfig(RootConfig):
     """The run's output dir (the `output_dir` of its rl config)."""
 
     out: Path | None = None
-    """Where to write the PNG (default: <output_dir>/plots.png)."""
+    """Where to write the PNG (default: <output_dir>/plots.png, or compare.png in the current folder)."""
+
+    compare: list[Path] = []
+    """Runs to draw together instead (their sampled and eval rewards, per env); output_dir is ignored."""
 
 
 class PlotError(RuntimeError):
@@ -125,11 +129,49 @@ def plot(output_dir: Path, out: Path) -> Path:
     return out
 
 
+def plot_compare(output_dirs: list[Path], out: Path) -> Path:
+    """Sampled reward per step (left) and eval reward (right) of each run, one line per run and env."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for output_dir in output_dirs:
+        records = load_run(output_dir)["orchestrator"]
+        orch, evals = by_step(records), eval_records(records)
+        name = Path(output_dir).name
+        envs = sorted(
+            {k.split("/")[1] for r in orch.values() for k in r if k.startswith("reward/")} - {"all"}
+        )
+        for env in envs:
+            label = name if len(envs) == 1 else f"{name}: {env}"
+            ax_train.plot(*series(orch, f"reward/{env}/mean"), label=label)
+            steps, values = series(evals, f"eval/{env}/reward/mean")
+            if steps:
+                ax_eval.plot(steps, values, "o-", label=label)
+    ax_train.set(title="reward of the sampled rollouts (mean per step)", xlabel="step")
+    ax_eval.set(title="held-out eval reward (greedy)", xlabel="step")
+    for ax in (ax_train, ax_eval):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(PlotConfig, argv, prog="plot")
-    out = config.out or Path(config.output_dir) / "plots.png"
     try:
-        plot(Path(config.output_dir), Path(out))
+        if config.compare:
+            out = config.out or Path("compare.png")
+            plot_compare([Path(p) for p in config.compare], Path(out))
+        else:
+            out = config.out or Path(config.output_dir) / "plots.png"
+            plot(Path(config.output_dir), Path(out))
     except PlotError as e:
         print(f"plot: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

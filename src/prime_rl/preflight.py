@@ -101,9 +101,10 @@ def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[
 
 
 def trainer_problems(config: TrainerConfig, prefix: str = "") -> list[str]:
-    path = config.loss.custom_import_path
-    problem = import_path_problem(f"{prefix}loss.custom_import_path", path) if path else None
-    return [problem] if problem else []
+    paths = [("loss.custom_import_path", config.loss.custom_import_path),
+             ("advantage.import_path", config.advantage.import_path)]  # fmt: skip
+    problems = [import_path_problem(f"{prefix}{key}", path) for key, path in paths if path]
+    return [p for p in problems if p]
 
 
 def _raise(problems: list[str]) -> None:

@@ -1,8 +1,10 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
-argv: model_path out_file split. With 2 ranks, rank 0 takes samples[:split] and rank 1 the rest,
+argv: model_path out_file split [gae]. With 2 ranks, rank 0 takes samples[:split] and rank 1 the rest,
 each packed into its own micro-batches (the poorer rank gets filler micro-batches). Rank 0 saves the
-full (unsharded) gradients and the per-token metrics reduced over the ranks.
+full (unsharded) gradients and the per-token metrics reduced over the ranks. With "gae", the
+estimator is GAE with a critic, KL in the reward and batch whitening (all reduced over ranks), and
+the critic's gradients are saved too.
 """
 
 import random
@@ -32,7 +34,7 @@ def make_samples(n: int = 12, seed: int = 0) -> list[TrainingSample]:
                 completion_mask=[1] * c,
                 completion_logprobs=[-rng.uniform(4.0, 8.0) for _ in range(c)],
                 advantage=rng.uniform(-1, 1),
-                reward=0.0,
+                reward=rng.choice([0.0, 0.5, 1.0]),
                 env_name=rng.choice(["a", "b"]),
             )
         )
@@ -41,6 +43,7 @@ def make_samples(n: int = 12, seed: int = 0) -> list[TrainingSample]:
 
 def main() -> None:
     model_path, out_file, split = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    gae = sys.argv[4:] == ["gae"]
     world = init_world()
     samples = make_samples()
     if world.distributed:
@@ -56,17 +59,28 @@ def main() -> None:
         seq_len=SEQ_LEN,
         # No clipping or masking: every token contributes, so any normalization error shows.
         loss={"clip_low": 1e9, "clip_high": 1e9, "mask_low": 0.0, "mask_high": 1e30},
+        **(
+            {
+                "advantage": {"type": "gae", "gamma": 0.9, "lam": 0.8, "batch_normalize": "all"},
+                "kl_reward": {"beta": 0.05, "estimator": "k3"},
+            }
+            if gae
+            else {}
+        ),
     )
     torch.manual_seed(0)
     trainer = Trainer(config, world)
-    stats, _, global_tokens = trainer.accumulate(mbs)
-    metrics = stats.reduce(world)
+    acc = trainer.accumulate(mbs)
+    global_tokens, metrics = acc.global_tokens, acc.stats.reduce(world)
     grads = {}
-    for name, p in trainer.model.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name] = g.detach().clone()
+    modules = [("", trainer.model)] + ([("critic.", trainer.critic)] if gae else [])
+    for prefix, module in modules:
+        for name, p in module.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[prefix + name] = g.detach().clone()
     if world.is_main:
-        torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs), "metrics": metrics},
+        torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs),
+                    "metrics": {**metrics, **acc.metrics}},
                    out_file)  # fmt: skip
     close_world(world)
     exit_rank(world, 0)

@@ -148,3 +148,27 @@ def test_ctrl_c_stops_everything(tiny_model, tmp_path):
             left.append(psutil.Process(pid))
     psutil.wait_procs(left, timeout=30)
     assert not alive(sorted(seen))
+
+
+def test_rl_with_a_critic_and_adaptive_kl_in_the_reward(tiny_model, tmp_path):
+    """GAE with a critic that warms up for one step, and KL in the reward under the adaptive
+    controller, through `rl` end to end: the critic trains from step 0, the policy from step 1,
+    and beta follows the measured KL."""
+    toml = write_config(tmp_path, tiny_model, "short-answer-env", steps=4)
+    flags = ["--orchestrator.filters", "[]", "--trainer.advantage.type", "gae",
+             "--trainer.advantage.batch-normalize", "all", "--trainer.critic.warmup-steps", "1",
+             "--trainer.kl-reward.beta", "0.1", "--trainer.kl-reward.estimator", "k3",
+             "--trainer.kl-reward.target", "1e-6",
+             "--trainer.kl-reward.horizon", "32"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": ENVS}
+    proc = subprocess.run([RL, "@", str(toml), *flags], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "explained_var" in proc.stdout and "critic warm-up" in proc.stdout
+    trainer = [json.loads(line) for line in (tmp_path / "run" / "trainer" / "metrics.jsonl").open()]
+    assert [m["critic/policy_trained"] for m in trainer] == [0.0, 1.0, 1.0, 1.0]
+    assert all(m["critic/value_loss/all/mean"] > 0 and m["critic/grad_norm"] > 0 for m in trainer)
+    betas = [m["kl_reward/beta"] for m in trainer]
+    kls = [m["kl_reward/kl_per_sample"] for m in trainer]
+    assert betas[0] == 0.1 and kls[-1] > 0
+    for i in range(3):  # the controller moves beta toward holding the KL at its target
+        assert (betas[i + 1] > betas[i]) == (kls[i] > 1e-6), (betas, kls)

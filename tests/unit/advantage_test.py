@@ -9,7 +9,7 @@ from prime_rl.orchestrator.advantage import (
     AdvantageError,
     AdvantageInputs,
     AdvantageOutputs,
-    batch_std_normalize,
+    batch_whiten,
 )
 from prime_rl.orchestrator.config import (
     CustomAdvantage,
@@ -34,11 +34,12 @@ def test_rloo_uses_the_mean_of_the_others():
     assert Advantage.from_config(RLOOAdvantage())(group(1, 0, 0)).advantages == [1.0, -0.5, -0.5]
 
 
-def test_reinforce_baseline_normalizes_by_the_batch_std():
+def test_reinforce_baseline_whitens_over_the_batch():
     fn = Advantage.from_config(ReinforceBaselineAdvantage())
-    assert fn.batch_hook is batch_std_normalize
-    advs = fn(group(2, 0)).advantages + fn(group(1, 1)).advantages
-    out = batch_std_normalize(advs)
+    assert fn.batch_normalize == "all" and Advantage.from_config(GRPOAdvantage()).batch_normalize == "none"
+    advs = fn(group(2, 0)).advantages + fn(group(1, 1)).advantages + [0.5]
+    out = batch_whiten(advs)
+    assert math.isclose(sum(out), 0.0, abs_tol=1e-9)
     assert math.isclose(sum(x * x for x in out) / len(out), 1.0, rel_tol=1e-4)
 
 

@@ -200,6 +200,9 @@ def test_env_module_name_follows_verifiers():
 )
 def test_every_shipped_config_parses_and_passes_the_checks(path, monkeypatch):
     monkeypatch.chdir(REPO)  # their model paths are relative to the repo
+    if path.parent.name == "algorithms":  # overlays on an env's rl.toml
+        parse_config(RLConfig, ["@", "configs/sum_digits/rl.toml", "@", str(path)], check=check_rl)
+        return
     cls, check = {"rl.toml": (RLConfig, check_rl), "orch.toml": (OrchestratorConfig, check_orchestrator),
                   "sft.toml": (SFTConfig, None)}[path.name]  # fmt: skip
     parse_config(cls, ["@", str(path)], check=check)

@@ -3,11 +3,11 @@
 import math
 
 from prime_rl.orchestrator.advantage import Advantage
-from prime_rl.orchestrator.config import GRPOAdvantage, ReinforceBaselineAdvantage
+from prime_rl.orchestrator.config import GRPOAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage
 from prime_rl.orchestrator.pipeline import (
     FinishedGroup,
     PipelineConfig,
-    apply_batch_hooks,
+    batch_normalize,
     build_step,
     score_group,
 )
@@ -53,19 +53,42 @@ def test_too_small_and_overlong_and_truncated():
     assert scored.filtered == {0}
 
 
-def test_batch_hooks_see_the_trained_rollouts_of_their_function_only():
-    rb = Advantage.from_config(ReinforceBaselineAdvantage())
+def whiten(xs):
+    m = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    return [(x - m) / (std + 1e-6) for x in xs]
+
+
+def test_batch_normalize_pools_the_trained_rollouts_of_every_all_env():
+    rb = Advantage.from_config(ReinforceBaselineAdvantage())  # batch_normalize = "all"
     a, _ = score_group(group(2.0, 0.0, env="a"), rb, CONFIG)
-    rb_c = Advantage.from_config(ReinforceBaselineAdvantage())  # env c's own instance, same function
-    b, _ = score_group(group(1.0, 0.0, env="c"), rb_c, CONFIG)
-    flat, _ = score_group(group(1.0, 1.0, env="a"), rb, CONFIG)  # filtered: not in the std
-    other, _ = score_group(group(1.0, 0.0, env="b"), GRPO, CONFIG)
-    out = apply_batch_hooks([a, b, flat, other], {"a": rb, "b": GRPO, "c": rb_c})
-    raw = [1.0, -1.0, 0.5, -0.5]
-    std = math.sqrt(sum(x * x for x in raw) / 4)
-    assert [x for g in out[:2] for x in g.advantages] == [x / (std + 1e-6) for x in raw]
+    rloo_all = Advantage.from_config(RLOOAdvantage(batch_normalize="all"))
+    b, _ = score_group(group(1.0, 0.0, 0.0, env="c"), rloo_all, CONFIG)
+    flat, _ = score_group(group(1.0, 1.0, env="a"), rb, CONFIG)  # filtered: not in the pool
+    other, _ = score_group(group(1.0, 0.0, env="b"), GRPO, CONFIG)  # "none": untouched
+    out = batch_normalize([a, b, flat, other], {"a": rb, "b": GRPO, "c": rloo_all})
+    raw = [1.0, -1.0, 1.0, -0.5, -0.5]
+    got = [x for g in out[:2] for x in g.advantages]
+    assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(got, whiten(raw), strict=True))
     assert out[2].advantages == flat.advantages and out[3].advantages == other.advantages
     assert a.advantages == (1.0, -1.0)  # the input is unchanged
+
+
+def test_batch_normalize_per_env_keeps_the_envs_apart():
+    per_env = Advantage.from_config(GRPOAdvantage(batch_normalize="env"))
+    g1, _ = score_group(group(3.0, 0.0, env="a"), per_env, CONFIG)
+    g2, _ = score_group(group(1.0, 0.0, 0.0, 0.0, env="a"), per_env, CONFIG)
+    g3, _ = score_group(group(0.2, 0.0, env="b"), per_env, CONFIG)
+    out = batch_normalize([g1, g2, g3], {"a": per_env, "b": per_env})
+    pool_a = list(g1.advantages) + list(g2.advantages)
+    got_a = [x for g in out[:2] for x in g.advantages]
+    assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(got_a, whiten(pool_a), strict=True))
+    assert all(
+        math.isclose(x, y, abs_tol=1e-9)
+        for x, y in zip(out[2].advantages, whiten(list(g3.advantages)), strict=True)
+    )
+    # pooled with env a, env b's +-0.1 would stay small; alone it becomes +-1
+    assert math.isclose(abs(out[2].advantages[0]), 1.0, rel_tol=1e-4)
 
 
 def test_build_step_counts_every_rollout_once_and_samples_only_the_trained():
@@ -79,3 +102,11 @@ def test_build_step_counts_every_rollout_once_and_samples_only_the_trained():
     ]  # fmt: skip
     assert {s.temperature for s in samples if s.env_name == "f"} == {0.7}
     assert built.filter_counts["zero_advantage/e"] == 2
+
+
+def test_reward_clip_bounds_the_rewards_that_train_not_the_logged_ones():
+    clipping = PipelineConfig(64, 2, (), reward_clip=1.0)
+    built = build_step([group(5.0, 0.0, -3.0)], {"e": GRPO}, {"e": 1.0}, clipping, "run", 0)
+    assert [s.reward for s in built.batch.samples] == [1.0, 0.0, -1.0]
+    assert [s.advantage for s in built.batch.samples] == [1.0, 0.0, -1.0]  # mean of (1, 0, -1) is 0
+    assert [r.reward for r in built.groups[0].rollouts] == [5.0, 0.0, -3.0]

@@ -60,3 +60,20 @@ def test_plot_of_a_dir_without_metrics_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no metrics under" in err and "Traceback" not in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_compare_draws_several_runs_and_names_one_without_metrics(tmp_path, capsys):
+    for name, slope in (("grpo", 0.1), ("gae", 0.2)):
+        write_metrics(
+            tmp_path / name / "orchestrator" / "metrics.jsonl",
+            [{"step": s, "reward/e/mean": slope * s} for s in range(3)]
+            + [{"step": 2, "eval/policy_version": 2, "eval/e-eval/reward/mean": slope}],
+        )
+    out = tmp_path / "both.png"
+    main(["--compare", json.dumps([str(tmp_path / "grpo"), str(tmp_path / "gae")]), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main(
+            ["--compare", json.dumps([str(tmp_path / "grpo"), str(tmp_path / "nothing")]), "--out", str(out)]
+        )
+    assert "nothing" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The loss normalization contract: one global batch gives the same gradients on 1 rank and on 2
 ranks (gloo, FSDP2), however unevenly its tokens are split between the ranks."""
 
+import math
 import os
 import subprocess
 import sys
@@ -14,13 +15,14 @@ from prime_rl.net import free_port
 WORKER = str(Path(__file__).parents[1] / "helpers" / "grad_worker.py")
 
 
-def run_worker(model: Path, out: Path, ranks: int, split: int) -> dict:
+def run_worker(model: Path, out: Path, ranks: int, split: int, *extra: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if ranks == 1:
-        cmd = [sys.executable, WORKER, str(model), str(out), str(split)]
+        cmd = [sys.executable, WORKER, str(model), str(out), str(split), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER, str(model), str(out), str(split)]  # fmt: skip
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER, str(model), str(out), str(split),
+               *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
@@ -45,3 +47,24 @@ def test_two_ranks_give_the_same_gradients_as_one(tiny_model, tmp_path, single_r
     assert set(both) == set(one) and "mismatch_kl/a/mean" in one and "entropy/b/max" in one
     for key, value in one.items():
         assert abs(both[key] - value) <= 1e-6 * max(1.0, abs(value)), key
+
+
+def test_the_critic_and_token_estimators_give_the_same_gradients_on_two_ranks(tiny_model, tmp_path):
+    """GAE with a critic, KL in the reward and batch whitening: values, the KL sum and the whitening
+    moments are all reduced over the ranks, so 2 ranks match 1 for the policy and the critic."""
+    one = run_worker(tiny_model, tmp_path / "one.pt", 1, 0, "gae")
+    two = run_worker(tiny_model, tmp_path / "two.pt", 2, 11, "gae")
+    critic = [n for n in one["grads"] if n.startswith("critic.")]
+    assert critic and any(one["grads"][n].abs().max() > 0 for n in critic if "body.layers" in n)
+    for name, g1 in one["grads"].items():
+        torch.testing.assert_close(
+            two["grads"][name], g1, rtol=1e-4, atol=1e-6, msg=f"gradient of {name} differs"
+        )
+    for key in (
+        "critic/value_loss/all/mean",
+        "critic/explained_variance",
+        "kl_reward/kl_per_sample",
+        "token_advantage/all/std",
+    ):
+        assert math.isclose(two["metrics"][key], one["metrics"][key], rel_tol=1e-5, abs_tol=1e-7), key
+    assert math.isclose(one["metrics"]["token_advantage/all/std"], 1.0, rel_tol=1e-3)  # whitened

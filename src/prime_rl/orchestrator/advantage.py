@@ -80,7 +80,8 @@ def rloo(inputs: AdvantageInputs) -> AdvantageOutputs:
 
 
 def reinforce_baseline(inputs: AdvantageInputs) -> AdvantageOutputs:
-    """Group-mean baseline; the division by the batch std happens once the step's batch is known."""
+    """Group-mean baseline; its batch whitening (`batch_normalize = "all"`) happens once the step's
+    batch is known."""
     return grpo(inputs)
 
 
@@ -94,9 +95,8 @@ class Advantage:
     name: str
     fn: AdvantageFn
     kwargs: dict[str, Any]
-    batch_hook: Callable[[list[float]], list[float]] | None = None
-    """Applied once per step to the advantages this function gave the step's trained rollouts (in
-    batch order), after every group was scored: reinforce_baseline divides by their std."""
+    batch_normalize: str = "none"
+    """'none', 'all' or 'env': how the step's trained advantages are whitened (`batch_whiten`)."""
 
     @classmethod
     def from_config(cls, config: AdvantageConfig | None) -> Advantage:
@@ -106,10 +106,9 @@ class Advantage:
                 fn = load_function(config.import_path, key="advantage import_path")
             except PluginError as e:
                 raise AdvantageError(str(e)) from None
-            return cls(config.import_path, fn, dict(config.kwargs))
-        kwargs = config.model_dump(exclude={"type"})
-        hook = batch_std_normalize if config.type == "reinforce_baseline" else None
-        return cls(config.type, BUILTINS[config.type], kwargs, hook)
+            return cls(config.import_path, fn, dict(config.kwargs), config.batch_normalize)
+        kwargs = config.model_dump(exclude={"type", "batch_normalize"})
+        return cls(config.type, BUILTINS[config.type], kwargs, config.batch_normalize)
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantageOutputs:
         where = f"advantage function '{self.name}' on env '{inputs.env_name}', example {inputs.example_id!r}"
@@ -135,9 +134,9 @@ class Advantage:
         return AdvantageOutputs(values, dict(out.metrics))
 
 
-def batch_std_normalize(advantages: list[float]) -> list[float]:
-    """Divide by the std over the batch (used by reinforce_baseline across a step's groups)."""
+def batch_whiten(advantages: list[float]) -> list[float]:
+    """(a - mean) / (std + eps) over one pool of a step's trained advantages."""
     if len(advantages) < 2:
         return advantages
-    std = _std(advantages)
-    return [a / (std + STD_EPS) for a in advantages]
+    mean, std = _mean(advantages), _std(advantages)
+    return [(a - mean) / (std + STD_EPS) for a in advantages]

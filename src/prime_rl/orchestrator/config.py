@@ -47,7 +47,16 @@ class SamplingConfig(BaseConfig):
     """Extra vLLM request fields, merged into the request as is (e.g. {min_tokens = 1})."""
 
 
-class GRPOAdvantage(BaseConfig):
+BatchNormalize = Literal["none", "all", "env"]
+
+
+class _AdvantageBase(BaseConfig):
+    batch_normalize: BatchNormalize = "none"
+    """After every group of the step is scored: whiten the advantages of the step's trained rollouts,
+    (a - mean) / (std + 1e-6). 'all' pools every env that sets 'all'; 'env' pools each env alone."""
+
+
+class GRPOAdvantage(_AdvantageBase):
     """Reward minus the group mean, optionally divided by the group std."""
 
     type: Literal["grpo"] = "grpo"
@@ -57,21 +66,24 @@ class GRPOAdvantage(BaseConfig):
     """Divide by the group's reward std (plus a small epsilon)."""
 
 
-class RLOOAdvantage(BaseConfig):
+class RLOOAdvantage(_AdvantageBase):
     """Reward minus the mean of the other rollouts of the group (leave-one-out baseline)."""
 
     type: Literal["rloo"] = "rloo"
     """Selects this advantage function."""
 
 
-class ReinforceBaselineAdvantage(BaseConfig):
-    """Reward minus the group mean, then divided by the std over the whole step's batch."""
+class ReinforceBaselineAdvantage(_AdvantageBase):
+    """Reward minus the group mean, then whitened over the whole step's batch (REINFORCE++-baseline)."""
 
     type: Literal["reinforce_baseline"] = "reinforce_baseline"
     """Selects this advantage function."""
 
+    batch_normalize: BatchNormalize = "all"
+    """As for every estimator; this one defaults to 'all'."""
 
-class CustomAdvantage(BaseConfig):
+
+class CustomAdvantage(_AdvantageBase):
     """A user function `fn(AdvantageInputs, **kwargs) -> AdvantageOutputs`, named by import path."""
 
     type: Literal["custom"] = "custom"
@@ -255,6 +267,10 @@ class OrchestratorConfig(RootConfig):
 
     filters: list[FilterConfig] = [FilterConfig(type="zero_advantage")]
     """Filters applied to finalized groups, in order."""
+
+    reward_clip: float | None = Field(default=None, gt=0)
+    """Bound every rollout's reward to [-reward_clip, reward_clip] before advantages (and in the
+    reward sent to the trainer); logged rewards stay as the env gave them."""
 
     eval: EvalConfig = EvalConfig()
     """Periodic evaluation."""

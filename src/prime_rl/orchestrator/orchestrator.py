@@ -213,7 +213,7 @@ class Orchestrator:
         log.info("checking inference at %s", ", ".join(c.client.base_urls))
         await self.pool.wait_healthy()
         self.pipeline = PipelineConfig(
-            c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters)
+            c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip
         )
         self.scheduler = Scheduler(c, self.envs, self.pool, rng, acc)
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())

@@ -1,6 +1,6 @@
 """From a step's finished groups to its training batch: the one path, in pure steps.
 
-    finished group ─ score_group ─▶ ScoredGroup (advantages, filters) ─ apply_batch_hooks ─▶
+    finished group ─ score_group ─▶ ScoredGroup (advantages, filters) ─ batch_normalize ─▶
     ─ samples ─▶ TrainingBatch, with the step's counts beside it (build_step)
 
 Every step returns new values and changes none of its inputs; the orchestrator runs `build_step`
@@ -8,7 +8,7 @@ in a worker thread, once per step, so user code (advantage functions) never runs
 
 Invariants: every rollout of the input groups is in the result exactly once, counted as trained or
 filtered for its env; an advantage that reaches a sample was validated (`advantage.py`); a filtered
-rollout gets no sample; the batch hooks see only the rollouts that train.
+rollout gets no sample; batch normalization sees only the rollouts that train.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from prime_rl.orchestrator.advantage import Advantage, AdvantageInputs
+from prime_rl.orchestrator.advantage import Advantage, AdvantageInputs, batch_whiten
 from prime_rl.orchestrator.rollout import Rollout
 from prime_rl.orchestrator.samples import rollout_to_samples, sample_lengths
 from prime_rl.transport.messages import Header, TrainingBatch, TrainingSample
@@ -43,10 +43,16 @@ class ScoredGroup:
     rollouts: tuple[Rollout, ...]
     advantages: tuple[float, ...]
     filtered: frozenset[int]
+    rewards: tuple[float, ...] | None = None
+    """The rewards that train (after `reward_clip`); None: the rollouts' own."""
 
     def trained(self) -> list[tuple[Rollout, float]]:
         return [(r, a) for i, (r, a) in enumerate(zip(self.rollouts, self.advantages, strict=True))
                 if i not in self.filtered]  # fmt: skip
+
+    def trained_rewards(self) -> list[float]:
+        rewards = self.rewards if self.rewards is not None else tuple(r.reward for r in self.rollouts)
+        return [x for i, x in enumerate(rewards) if i not in self.filtered]
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class PipelineConfig:
     """Smaller groups are filtered whole, with advantage 0."""
     filters: tuple[tuple[str, bool], ...] = ()
     """(filter type, monitor only) in order: "zero_advantage" and "truncated"."""
+    reward_clip: float | None = None
+    """Rewards are bounded to [-c, c] for advantages and training (not in the logged records)."""
 
 
 def score_group(
@@ -70,7 +78,11 @@ def score_group(
         counts[f"min_group_size/{env}"] += len(rollouts)
         all_out = frozenset(range(len(rollouts)))
         return ScoredGroup(env, group.example_id, rollouts, (0.0,) * len(rollouts), all_out), counts
-    out = advantage(AdvantageInputs(list(rollouts), env, group.example_id))
+    scored = rollouts
+    if config.reward_clip is not None:
+        c = config.reward_clip
+        scored = tuple(replace(r, reward=min(max(r.reward, -c), c)) for r in rollouts)
+    out = advantage(AdvantageInputs(list(scored), env, group.example_id))
     advantages = tuple(out.advantages)
     drop = {i for i, r in enumerate(rollouts) if max(sample_lengths(r)) > config.seq_len}
     counts[f"overlong/{env}"] += len(drop)
@@ -82,26 +94,25 @@ def score_group(
         counts[f"{kind}/{env}"] += len(hit)
         if not monitor_only:
             drop |= hit
-    return ScoredGroup(env, group.example_id, rollouts, advantages, frozenset(drop)), counts
+    rewards = tuple(r.reward for r in scored)
+    return ScoredGroup(env, group.example_id, rollouts, advantages, frozenset(drop), rewards), counts
 
 
-def apply_batch_hooks(groups: list[ScoredGroup], advantages: dict[str, Advantage]) -> list[ScoredGroup]:
-    """Each advantage function's batch hook over the advantages it gave the step's trained rollouts,
-    across envs: envs configured with the same function (by name) share one hook call."""
-    by_fn: dict[str, list[tuple[int, int]]] = {}  # function name -> (group index, rollout index)
-    owners: dict[str, Advantage] = {}
+def batch_normalize(groups: list[ScoredGroup], advantages: dict[str, Advantage]) -> list[ScoredGroup]:
+    """Whiten the step's trained advantages in pools: one pool of every env whose estimator says
+    `batch_normalize = "all"`, one per env that says "env"; envs that say "none" are left alone."""
+    pools: dict[str, list[tuple[int, int]]] = {}  # pool -> (group index, rollout index)
     for gi, g in enumerate(groups):
-        fn = advantages[g.env_name]
-        if fn.batch_hook is not None:
-            owners.setdefault(fn.name, fn)
-            by_fn.setdefault(fn.name, []).extend(
-                (gi, ri) for ri in range(len(g.rollouts)) if ri not in g.filtered
-            )
-    if not by_fn:
+        mode = advantages[g.env_name].batch_normalize
+        if mode == "none":
+            continue
+        key = "all" if mode == "all" else f"env:{g.env_name}"
+        pools.setdefault(key, []).extend((gi, ri) for ri in range(len(g.rollouts)) if ri not in g.filtered)
+    if not pools:
         return groups
     new = [list(g.advantages) for g in groups]
-    for key, where in by_fn.items():
-        values = owners[key].batch_hook([groups[gi].advantages[ri] for gi, ri in where])
+    for where in pools.values():
+        values = batch_whiten([groups[gi].advantages[ri] for gi, ri in where])
         for (gi, ri), a in zip(where, values, strict=True):
             new[gi][ri] = a
     return [replace(g, advantages=tuple(a)) for g, a in zip(groups, new, strict=True)]
@@ -133,13 +144,13 @@ def build_step(
         s, counts = score_group(g, advantages[g.env_name], config)
         scored.append(s)
         filter_counts.update(counts)  # keeps zero counts: a filter that hit nothing logs 0
-    scored = apply_batch_hooks(scored, advantages)
+    scored = batch_normalize(scored, advantages)
     samples: list[TrainingSample] = []
     buckets = {"trained": Counter(), "filtered": Counter()}
     for g in scored:
         trained = g.trained()
         buckets["trained"][g.env_name] += len(trained)
         buckets["filtered"][g.env_name] += len(g.filtered)
-        for r, a in trained:
-            samples.extend(rollout_to_samples(r, a, temperatures[g.env_name]))
+        for (r, a), reward in zip(trained, g.trained_rewards(), strict=True):
+            samples.extend(rollout_to_samples(r, a, temperatures[g.env_name], reward=reward))
     return StepBuild(TrainingBatch(Header(run_id, step), samples), scored, buckets, filter_counts)

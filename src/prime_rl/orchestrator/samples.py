@@ -63,7 +63,10 @@ def sample_lengths(rollout: Rollout) -> list[int]:
     return [len(seg[-1].prompt_ids) + len(seg[-1].completion_ids) for seg in segments(rollout)]
 
 
-def rollout_to_samples(rollout: Rollout, advantage: float, temperature: float = 1.0) -> list[TrainingSample]:
+def rollout_to_samples(
+    rollout: Rollout, advantage: float, temperature: float = 1.0, reward: float | None = None
+) -> list[TrainingSample]:
+    """The rollout's training samples; `reward` (default: the rollout's) travels with each."""
     samples = []
     for seg in segments(rollout):
         first = seg[0]
@@ -86,7 +89,7 @@ def rollout_to_samples(rollout: Rollout, advantage: float, temperature: float = 
                 completion_mask=mask,
                 completion_logprobs=logprobs,
                 advantage=advantage,
-                reward=rollout.reward,
+                reward=rollout.reward if reward is None else reward,
                 env_name=rollout.env_name,
                 example_id=rollout.example_id,
                 policy_version=rollout.policy_version,

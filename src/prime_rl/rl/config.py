@@ -149,6 +149,22 @@ class RLConfig(RootConfig):
             raise ValueError(" ".join(problems))
         return self
 
+    @model_validator(mode="after")
+    def _gae_trains_on_every_group(self):
+        # A critic fit only to groups whose rewards differ learns a biased value; and with GAE a
+        # group of equal rewards still has non-zero advantages (reward minus value).
+        if self.trainer.advantage.type == "gae":
+            dropping = [
+                f.type for f in self.orchestrator.filters if f.type == "zero_advantage" and not f.monitor_only
+            ]
+            if dropping:
+                raise ValueError(
+                    "'trainer.advantage.type' = 'gae' trains the critic on every group, but "
+                    "'orchestrator.filters' drops groups whose rollout advantages are all zero; set "
+                    "orchestrator.filters = [] (or the filter's monitor_only = true)"
+                )
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _hand_down_shared(cls, data: Any) -> Any:

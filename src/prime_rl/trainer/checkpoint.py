@@ -1,4 +1,5 @@
-"""Trainer checkpoints: model, optimizer, scheduler, step and RNG, to resume a killed trainer.
+"""Trainer checkpoints: model, optimizer, scheduler, step and RNG (and the critic and its optimizer,
+and the KL controller, when configured), to resume a killed trainer.
 
 Layout: `<output_dir>/checkpoints/step_<N>/` (the state after N optimizer steps) with the sharded
 model and optimizer state (torch.distributed.checkpoint, one shard per rank), `rank_<r>.pt` with the
@@ -28,18 +29,30 @@ def _barrier(world: World) -> None:
         dist.barrier()
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World, keep: int) -> Path:
+def _sharded_state(model, optimizer, critic) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(*critic)
+    return state
+
+
+def save_checkpoint(
+    root: Path, step: int, model, optimizer, scheduler, world: World, keep: int, critic=None, extra=None
+) -> Path:
+    """`critic`: (value model, its optimizer), saved beside the policy; `extra`: small picklable
+    state that every rank holds the same (e.g. the KL controller), returned by `load_checkpoint`."""
     path = root / f"step_{step}"
     if world.is_main and path.exists():
         shutil.rmtree(path)
     _barrier(world)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dcp.save(_sharded_state(model, optimizer, critic), checkpoint_id=str(path))
     torch.save(
         {
             "step": step,
             "scheduler": scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "extra": extra or {},
         },
         path / f"rank_{world.rank}.pt",
     )
@@ -52,16 +65,18 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
     return path
 
 
-def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World) -> int:
+def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World, critic=None) -> dict:
+    """Restore everything `save_checkpoint` wrote; returns its `extra`."""
     path = root / f"step_{step}"
     if not (path / DONE).exists():
         raise FileNotFoundError(f"no complete checkpoint at {path} (complete ones: {complete_steps(root)})")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _sharded_state(model, optimizer, critic)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
-    torch.set_rng_state(extra["rng"]["torch"])
-    random.setstate(extra["rng"]["python"])
-    return int(extra["step"])
+    if critic is not None:
+        set_state_dict(*critic, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+    saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
+    scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    random.setstate(saved["rng"]["python"])
+    return saved.get("extra", {})

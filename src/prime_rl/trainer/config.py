@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_MODEL, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
@@ -78,6 +78,13 @@ class CheckpointConfig(BaseConfig):
 class LossConfig(BaseConfig):
     """The RL loss: importance ratio between trainer and sampling logprobs, with clipping and masking."""
 
+    type: Literal["ppo", "cpgd"] = "ppo"
+    """'ppo': the clipped importance ratio times the advantage. 'cpgd': the clipped log-ratio times the
+    advantage, plus `drift_coef` times the policy drift KL(sampler || trainer) (Liu et al. 2025)."""
+
+    drift_coef: float = Field(default=0.1, ge=0)
+    """CPGD only: weight of the policy-drift penalty."""
+
     ratio_type: Literal["token", "sequence"] = "token"
     """Importance ratio per token, or one per sample (geometric mean of its token ratios, GSPO-style)."""
 
@@ -107,6 +114,93 @@ class LossConfig(BaseConfig):
 
     custom_kwargs: dict[str, Any] = {}
     """Keyword arguments of the custom loss."""
+
+
+class TokenAdvantageConfig(BaseConfig):
+    """How the trainer turns each sample's reward into per-token advantages (token-level estimators).
+
+    'reinforce' (default): A_t = sum over the sample's later model tokens k >= t of gamma^(k - t) r_k,
+    where r is the KL-in-reward penalty on every model token plus, on the last model token, the
+    orchestrator's per-rollout advantage. With gamma = 1 and no KL in the reward this is that
+    advantage on every token, as the orchestrator computed it. 'gae': PPO's generalized advantage
+    estimation with a critic (`[trainer.critic]`); the terminal reward is the rollout's reward, and
+    the orchestrator's advantage is not used. Environment tokens (loss mask 0) carry no reward and
+    are skipped: the discount counts model tokens only."""
+
+    type: Literal["reinforce", "gae", "custom"] = "reinforce"
+    """The estimator; 'custom' calls `import_path`."""
+
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount per model token."""
+
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """GAE's lambda (bias-variance trade-off of the advantage; 1 gives Monte-Carlo returns minus values)."""
+
+    batch_normalize: Literal["none", "all", "env"] = "none"
+    """Whiten the per-token advantages over the step's model tokens on all ranks: over every env
+    ('all') or per env ('env'). GAE usually wants 'all'."""
+
+    import_path: str | None = None
+    """With type = 'custom': 'pkg.module:fn(TokenAdvantageInputs, **kwargs) -> TokenAdvantageOutputs'."""
+
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments of the custom estimator."""
+
+    @model_validator(mode="after")
+    def _custom_has_a_path(self):
+        if self.type == "custom" and not self.import_path:
+            raise ValueError("type = 'custom' needs import_path = 'package.module:function'")
+        return self
+
+
+class CriticConfig(BaseConfig):
+    """The value model of `advantage.type = "gae"`: an HF causal LM's body with a scalar head, trained
+    beside the policy with a clipped value loss and its own optimizer."""
+
+    path: str | None = None
+    """HF causal LM folder whose body starts the critic; unset: the policy's model. The value head
+    always starts fresh (seeded, the same on every rank)."""
+
+    @field_validator("path")
+    @classmethod
+    def _local_folder_exists(cls, name: str | None) -> str | None:
+        return None if name is None else check_model_name(name)
+
+    optim: OptimizerConfig = OptimizerConfig()
+    """The critic's AdamW (constant learning rate)."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    """The first this many steps train only the critic: the policy is not updated."""
+
+    value_clip: float = Field(default=0.2, gt=0)
+    """A new value may move at most this far from the value it had when the step began (PPO's
+    clipped value loss)."""
+
+
+class KLRewardConfig(BaseConfig):
+    """KL to the frozen starting model as a per-token reward, -beta * KL(policy || reference), added
+    before advantages (PPO-RLHF). Unlike `loss.kl_coef`, which differentiates a KL term in the loss,
+    this penalty is part of the return the policy gradient follows, and discounting and the critic
+    see it."""
+
+    beta: float = Field(default=0.0, ge=0)
+    """The (initial) penalty weight; 0 disables KL in the reward."""
+
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token estimator of the KL from the sampling logprobs and the reference's."""
+
+    target: float | None = Field(default=None, gt=0)
+    """Adaptive controller (Ziegler et al. 2019): the KL per sample (summed over its model tokens,
+    averaged over the step) to hold; unset keeps beta fixed."""
+
+    horizon: int = Field(default=10000, ge=1)
+    """Adaptive controller: each step multiplies beta by 1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon."""
+
+    @model_validator(mode="after")
+    def _adaptive_needs_a_start(self):
+        if self.target is not None and self.beta <= 0:
+            raise ValueError("the adaptive controller (target) multiplies beta: set beta > 0 to start from")
+        return self
 
 
 class PublishConfig(BaseConfig):
@@ -152,6 +246,15 @@ class TrainerConfig(RootConfig):
 
     loss: LossConfig = LossConfig()
     """The RL loss."""
+
+    advantage: TokenAdvantageConfig = TokenAdvantageConfig()
+    """Token-level advantage estimator."""
+
+    critic: CriticConfig = CriticConfig()
+    """The value model (used by advantage.type = 'gae')."""
+
+    kl_reward: KLRewardConfig = KLRewardConfig()
+    """KL to the starting model in the reward."""
 
     publish: PublishConfig = PublishConfig()
     """Weight publishing."""

@@ -13,6 +13,7 @@ sampler disagree too much to trust the sample.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,22 @@ def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float)
     return mask & (entropy >= threshold)
 
 
+def cpgd_token_loss(log_ratio: torch.Tensor, adv: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """CPGD, clipped policy gradient with policy drift (Liu et al. 2025, "CPGD: Toward Stable
+    Rule-based Reinforcement Learning for Language Models", arXiv:2505.12504; LightRFT's `cpgd`).
+
+    The policy gradient follows log(ratio) * A instead of PPO's ratio * A, with the log-ratio clipped
+    to [log(1 - clip_low), log(1 + clip_high)] pessimistically (the min, as in PPO), so a token's
+    weight cannot grow exponentially with the ratio. The policy drift KL(sampler || trainer) is
+    penalized with its low-variance estimate r - 1 - log r (r = ratio, tokens drawn by the sampler),
+    whose gradient pulls the ratio back to 1 from either side."""
+    low = math.log(1.0 - config.clip_low) if config.clip_low < 1 else -math.inf
+    clipped = log_ratio.clamp(low, math.log1p(config.clip_high))
+    objective = torch.minimum(log_ratio * adv, clipped * adv)
+    drift = torch.exp(log_ratio) - 1.0 - log_ratio
+    return -objective + config.drift_coef * drift
+
+
 def rl_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
     mask = inputs.loss_mask
     log_ratio = importance_log_ratio(inputs, config.ratio_type)
@@ -90,9 +107,11 @@ def rl_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
     keep = mask & ~masked_low & ~masked_high
     keep = top_entropy_mask(inputs.entropy, keep, config.top_entropy_fraction)
     adv = inputs.advantages
-    clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
-    objective = torch.minimum(ratio * adv, clipped * adv)
-    loss = -objective
+    if config.type == "cpgd":
+        loss = cpgd_token_loss(log_ratio, adv, config)
+    else:
+        clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+        loss = -torch.minimum(ratio * adv, clipped * adv)
     if config.kl_coef > 0 and inputs.ref_logprobs is not None:
         loss = loss + config.kl_coef * kl_penalty(
             inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator

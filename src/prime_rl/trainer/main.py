@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from prime_rl.config import parse_config
@@ -19,6 +20,7 @@ from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_ch
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import StepReceiver
 from prime_rl.trainer.dist import World, init_world, run_rank
+from prime_rl.trainer.estimator import TokenAdvantageError
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.publish import Publisher
 from prime_rl.trainer.trainer import LossFn, Trainer
@@ -59,15 +61,30 @@ def load_custom_loss(config: TrainerConfig) -> LossFn | None:
     return lambda inputs: fn(inputs, **config.loss.custom_kwargs)
 
 
+def estimator_summary(metrics: dict[str, float]) -> str:
+    """The critic's and the KL controller's figures for the step's log line, when they exist."""
+    parts = []
+    if "critic/value_loss/all/mean" in metrics:
+        parts.append(f"value_loss {metrics['critic/value_loss/all/mean']:.4f}")
+        parts.append(f"explained_var {metrics.get('critic/explained_variance', float('nan')):.3f}")
+        if not metrics.get("critic/policy_trained", 1.0):
+            parts.append("critic warm-up")
+    if "kl_reward/beta" in metrics:
+        parts.append(f"kl {metrics['kl_reward/kl_per_sample']:.4f} beta {metrics['kl_reward/beta']:.4f}")
+    return " | " + " | ".join(parts) if parts else ""
+
+
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
     world = world or init_world()
     output_dir = Path(config.output_dir)
     trainer = Trainer(config, world, loss_fn or load_custom_loss(config))
     start = resume_step(config)
+    critic = (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None
     if start:
-        load_checkpoint(
-            checkpoint_root(output_dir), start, trainer.model, trainer.optimizer, trainer.scheduler, world
-        )
+        extra = load_checkpoint(checkpoint_root(output_dir), start, trainer.model, trainer.optimizer,
+                                trainer.scheduler, world, critic=critic)  # fmt: skip
+        if "kl_beta" in extra:
+            trainer.kl = replace(trainer.kl, beta=extra["kl_beta"])
         log.info("resumed from checkpoint step %d", start)
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep)
     run_id = resolve_run_id(config.transport, output_dir)
@@ -90,7 +107,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             t_get = time.perf_counter()
             micro_batches = receiver.get(step)
             t_wait = time.perf_counter() - t_get
-            metrics, results = trainer.train_step(micro_batches)
+            metrics, results = trainer.train_step(micro_batches, step)
             if not math.isfinite(metrics["loss"]):
                 nan_streak += 1
                 log.warning("step %d: non-finite loss, update skipped (%d in a row)", step, nan_streak)
@@ -113,17 +130,19 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
                 metrics_log.log(step, metrics)
                 log.info(
                     "step %d | loss %.4f | entropy %.3f | mismatch_kl %.2e | grad_norm %.3f | %.0f tok/s | "
-                    "%.1fs (wait for data %.1fs, train %.1fs)",
+                    "%.1fs (wait for data %.1fs, train %.1fs)%s",
                     step, metrics["loss"], metrics.get("entropy/all/mean", float("nan")),
                     metrics.get("mismatch_kl/all/mean", float("nan")), metrics["grad_norm"],
                     metrics["throughput/tokens_per_s"], metrics["time/step"], t_wait, metrics["time/train"],
+                    estimator_summary(metrics),
                 )  # fmt: skip
             # The checkpoint is the step's commit point: its metrics line is written before it, so a
             # kill after it loses nothing, and one before it has the step trained and logged again.
             t0, t_ckpt = time.perf_counter(), 0.0
             if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
                 save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
-                                trainer.scheduler, world, config.ckpt.keep)  # fmt: skip
+                                trainer.scheduler, world, config.ckpt.keep, critic=critic,
+                                extra={"kl_beta": trainer.kl.beta})  # fmt: skip
                 t_ckpt = time.perf_counter() - t0
     finally:
         publisher.close()
@@ -132,7 +151,14 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         receiver.receiver.close()
 
 
-USER_ERRORS = (ModelLoadError, TransportError, NaNLossError, CheckpointError, PluginError)
+USER_ERRORS = (
+    ModelLoadError,
+    TransportError,
+    NaNLossError,
+    CheckpointError,
+    PluginError,
+    TokenAdvantageError,
+)
 
 
 def main(argv: list[str] | None = None) -> None:

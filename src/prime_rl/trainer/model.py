@@ -27,7 +27,7 @@ def load_model(config: ModelConfig, world: World) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(config.name, dtype=DTYPES[config.dtype])
     except Exception as e:
         raise ModelLoadError(
-            f"model '{config.name}' could not be loaded with transformers: {type(e).__name__}: {e}. "
+            f"model '{config.name}' could not be loaded with transformers: {type(e).__name__}: {' '.join(str(e).split())}. "
             "Give a local HF folder (config.json, safetensors, tokenizer) or a hub id that is reachable."
         ) from None
     model.to(world.device)

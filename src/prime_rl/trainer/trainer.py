@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.critic import load_critic, value_loss
 from prime_rl.trainer.dist import World, all_reduce_max, all_reduce_sum
+from prime_rl.trainer.estimator import TokenAdvantageError, TokenAdvantageInputs, TokenEstimator
+from prime_rl.trainer.kl_reward import KLController, kl_rewards
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.loss import LossInputs, LossOutputs, rl_loss, sample_ids
 from prime_rl.trainer.model import load_model
@@ -106,18 +109,47 @@ class MicroBatchResult:
     masks: dict[str, torch.Tensor]
 
 
+@dataclass
+class Accumulated:
+    """A step's gradients are in the modules; this is what else the pass produced."""
+
+    stats: TokenStats
+    results: list[MicroBatchResult]
+    global_tokens: float
+    """Loss tokens of the step on all ranks (the loss's denominator)."""
+    metrics: dict[str, float]
+    """Step-level metrics of the first pass (KL in the reward, the critic's explained variance)."""
+
+
+@dataclass
+class Prepared:
+    """One micro-batch ready for the losses: its tensors, with `advantages` now per token."""
+
+    mb: MicroBatch
+    t: dict[str, torch.Tensor]
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+
 class Trainer:
     def __init__(self, config: TrainerConfig, world: World, loss_fn: LossFn | None = None):
         self.config = config
         self.world = world
         self.model = load_model(config.model, world)
         self.ref_model = None
-        if config.loss.kl_coef > 0:
+        if config.loss.kl_coef > 0 or config.kl_reward.beta > 0:
             self.ref_model = load_model(config.model, world)
             self.ref_model.requires_grad_(False)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
         self.loss_fn: LossFn = loss_fn or (lambda inputs: rl_loss(inputs, config.loss))
+        self.estimator = TokenEstimator.from_config(config.advantage)
+        self.kl = KLController(config.kl_reward.beta, config.kl_reward.target, config.kl_reward.horizon)
+        self.critic = self.critic_optimizer = None
+        if config.advantage.type == "gae":
+            self.critic = load_critic(config.critic, config.model, world)
+            self.critic_optimizer = build_optimizer(self.critic, config.critic.optim)
 
     def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         dev = self.world.device
@@ -130,37 +162,107 @@ class Trainer:
             "logprobs": torch.from_numpy(a["logprobs"].copy()).to(dev),
         }
 
-    def accumulate(self, micro_batches: list[MicroBatch]) -> tuple[TokenStats, list[MicroBatchResult], float]:
-        """Forward and backward over this rank's micro-batches; returns stats and the global token count."""
-        for mb in micro_batches:
-            mb.validate(seq_len=self.config.seq_len)
-        local = sum(int(mb.arrays()["loss_mask"].sum()) for mb in micro_batches)
-        global_tokens = all_reduce_sum(torch.tensor(float(local), dtype=torch.float64), self.world).item()
-        denom = max(global_tokens, 1.0)
-        stats, results = TokenStats(self.world.device), []
+    def policy_trains(self, step: int) -> bool:
+        """False during the critic's warm-up steps."""
+        return self.critic is None or step >= self.config.critic.warmup_steps
+
+    @torch.no_grad()
+    def prepare(self, micro_batches: list[MicroBatch]) -> tuple[list[Prepared], dict[str, float]]:
+        """First pass, without gradients: reference logprobs and old values where needed, then each
+        micro-batch's per-token advantages (and returns), whitened over all ranks when configured."""
+        out, kl_sum, samples = [], torch.zeros((), dtype=torch.float64, device=self.world.device), 0
         for mb in micro_batches:
             t = self._tensors(mb)
-            lp, entropy = forward_logprobs(self.model, t["input_ids"], t["position_ids"], mb.temperature)
-            ref = None
+            mask = t["loss_mask"]
+            ref = values = None
             if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = forward_logprobs(
-                        self.ref_model, t["input_ids"], t["position_ids"], mb.temperature
-                    )
-            inputs = LossInputs(
-                lp, t["logprobs"], t["advantages"], t["loss_mask"], entropy, mb.sample_lens, ref
+                ref, _ = forward_logprobs(self.ref_model, t["input_ids"], t["position_ids"], mb.temperature)
+            if self.critic is not None:
+                values = self.critic(t["input_ids"], t["position_ids"]) * mask
+            kl_reward = torch.zeros_like(t["advantages"])
+            if self.config.kl_reward.beta > 0:
+                kl_reward, kl = kl_rewards(
+                    t["logprobs"], ref, mask, self.kl.beta, self.config.kl_reward.estimator
+                )
+                kl_sum += kl.sum().double()
+                samples += sum(1 for n in _loss_tokens_per_sample(mask, mb.sample_lens) if n > 0)
+            est = self.estimator(
+                TokenAdvantageInputs(
+                    loss_mask=mask,
+                    sample_lens=mb.sample_lens,
+                    rollout_advantages=t["advantages"],
+                    rollout_rewards=torch.tensor(mb.rewards, device=mask.device),
+                    kl_rewards=kl_reward,
+                    values=values,
+                )
             )
-            out = self.loss_fn(inputs)
-            (out.token_loss.sum() / denom).backward()
+            if self.critic is not None and est.returns is None:
+                raise TokenAdvantageError(f"estimator '{self.estimator.name}' gave no returns for the critic")
+            t["advantages"] = est.advantages
+            out.append(Prepared(mb, t, ref, values, est.returns))
+        mode = self.config.advantage.batch_normalize
+        if mode != "none":
+            whiten_advantages(out, mode, self.world)
+        metrics: dict[str, float] = {}
+        if self.config.kl_reward.beta > 0:
+            both = all_reduce_sum(
+                torch.stack([kl_sum, kl_sum.new_tensor(float(samples))]), self.world
+            ).tolist()
+            metrics["kl_reward/kl_per_sample"] = both[0] / max(both[1], 1.0)
+            metrics["kl_reward/beta"] = self.kl.beta
+            metrics["kl_reward/samples"] = both[1]
+        if self.critic is not None:
+            metrics["critic/explained_variance"] = explained_variance(out, self.world)
+        return out, metrics
+
+    def accumulate(self, micro_batches: list[MicroBatch], step: int = 0) -> Accumulated:
+        """Forward and backward over this rank's micro-batches (policy, and critic when there is one)."""
+        for mb in micro_batches:
+            mb.validate(seq_len=self.config.seq_len)
+        prepared, prepare_metrics = self.prepare(micro_batches)
+        local = sum(int(p.t["loss_mask"].sum()) for p in prepared)
+        global_tokens = all_reduce_sum(torch.tensor(float(local), dtype=torch.float64), self.world).item()
+        denom = max(global_tokens, 1.0)
+        train_policy = self.policy_trains(step)
+        stats, results = TokenStats(self.world.device), []
+        for p in prepared:
+            mb, t = p.mb, p.t
+            with torch.set_grad_enabled(train_policy):
+                lp, entropy = forward_logprobs(self.model, t["input_ids"], t["position_ids"], mb.temperature)
+                inputs = LossInputs(
+                    lp,
+                    t["logprobs"],
+                    t["advantages"],
+                    t["loss_mask"],
+                    entropy,
+                    mb.sample_lens,
+                    p.ref_logprobs,
+                )
+                out = self.loss_fn(inputs)
+            if train_policy:
+                (out.token_loss.sum() / denom).backward()
             self._record(stats, mb, t, lp.detach(), entropy, out)
+            if self.critic is not None:
+                self._critic_backward(stats, p, denom)
             results.append(MicroBatchResult(mb, lp.detach(), out.token_loss.detach(), out.masks))
         if self.world.distributed:
             # FSDP2 averaged the reduce-scattered gradients over the dp ranks; the loss is already
             # divided by the global count, so undo that average.
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(self.world.world_size)
-        return stats, results, global_tokens
+            for module in (self.model, self.critic):
+                for p in module.parameters() if module is not None else ():
+                    if p.grad is not None:
+                        p.grad.mul_(self.world.world_size)
+        return Accumulated(stats, results, global_tokens, prepare_metrics)
+
+    def _critic_backward(self, stats: TokenStats, p: Prepared, denom: float) -> None:
+        mask = p.t["loss_mask"]
+        values = self.critic(p.t["input_ids"], p.t["position_ids"])
+        loss, clipped = value_loss(values, p.old_values, p.returns, mask, self.config.critic.value_clip)
+        (loss.sum() / denom).backward()
+        rows = stats.rows(p.mb.env_names)[sample_ids(p.mb.sample_lens, mask.device)][mask]
+        stats.add("critic/value_loss", rows, loss[mask])
+        stats.add("critic/value_clipped", rows, clipped[mask].float())
+        stats.add("critic/value", rows, values.detach()[mask])
 
     def _record(
         self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs
@@ -173,36 +275,55 @@ class Trainer:
         stats.add("loss", rows, out.token_loss[mask])
         stats.add("entropy", rows, entropy[mask])
         stats.add("mismatch_kl", rows, torch.exp(d) - 1 - d)  # KL(sampler || trainer), k3 estimate
+        stats.add("token_advantage", rows, t["advantages"][mask])
         for name, flag in out.masks.items():
             stats.add(name, rows, flag[mask].float())
 
-    def optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+    def optimizer_step(self, train_policy: bool = True) -> dict[str, float]:
+        out = {}
+        parts = [("", self.model, self.optimizer, self.config.optim.max_norm, train_policy)]
+        if self.critic is not None:
+            parts.append(
+                ("critic/", self.critic, self.critic_optimizer, self.config.critic.optim.max_norm, True)
+            )
+        for prefix, module, optimizer, max_norm, enabled in parts:
+            grad_norm = float("nan")
+            if enabled:
+                norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+                grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                if math.isfinite(grad_norm):
+                    optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            out[f"{prefix}grad_norm"] = grad_norm
+        if train_policy:
+            self.scheduler.step()
+        return out
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> tuple[dict[str, float], list[MicroBatchResult]]:
+    def train_step(
+        self, micro_batches: list[MicroBatch], step: int = 0
+    ) -> tuple[dict[str, float], list[MicroBatchResult]]:
         t0 = time.perf_counter()
         if self.world.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         lr = self.scheduler.get_last_lr()[0]
-        stats, results, global_tokens = self.accumulate(micro_batches)
-        metrics = stats.reduce(self.world)
+        train_policy = self.policy_trains(step)
+        acc = self.accumulate(micro_batches, step)
+        results, global_tokens = acc.results, acc.global_tokens
+        metrics = acc.stats.reduce(self.world)
+        metrics.update(acc.metrics)
         loss_sum = sum(float(r.token_loss.sum()) for r in results)
         loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64), self.world).item() / max(
             global_tokens, 1
         )
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
-            grad_norm = float("nan")
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
+            metrics["grad_norm"] = float("nan")
         else:
-            grad_norm = self.optimizer_step()
+            metrics.update(self.optimizer_step(train_policy))
+        if "kl_reward/samples" in metrics:
+            self.kl = self.kl.update(metrics["kl_reward/kl_per_sample"], int(metrics["kl_reward/samples"]))
         elapsed = time.perf_counter() - t0
         tokens = all_reduce_sum(
             torch.tensor(float(sum(mb.num_tokens for mb in micro_batches))), self.world
@@ -210,8 +331,7 @@ class Trainer:
         metrics.update(
             {
                 "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": lr,
+                "lr": lr if train_policy else 0.0,
                 "loss_tokens": global_tokens,
                 "tokens": tokens,
                 "throughput/tokens_per_s": tokens / max(elapsed, 1e-9),
@@ -219,7 +339,70 @@ class Trainer:
                 "peak_memory_gb": peak_memory_gb(self.world),
             }
         )
+        if self.critic is not None:
+            metrics["critic/lr"] = self.config.critic.optim.lr
+            metrics["critic/policy_trained"] = float(train_policy)
         return metrics, results
+
+
+def _loss_tokens_per_sample(mask: torch.Tensor, sample_lens: list[int]) -> list[int]:
+    return [int(chunk.sum()) for chunk in torch.split(mask, sample_lens)]
+
+
+def whiten_advantages(prepared: list[Prepared], mode: str, world: World) -> None:
+    """(A - mean) / (std + eps) over the model tokens of every micro-batch on every rank: one pool
+    ('all') or one per env ('env'). Moments are summed over ranks, so every rank uses the same."""
+    names = sorted({e for p in prepared for e in p.mb.env_names if e}) if mode == "env" else ["all"]
+    if world.distributed and mode == "env":
+        gathered: list = [None] * world.world_size
+        dist.all_gather_object(gathered, names)
+        names = sorted({e for g in gathered for e in g})
+    index = {e: i for i, e in enumerate(names)}
+    dev = world.device
+    moments = torch.zeros(len(names), 3, dtype=torch.float64, device=dev)
+    rows_of = []
+    for p in prepared:
+        mask = p.t["loss_mask"]
+        per_sample = torch.tensor(
+            [index.get(e, 0) if mode == "env" else 0 for e in p.mb.env_names], device=dev
+        )
+        rows = per_sample[sample_ids(p.mb.sample_lens, dev)][mask]
+        a = p.t["advantages"][mask].to(torch.float64)
+        moments.index_add_(0, rows, torch.stack([torch.ones_like(a), a, a * a], dim=1))
+        rows_of.append(rows)
+    moments = all_reduce_sum(moments, world)
+    n = moments[:, 0].clamp(min=1)
+    mean = moments[:, 1] / n
+    std = (moments[:, 2] / n - mean**2).clamp(min=0).sqrt()
+    for p, rows in zip(prepared, rows_of, strict=True):
+        mask = p.t["loss_mask"]
+        a = p.t["advantages"].clone()
+        a[mask] = ((a[mask] - mean[rows]) / (std[rows] + 1e-6)).to(a.dtype)
+        p.t["advantages"] = a
+
+
+def explained_variance(prepared: list[Prepared], world: World) -> float:
+    """1 - Var(returns - old values) / Var(returns) over the step's model tokens on all ranks."""
+    sums = torch.zeros(5, dtype=torch.float64, device=world.device)
+    for p in prepared:
+        mask = p.t["loss_mask"]
+        r, v = p.returns[mask].double(), p.old_values[mask].double()
+        d = r - v
+        sums += torch.stack(
+            [
+                torch.tensor(float(mask.sum()), dtype=torch.float64),
+                r.sum(),
+                (r * r).sum(),
+                d.sum(),
+                (d * d).sum(),
+            ]
+        )
+    n, rs, rss, ds, dss = all_reduce_sum(sums, world).tolist()
+    if n < 2:
+        return float("nan")
+    var_r = rss / n - (rs / n) ** 2
+    var_d = dss / n - (ds / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else float("nan")
 
 
 def peak_memory_gb(world: World) -> float:

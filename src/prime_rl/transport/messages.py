@@ -89,6 +89,8 @@ class MicroBatch(msgspec.Struct, tag=True):
     """Env name of each sample, parallel to `sample_lens`."""
     temperature: float = 1.0
     """Sampling temperature of these tokens (the trainer computes logprobs at it)."""
+    rewards: list[float] = []
+    """Each sample's rollout reward, parallel to `sample_lens` (token-level estimators need it)."""
 
     @classmethod
     def from_arrays(
@@ -104,6 +106,7 @@ class MicroBatch(msgspec.Struct, tag=True):
         sample_lens: list[int],
         env_names: list[str],
         temperature: float = 1.0,
+        rewards: list[float] | None = None,
     ) -> MicroBatch:
         return cls(
             header=header,
@@ -117,6 +120,7 @@ class MicroBatch(msgspec.Struct, tag=True):
             sample_lens=list(sample_lens),
             env_names=list(env_names),
             temperature=temperature,
+            rewards=[0.0] * len(sample_lens) if rewards is None else [float(r) for r in rewards],
         )
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -154,6 +158,10 @@ class MicroBatch(msgspec.Struct, tag=True):
         if len(self.env_names) != len(self.sample_lens):
             raise ValueError(
                 f"{where}: {len(self.env_names)} env_names for {len(self.sample_lens)} samples (one per sample)"
+            )
+        if len(self.rewards) != len(self.sample_lens):
+            raise ValueError(
+                f"{where}: {len(self.rewards)} rewards for {len(self.sample_lens)} samples (one per sample)"
             )
         if seq_len is not None and n > seq_len:
             raise ValueError(f"{where}: {n} tokens is longer than seq_len = {seq_len}")

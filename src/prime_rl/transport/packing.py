@@ -106,10 +106,17 @@ def pack(
                 b = rank_bins[index]
                 arrays = bin_arrays(b)
                 lens, envs = [len(s) for s in b.samples], [s.env_name for s in b.samples]
+                rewards = [s.reward for s in b.samples]
                 temperature = b.samples[0].temperature
             else:
-                arrays, lens, envs, temperature = filler_arrays(pad_id), [FILLER_TOKENS], [""], 1.0
+                arrays, lens, envs, rewards, temperature = (
+                    filler_arrays(pad_id),
+                    [FILLER_TOKENS],
+                    [""],
+                    [0.0],
+                    1.0,
+                )
             mbs.append(MicroBatch.from_arrays(header, index, count, **arrays, sample_lens=lens, env_names=envs,
-                                              temperature=temperature))  # fmt: skip
+                                              temperature=temperature, rewards=rewards))  # fmt: skip
         out.append(mbs)
     return out

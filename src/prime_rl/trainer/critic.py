@@ -1,0 +1,68 @@
+"""The critic of PPO with GAE: a causal LM's body with a scalar value head, and its clipped loss.
+
+Invariant: values are aligned to tokens like logprobs (`logprobs.py`): entry t is V of the state
+before token t, read from the hidden state at t - 1, so the value and the logprob of a token see the
+same context; entry 0 is 0. On several ranks the critic is sharded with FSDP2 exactly like the
+policy, and its gradients follow the same global-token normalization.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+from prime_rl.trainer.config import CriticConfig, ModelConfig
+from prime_rl.trainer.dist import World
+from prime_rl.trainer.model import DTYPES, ModelLoadError
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, body: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.body = body
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        # Seeded apart from the global RNG, so every rank and every run starts from the same head;
+        # small (std 1 / (hidden + 1)), so first values are near 0 against rewards of order 1.
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.value_head.weight.copy_(torch.randn(1, hidden_size, generator=g) / (hidden_size + 1))
+            self.value_head.bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Values of shape [T] for one packed micro-batch of shape [T]."""
+        hidden = self.body(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        v = self.value_head(hidden.last_hidden_state[0, :-1]).squeeze(-1).float()
+        return torch.cat([v.new_zeros(1), v])
+
+
+def load_critic(config: CriticConfig, policy: ModelConfig, world: World) -> ValueModel:
+    from transformers import AutoModel
+
+    path = config.path or policy.name
+    key = "trainer.critic.path" if config.path else "trainer.model.name (the critic starts from the policy)"
+    try:
+        body = AutoModel.from_pretrained(path, dtype=DTYPES[policy.dtype])
+    except Exception as e:
+        raise ModelLoadError(
+            f"{key} = '{path}': the critic could not be loaded with transformers: {type(e).__name__}: {' '.join(str(e).split())}"
+        ) from None
+    critic = ValueModel(body, body.config.hidden_size).to(dtype=DTYPES[policy.dtype])
+    critic.to(world.device)
+    if policy.activation_checkpointing:
+        body.gradient_checkpointing_enable()
+    if world.distributed:
+        for layer in getattr(body, "layers", []):
+            fully_shard(layer, reshard_after_forward=policy.reshard_after_forward)
+        fully_shard(critic, reshard_after_forward=policy.reshard_after_forward)
+    critic.train()
+    return critic
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss 0.5 * max((V - R)^2, (V_clipped - R)^2), per-token bool: the clipped term won),
+    with V_clipped = V_old + clamp(V - V_old, -clip, clip); both 0 outside the mask."""
+    clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    plain, bounded = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(plain, bounded) * mask, (bounded > plain) & mask

@@ -1,0 +1,67 @@
+"""The policy losses against hand computations: PPO's clipped ratio and CPGD's clipped log-ratio with
+its policy-drift penalty."""
+
+import math
+
+import pytest
+import torch
+
+from prime_rl.trainer.config import LossConfig
+from prime_rl.trainer.loss import LossInputs, rl_loss
+
+RATIOS = [1.5, 0.5, 1.0]
+ADVANTAGES = [1.0, -1.0, 2.0]
+
+
+def inputs() -> LossInputs:
+    sampling = torch.tensor([-1.0, -2.0, -3.0])
+    trainer = (sampling + torch.log(torch.tensor(RATIOS))).requires_grad_(True)
+    return LossInputs(
+        trainer_logprobs=trainer,
+        sampling_logprobs=sampling,
+        advantages=torch.tensor(ADVANTAGES),
+        loss_mask=torch.ones(3, dtype=torch.bool),
+        entropy=torch.ones(3),
+        sample_lens=[3],
+    )
+
+
+def test_ppo_by_hand():
+    x = inputs()
+    out = rl_loss(x, LossConfig(clip_low=0.2, clip_high=0.28, mask_low=0.0, mask_high=100.0))
+    # min(r A, clip(r) A): 1.28 * 1, 0.8 * -1 (the pessimistic side), 1 * 2
+    torch.testing.assert_close(out.token_loss, torch.tensor([-1.28, 0.8, -2.0]))
+    out.token_loss.sum().backward()
+    # clipped tokens get no gradient; the unclipped one gets -A * r
+    torch.testing.assert_close(x.trainer_logprobs.grad, torch.tensor([0.0, 0.0, -2.0]))
+    assert out.masks["clipped_high"].tolist() == [True, False, False]
+    assert out.masks["clipped_low"].tolist() == [False, True, False]
+
+
+def test_cpgd_by_hand():
+    x = inputs()
+    config = LossConfig(
+        type="cpgd", clip_low=0.2, clip_high=0.28, drift_coef=0.1, mask_low=0.0, mask_high=100.0
+    )
+    out = rl_loss(x, config)
+    drift = [r - 1 - math.log(r) for r in RATIOS]
+    want = [
+        -math.log(1.28) * 1.0 + 0.1 * drift[0],  # log 1.5 clipped to log 1.28
+        -math.log(0.8) * -1.0 + 0.1 * drift[1],  # log 0.5 clipped to log 0.8 (pessimistic for A < 0)
+        -0.0 * 2.0 + 0.0,
+    ]
+    torch.testing.assert_close(out.token_loss, torch.tensor(want))
+    out.token_loss.sum().backward()
+    # clipped: only the drift's gradient, 0.1 * (r - 1); unclipped at r = 1: -A (log-ratio gradient)
+    torch.testing.assert_close(x.trainer_logprobs.grad, torch.tensor([0.05, -0.05, -2.0]))
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "cpgd"])
+def test_both_losses_agree_on_policy(loss_type):
+    """At ratio 1 both are -A per token with gradient -A: they differ only off-policy."""
+    x = inputs()
+    x = LossInputs(x.sampling_logprobs.clone().requires_grad_(True), *[getattr(x, f) for f in
+                   ("sampling_logprobs", "advantages", "loss_mask", "entropy", "sample_lens")])  # fmt: skip
+    out = rl_loss(x, LossConfig(type=loss_type))
+    out.token_loss.sum().backward()
+    torch.testing.assert_close(x.trainer_logprobs.grad, -torch.tensor(ADVANTAGES))
