@@ -56,6 +56,25 @@ def eval_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return dict(sorted((int(r["step"]), r) for r in records if "eval/policy_version" in r))
 
 
+def eval_envs(evals: dict[int, dict[str, Any]]) -> list[str]:
+    """Eval env names (they may differ from the training envs', e.g. "sum-digits-eval")."""
+    return sorted(
+        {
+            k.split("/")[1]
+            for r in evals.values()
+            for k in r
+            if k.startswith("eval/") and k.endswith("/reward/mean")
+        }
+    )
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+        for i in range(len(values))
+    ]
+
+
 def series(rows: dict[int, dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     steps = [s for s, r in rows.items() if r.get(key) is not None]
     return steps, [float(rows[s][key]) for s in steps]
@@ -89,9 +108,8 @@ def plot(output_dir: Path, out: Path) -> Path:
     envs = sorted({k.split("/")[1] for r in orch.values() for k in r if k.startswith("reward/")} - {"all"})
     for env in envs:
         ax_reward.plot(*series(orch, f"reward/{env}/mean"), label=f"{env} (train rollouts)")
-        steps, values = series(evals, f"eval/{env}/reward/mean")
-        if steps:
-            ax_reward.plot(steps, values, "o--", label=f"{env} (eval)")
+    for env in eval_envs(evals):
+        ax_reward.plot(*series(evals, f"eval/{env}/reward/mean"), "o--", label=f"{env} (eval)")
     ax_reward.set(title="reward (mean)", xlabel="step")
 
     ax_loss.plot(*series(trainer, "loss"), label="loss")
@@ -146,11 +164,19 @@ def plot_compare(output_dirs: list[Path], out: Path) -> Path:
         )
         for env in envs:
             label = name if len(envs) == 1 else f"{name}: {env}"
-            ax_train.plot(*series(orch, f"reward/{env}/mean"), label=label)
-            steps, values = series(evals, f"eval/{env}/reward/mean")
-            if steps:
-                ax_eval.plot(steps, values, "o-", label=label)
-    ax_train.set(title="reward of the sampled rollouts (mean per step)", xlabel="step")
+            steps, values = series(orch, f"reward/{env}/mean")
+            (line,) = ax_train.plot(steps, moving_mean(values, 5), label=label)
+            ax_train.plot(steps, values, color=line.get_color(), alpha=0.25)
+        evs = eval_envs(evals)
+        for env in evs:
+            ax_eval.plot(
+                *series(evals, f"eval/{env}/reward/mean"),
+                "o-",
+                label=name if len(evs) == 1 else f"{name}: {env}",
+            )
+    ax_train.set(
+        title="reward of the sampled rollouts (faint: per step; line: mean of the last 5)", xlabel="step"
+    )
     ax_eval.set(title="held-out eval reward (greedy)", xlabel="step")
     for ax in (ax_train, ax_eval):
         ax.grid(alpha=0.3)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from prime_rl.config import parse_config
@@ -83,8 +82,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     if start:
         extra = load_checkpoint(checkpoint_root(output_dir), start, trainer.model, trainer.optimizer,
                                 trainer.scheduler, world, critic=critic)  # fmt: skip
-        if "kl_beta" in extra:
-            trainer.kl = replace(trainer.kl, beta=extra["kl_beta"])
+        trainer.load_extra_state(extra)
         log.info("resumed from checkpoint step %d", start)
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep)
     run_id = resolve_run_id(config.transport, output_dir)
@@ -142,7 +140,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
                 save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
                                 trainer.scheduler, world, config.ckpt.keep, critic=critic,
-                                extra={"kl_beta": trainer.kl.beta})  # fmt: skip
+                                extra=trainer.extra_state())  # fmt: skip
                 t_ckpt = time.perf_counter() - t0
     finally:
         publisher.close()

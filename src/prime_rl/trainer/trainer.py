@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -161,6 +161,14 @@ class Trainer:
             "advantages": torch.from_numpy(a["advantages"].copy()).to(dev),
             "logprobs": torch.from_numpy(a["logprobs"].copy()).to(dev),
         }
+
+    def extra_state(self) -> dict:
+        """What a checkpoint keeps besides the modules and optimizers (the same on every rank)."""
+        return {"kl_beta": self.kl.beta}
+
+    def load_extra_state(self, state: dict) -> None:
+        if "kl_beta" in state:
+            self.kl = replace(self.kl, beta=state["kl_beta"])
 
     def policy_trains(self, step: int) -> bool:
         """False during the critic's warm-up steps."""
