@@ -438,3 +438,77 @@ def test_a_multi_turn_env_trains_merged_samples_and_logs_its_turns(tmp_path):
             # the system prompt says it once, the env twice
             assert env_text.count(hint) == 3 and hint not in model_text
     assert samples == sum(m["rollouts/all/trained"] for m in metrics) > 0
+
+
+def uniform_or_mixed(req, i):
+    """Half the examples (by prompt) answered right by every rollout: a uniform group; the others
+    right by every other request, wrong otherwise: a mixed group."""
+    if sum(map(ord, user_text(req))) % 2:
+        return Reply()
+    return Reply() if i % 2 else Reply(text="zz")
+
+
+def test_dynamic_sampling_replaces_uniform_groups_so_every_step_is_full(tmp_path):
+    with FakeServer(uniform_or_mixed) as server:
+        client = {"base_urls": [server.base_url], "timeout_s": 10, "group_requests": False}
+        config = make_config(
+            tmp_path, server, max_steps=3, client=client, dynamic_sampling={"enabled": True},
+            filters=[{"type": "zero_advantage"}],
+        )  # fmt: skip
+        metrics = run(config)
+    assert_accounting(metrics)
+    assert [m["rollouts/all/trained"] for m in metrics] == [8, 8, 8]  # exactly batch_size, every step
+    assert sum(m["dynamic_sampling/dropped/all"] for m in metrics) >= 4  # uniform groups were replaced
+    assert all(m["dynamic_sampling/short"] == 0.0 for m in metrics)
+    for step, m in enumerate(metrics):
+        records = rollouts(config, step)
+        dropped = [r for r in records if r["trained"] is False and r["advantage"] is None]
+        assert len(dropped) == m["dynamic_sampling/dropped/all"]  # dropped rollouts are logged
+        assert all(len({r["reward"] for r in dropped if r["example_id"] == e}) == 1
+                   for e in {r["example_id"] for r in dropped})  # fmt: skip
+
+
+def test_dynamic_sampling_stops_backfilling_at_max_backfill_and_says_so(tmp_path, caplog):
+    with FakeServer() as server:  # every answer right: every group uniform
+        config = make_config(
+            tmp_path, server, max_steps=2, dynamic_sampling={"enabled": True, "max_backfill": 3},
+            max_inflight_rollouts=8,
+        )  # fmt: skip
+        with caplog.at_level(logging.WARNING):
+            metrics = run(config)
+    assert_accounting(metrics)
+    assert [m["rollouts/all/trained"] for m in metrics] == [0, 0]
+    assert all(
+        m["dynamic_sampling/short"] == 1.0 and m["dynamic_sampling/dropped/all"] >= 16 for m in metrics
+    )
+    assert "dynamic sampling dropped" in caplog.text and "max_backfill = 3" in caplog.text
+    assert len(received(config, 2)) >= 2  # the trainer still gets every step (filler micro-batches)
+
+
+def test_difficulty_filter_skips_always_solved_examples_and_resumes_with_its_memory(tmp_path):
+    """reverse-text with 6 examples, group size 4, batch 8, one group in flight at a time. Half the
+    examples are always answered right (pass rate 1: skipped once seen), the others right every
+    other time: from the second epoch on, only those are drawn."""
+    with FakeServer(uniform_or_mixed) as server:
+        client = {"base_urls": [server.base_url], "timeout_s": 10, "group_requests": False}
+        envs = [
+            {"id": "reverse-text", "args": {"num_train": 6}, "group_size": 4, "sampling": {"max_tokens": 16}}
+        ]
+        config = make_config(
+            tmp_path, server, max_steps=6, client=client, envs=envs, max_inflight_rollouts=4,
+            difficulty_filter={"enabled": True, "pass_threshold": 1.0},
+        )  # fmt: skip
+        metrics = run(config)
+        solved = {r["example_id"] for s in range(6) for r in rollouts(config, s) if r["reward"] == 1.0}
+        easy = {e for e in solved if all(r["reward"] == 1.0 for s in range(6) for r in rollouts(config, s)
+                                         if r["example_id"] == e)}  # fmt: skip
+        assert easy and sum(m["difficulty/skipped/reverse-text"] for m in metrics) > 0
+        seen = [[r["example_id"] for r in rollouts(config, s)] for s in range(6)]
+        for e in easy:  # an easy example trains once, then is skipped
+            assert sum(e in ids for ids in seen) == 1, (e, seen)
+        progress = json.loads((Path(config.output_dir) / "orchestrator" / "progress.json").read_text())
+        assert set(progress["difficulty"]["reverse-text"]) == {str(e) for e in easy}
+        more = run(config.model_copy(update={"max_steps": 8}))  # resumed: the memory still skips them
+        later = [r["example_id"] for s in (6, 7) for r in rollouts(config, s)]
+        assert not easy & set(later) and later
+    assert more[-1]["difficulty/remembered/reverse-text"] >= len(easy)

@@ -144,6 +144,44 @@ class FilterConfig(BaseConfig):
     """Only count what the filter would drop, and train on it anyway."""
 
 
+class DynamicSamplingConfig(BaseConfig):
+    """DAPO's dynamic sampling: a finished group whose rewards are all equal teaches nothing under a
+    group baseline, so it is dropped at once (counted as filtered) and another group is sampled in
+    its place, so that every step trains `batch_size` rollouts."""
+
+    enabled: bool = False
+    """Drop uniform groups as they finish and sample replacements."""
+
+    max_backfill: int = Field(default=64, ge=0)
+    """Groups a step may drop before it stops waiting for replacements: it then trains what it has
+    (fewer than batch_size rollouts, possibly none), logs a warning and counts `dynamic_sampling/short`."""
+
+
+class DifficultyFilterConfig(BaseConfig):
+    """Online difficulty filtering: an example whose last group's pass rate was at or above
+    `skip_above` (always solved) or at or below `skip_below` (never solved) is not sampled again."""
+
+    enabled: bool = False
+    """Remember and skip examples that are too easy or too hard for the current policy."""
+
+    pass_threshold: float = 1.0
+    """A rollout passes when its reward is at least this."""
+
+    skip_above: float = Field(default=1.0, ge=0, le=1)
+    """Skip examples whose last group passed at this rate or more (1.0: every rollout passed)."""
+
+    skip_below: float = Field(default=0.0, ge=0, le=1)
+    """Skip examples whose last group passed at this rate or less (0.0: no rollout passed)."""
+
+    @model_validator(mode="after")
+    def _a_band_remains(self):
+        if self.skip_below >= self.skip_above:
+            raise ValueError(
+                f"skip_below = {self.skip_below} must be below skip_above = {self.skip_above}, or every example is skipped"
+            )
+        return self
+
+
 class EvalEnvConfig(BaseConfig):
     """One env evaluated on its eval dataset."""
 
@@ -267,6 +305,12 @@ class OrchestratorConfig(RootConfig):
 
     filters: list[FilterConfig] = [FilterConfig(type="zero_advantage")]
     """Filters applied to finalized groups, in order."""
+
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    """Replace groups that teach nothing with new ones (DAPO)."""
+
+    difficulty_filter: DifficultyFilterConfig = DifficultyFilterConfig()
+    """Skip examples the policy always or never solves (a pass-rate memory, checkpointed)."""
 
     reward_clip: float | None = Field(default=None, gt=0)
     """Bound every rollout's reward to [-reward_clip, reward_clip] before advantages (and in the

@@ -17,6 +17,7 @@ import random
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
 from prime_rl.orchestrator.advantage import Advantage
 from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.difficulty import DifficultyMemory
 from prime_rl.orchestrator.envs import Env, load_env
 from prime_rl.orchestrator.eval import Evaluator
 from prime_rl.orchestrator.health import ServerHealth
@@ -154,10 +156,14 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
 
 @dataclass
 class Collected:
-    """What a step collected: its finished groups, the rollouts that failed meanwhile, and timings."""
+    """What a step collected: its finished groups, what was dropped meanwhile, and timings."""
 
     groups: list[FinishedGroup]
     failures: list[Rollout]
+    uniform: list[FinishedGroup]
+    """Groups dynamic sampling dropped (all rewards equal)."""
+    short: bool
+    """Dynamic sampling stopped waiting: fewer than batch_size rollouts."""
     times: dict[str, float]
 
 
@@ -215,7 +221,11 @@ class Orchestrator:
         self.pipeline = PipelineConfig(
             c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip
         )
-        self.scheduler = Scheduler(c, self.envs, self.pool, rng, acc)
+        difficulty = DifficultyMemory(
+            c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}
+        )
+        self.scheduler = Scheduler(c, self.envs, self.pool, rng, acc, difficulty)
+        self.prev_skipped: Counter = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
         await self.weights.poll()
@@ -347,8 +357,15 @@ class Orchestrator:
         self.scheduler.check_accounting()
         progress = self._progress(step + 1)
         times = {**collected.times, "time/send": self._send_s, "time/step": time.perf_counter() - t0}
-        self._log_step(step, built, per_rank, times)
+        self._log_step(step, built, per_rank, times, collected)
         failures = collected.failures
+        if collected.short:
+            log.warning(
+                "step %d: dynamic sampling dropped %d groups whose rewards were all equal (max_backfill = %d); "
+                "the step trains %d rollouts, not %d",
+                step, len(collected.uniform), self.config.dynamic_sampling.max_backfill,
+                sum(len(g.rollouts) for g in collected.groups), self.config.batch_size,
+            )  # fmt: skip
         if len(failures) > self.config.failure_warning_fraction * self.config.batch_size:
             reason, count = most_common_failure(failures)
             log.warning(
@@ -356,7 +373,7 @@ class Orchestrator:
                 step, len(failures), count, reason, "the orchestrator log", step,
             )  # fmt: skip
         self._step_clock = time.perf_counter()
-        await asyncio.to_thread(self._write_rollouts, step, built, failures)
+        await asyncio.to_thread(self._write_rollouts, step, built, failures, collected.uniform)
         await asyncio.to_thread(self._save, built.batch, progress)
         t1 = time.perf_counter()
         await self.sender.send(per_rank)
@@ -395,7 +412,7 @@ class Orchestrator:
             "time/reload": t_reload,
             "time/collect": t_collect,
         }
-        return Collected(*taken, times=times)
+        return Collected(taken.groups, taken.failures, taken.uniform, taken.short, times)
 
     def _notice_waiting(self, step: int, blocked: bool) -> None:
         c, sched = self.config, self.scheduler
@@ -423,6 +440,7 @@ class Orchestrator:
             accounting=self.scheduler.acc.snapshot(),
             cursors={e.name: [e.examples.cursor.epoch, e.examples.cursor.position] for e in self.envs},
             rng_state=rng_to_json(self.scheduler.rng),
+            difficulty={env: dict(seen) for env, seen in self.scheduler.difficulty.extremes.items()},
         )
 
     def _save(self, batch: TrainingBatch, progress: Progress) -> None:
@@ -430,18 +448,23 @@ class Orchestrator:
         save_batch(self.output_dir, batch, keep_from=self._trainer_resume_step())
         save_progress(self.output_dir, progress)
 
-    def _write_rollouts(self, step: int, built: StepBuild, failures: list[Rollout]) -> None:
+    def _write_rollouts(
+        self, step: int, built: StepBuild, failures: list[Rollout], uniform: list[FinishedGroup]
+    ) -> None:
         records = [
             rollout_record(r, step, a, i not in g.filtered)
             for g in built.groups
             for i, (r, a) in enumerate(zip(g.rollouts, g.advantages, strict=True))
         ]
+        records += [rollout_record(r, step, None, False) for g in uniform for r in g.rollouts]
         records += [rollout_record(r, step, None, None) for r in failures]
         write_jsonl(self.output_dir / "rollouts" / f"step_{step:06d}.jsonl", records)
 
     # ------------------------------------------------------------------ metrics
 
-    def _log_step(self, step: int, built: StepBuild, per_rank, times: dict[str, float]) -> None:
+    def _log_step(
+        self, step: int, built: StepBuild, per_rank, times: dict[str, float], collected: Collected
+    ) -> None:
         sched, c = self.scheduler, self.config
         rollouts = [(g, r, a) for g in built.groups for r, a in zip(g.rollouts, g.advantages, strict=True)]
         m: dict[str, Any] = {}
@@ -478,6 +501,17 @@ class Orchestrator:
         m["rollouts/all/waiting"] = sched.ready_rollouts
         for key, n in built.filter_counts.items():
             m[f"filter/{key}"] = n
+        if c.difficulty_filter.enabled:
+            for env in env_names[1:]:
+                m[f"difficulty/skipped/{env}"] = sched.skipped[env] - self.prev_skipped[env]
+                m[f"difficulty/remembered/{env}"] = sched.difficulty.size(env)
+            self.prev_skipped = Counter(sched.skipped)
+        if c.dynamic_sampling.enabled:
+            for env in env_names[1:]:
+                m[f"dynamic_sampling/dropped/{env}"] = sum(len(g.rollouts) for g in collected.uniform
+                                                           if g.env_name == env)  # fmt: skip
+            m["dynamic_sampling/dropped/all"] = sum(len(g.rollouts) for g in collected.uniform)
+            m["dynamic_sampling/short"] = float(collected.short)
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
         m["batch/micro_batches_per_rank"] = len(per_rank[0])

@@ -1,7 +1,7 @@
 """The orchestrator's progress checkpoint, so a restarted orchestrator resumes where it stopped.
 
 `<output_dir>/orchestrator/progress.json` holds the next step to build, the bucket counts, each
-env's dataset cursor and the RNG state; `batches/step_<N>.msgpack` holds the training batches of the
+env's dataset cursor, the RNG state and the difficulty filter's memory; `batches/step_<N>.msgpack` holds the training batches of the
 steps the trainer may not have finished. Invariant: progress is saved (atomically) after a step's
 batch, rollouts and metrics record are written and before the batch is sent; that save is the step's
 commit point. After a crash the restarted orchestrator drops the metrics of uncommitted steps, re-sends exactly
@@ -33,6 +33,8 @@ class Progress:
     accounting: dict[str, dict[str, int]] = field(default_factory=dict)
     cursors: dict[str, list[int]] = field(default_factory=dict)
     rng_state: Any = None
+    difficulty: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The difficulty filter's memory: env -> example id -> last pass rate (skipped examples only)."""
 
 
 def progress_dir(output_dir: Path) -> Path:

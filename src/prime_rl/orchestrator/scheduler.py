@@ -13,7 +13,10 @@ trains); in-flight groups are cancelled only once they are past it.
 When every rollout of a group is back:
 - individual scoring: failed rollouts are dropped, the survivors form a (partial) group;
 - group scoring: any failure drops the whole group;
-- no survivors: dropped.
+- no survivors: dropped;
+- with dynamic sampling, survivors whose rewards are all equal: dropped as filtered at once, so the
+  step's count of ready rollouts does not include them and `fill` samples a replacement. Past
+  `max_backfill` such groups since the last batch, the next batch is taken with what is ready.
 The scheduler only dispatches, collects, drops and accounts: advantages, filters and samples are
 the pipeline's (`pipeline.py`), which reports back how many of a batch trained and were filtered.
 
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.orchestrator.client import Server, ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.difficulty import DifficultyMemory
 from prime_rl.orchestrator.envs import Env, rollout_input
 from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
 from prime_rl.orchestrator.pipeline import FinishedGroup
@@ -81,6 +85,25 @@ class Accounting:
         return acc
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A step's groups as the scheduler hands them over, with what was dropped meanwhile."""
+
+    groups: list[FinishedGroup]
+    failures: list[Rollout]
+    """Rollouts that failed since the last batch."""
+    uniform: list[FinishedGroup]
+    """Groups dynamic sampling dropped since the last batch (already counted as filtered)."""
+    short: bool = False
+    """Fewer than batch_size rollouts: dynamic sampling gave up waiting (`max_backfill`)."""
+
+
+def is_uniform(rollouts: list[Rollout]) -> bool:
+    """All rewards equal (to float noise): no group baseline can tell the rollouts apart."""
+    rewards = [r.reward for r in rollouts]
+    return max(rewards) - min(rewards) < 1e-8
+
+
 class Scheduler:
     def __init__(
         self,
@@ -89,6 +112,7 @@ class Scheduler:
         pool: ServerPool,
         rng: random.Random,
         accounting: Accounting | None = None,
+        difficulty: DifficultyMemory | None = None,
     ):
         self.config = config
         self.envs = envs
@@ -101,9 +125,14 @@ class Scheduler:
         self._next_env: Env | None = None
         self._failures: list[Rollout] = []
         """Failed rollouts since the last batch was taken (they go with it, for the rollouts log)."""
+        self._uniform: list[FinishedGroup] = []
+        """Groups dynamic sampling dropped since the last batch (they go with it, for the log)."""
         self._unaccounted = 0
         """Rollouts handed out in batches whose trained/filtered counts are not yet in."""
         self._weights = [e.config.ratio for e in envs]
+        self.difficulty = difficulty or DifficultyMemory(config.difficulty_filter)
+        self.skipped: Counter = Counter()
+        """Examples the difficulty filter skipped, per env, since the start of this process."""
 
     # ---------------------------------------------------------------- counts
 
@@ -155,8 +184,19 @@ class Scheduler:
             self._dispatch(env, policy_version)
             n += 1
 
-    def _dispatch(self, env: Env, policy_version: int) -> None:
+    def _next_example(self, env: Env) -> dict:
+        """The env's next example the difficulty filter does not skip; after a whole epoch of skips
+        (every example remembered as too easy or too hard) the next one is used anyway."""
         row = env.examples.next()
+        for _ in range(len(env.examples.dataset)):
+            if not self.difficulty.skips(env.name, row["example_id"]):
+                break
+            self.skipped[env.name] += 1
+            row = env.examples.next()
+        return row
+
+    def _dispatch(self, env: Env, policy_version: int) -> None:
+        row = self._next_example(env)
         server = self.pool.pick()
         assert server is not None
         job = GroupJob(
@@ -197,8 +237,18 @@ class Scheduler:
             return
         self.acc.add("failed", name, len(failures))
         group.rollouts = [r for r in rollouts if not r.failed]
-        if group.rollouts:
+        self.difficulty.record(name, group.example_id, [r.reward for r in group.rollouts])
+        if group.rollouts and self.config.dynamic_sampling.enabled and is_uniform(group.rollouts):
+            self.acc.add("filtered", name, len(group.rollouts))
+            self._uniform.append(FinishedGroup(name, group.example_id, tuple(group.rollouts)))
+        elif group.rollouts:
             self.ready.append(group)
+
+    @property
+    def starving(self) -> bool:
+        """Dynamic sampling dropped more than `max_backfill` groups since the last batch."""
+        ds = self.config.dynamic_sampling
+        return ds.enabled and len(self._uniform) > ds.max_backfill
 
     def drop_stale(self, step: int) -> int:
         """Drop finished groups and cancel in-flight ones that can no longer train step >= `step`
@@ -221,19 +271,21 @@ class Scheduler:
                 n += g.size
         return n
 
-    def take_batch(self) -> tuple[list[FinishedGroup], list[Rollout]] | None:
-        """Whole groups, oldest first, once they hold at least `batch_size` rollouts, with the failed
-        rollouts since the last batch; else None. Account for them with `account` once built."""
-        if self.ready_rollouts < self.config.batch_size:
+    def take_batch(self) -> Taken | None:
+        """Whole groups, oldest first, once they hold at least `batch_size` rollouts (or whatever is
+        ready once `starving`), with the failed rollouts and dropped uniform groups since the last
+        batch; else None. Account for the groups with `account` once built."""
+        if self.ready_rollouts < self.config.batch_size and not self.starving:
             return None
         batch, n = [], 0
-        while n < self.config.batch_size:
+        while n < self.config.batch_size and self.ready:
             g = self.ready.popleft()
             batch.append(FinishedGroup(g.env_name, g.example_id, tuple(g.rollouts)))
             n += len(g.rollouts)
         self._unaccounted += n
         failures, self._failures = self._failures, []
-        return batch, failures
+        uniform, self._uniform = self._uniform, []
+        return Taken(batch, failures, uniform, short=n < self.config.batch_size)
 
     def account(self, buckets: dict[str, Counter]) -> None:
         """The trained and filtered counts per env of a batch from `take_batch`."""
@@ -252,3 +304,4 @@ class Scheduler:
         for g in self.ready:
             self.acc.add("stale", g.env_name, len(g.rollouts))
         self.ready.clear()
+        self._uniform.clear()  # already counted as filtered

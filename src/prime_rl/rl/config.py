@@ -154,6 +154,12 @@ class RLConfig(RootConfig):
         # A critic fit only to groups whose rewards differ learns a biased value; and with GAE a
         # group of equal rewards still has non-zero advantages (reward minus value).
         if self.trainer.advantage.type == "gae":
+            if self.orchestrator.dynamic_sampling.enabled:
+                raise ValueError(
+                    "'trainer.advantage.type' = 'gae' trains the critic on every group, but "
+                    "'orchestrator.dynamic_sampling.enabled' drops groups whose rewards are all equal; "
+                    "turn one of them off"
+                )
             dropping = [
                 f.type for f in self.orchestrator.filters if f.type == "zero_advantage" and not f.monitor_only
             ]
