@@ -126,3 +126,34 @@ def test_adaptive_kl_controller_by_hand():
     assert math.isclose(c.update(1.1, 128).beta, 0.1 * (1 + 0.1 * 0.5))  # above target: beta up
     assert math.isclose(c.update(0.5, 128).beta, 0.1 * (1 - 0.2 * 0.5))  # error clipped at -0.2
     assert math.isclose(c.update(9.0, 128).beta, 0.1 * (1 + 0.2 * 0.5))  # and at +0.2
+
+
+def test_trainer_whitens_token_advantages_per_env_over_model_tokens():
+    import numpy as np
+
+    from prime_rl.trainer.dist import World
+    from prime_rl.trainer.trainer import Prepared, whiten_advantages
+    from prime_rl.transport.messages import TrainingSample
+    from prime_rl.transport.packing import pack
+
+    def sample(env: str, adv: float, n: int) -> TrainingSample:
+        return TrainingSample([1, 2], [3] * n, [1] * n, [-1.0] * n, advantage=adv, reward=0.0, env_name=env)
+
+    samples = [sample("a", 1.0, 2), sample("a", 3.0, 2), sample("b", 10.0, 1), sample("b", 20.0, 3)]
+    prepared = []
+    for mb in pack(samples, 8, 1, "r", 0)[0]:  # several micro-batches
+        a = mb.arrays()
+        mask = torch.from_numpy(a["loss_mask"].astype(bool))
+        prepared.append(
+            Prepared(mb, {"loss_mask": mask, "advantages": torch.from_numpy(a["advantages"].copy()) * mask})
+        )
+    whiten_advantages(prepared, "env", World())
+    got: dict[str, list[float]] = {"a": [], "b": []}
+    for p in prepared:
+        ids = np.repeat(np.arange(len(p.mb.sample_lens)), p.mb.sample_lens)[p.t["loss_mask"].numpy()]
+        for i, v in zip(ids, p.t["advantages"][p.t["loss_mask"]].tolist(), strict=True):
+            got[p.mb.env_names[i]].append(v)
+    # a: tokens (1, 1, 3, 3) -> mean 2, std 1; b: tokens (10, 20, 20, 20) -> mean 17.5, std 4.33
+    assert sorted(got["a"]) == pytest.approx([-1, -1, 1, 1], abs=1e-5)
+    std_b = math.sqrt((7.5**2 + 3 * 2.5**2) / 4)
+    assert sorted(got["b"]) == pytest.approx([-7.5 / std_b] + [2.5 / std_b] * 3, abs=1e-5)
