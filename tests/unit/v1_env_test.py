@@ -12,12 +12,20 @@ from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
 from prime_rl.orchestrator.v1_env import V1Env
 
 
-def run(server: FakeServer, args: dict | None = None, size: int = 3):
-    env = load_env(EnvConfig(id="v1_test_env", args=args or {}, group_size=size), seed=0)
-    pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=10))
+def run(
+    server: FakeServer,
+    args: dict | None = None,
+    size: int = 3,
+    env_id: str = "v1_test_env",
+    timeout_s: float = 10,
+    state_columns: tuple[str, ...] = ("word",),
+):
+    """One group of the env on the fake server, the env torn down after: (env, row, rollouts)."""
+    env = load_env(EnvConfig(id=env_id, args=args or {}, group_size=size), seed=0)
+    pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=timeout_s))
     row = env.examples.next()
     job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 2,
-                   SamplingConfig(max_tokens=16), ("word",))  # fmt: skip
+                   SamplingConfig(max_tokens=16), state_columns)  # fmt: skip
 
     async def go():
         lease(pool.servers[0], job)
@@ -62,19 +70,7 @@ def test_a_server_error_fails_each_v1_rollout():
 
 def test_a_v1_episode_past_the_client_timeout_fails():
     with FakeServer(lambda req, i: Reply(delay_s=5)) as server:
-        env = load_env(EnvConfig(id="v1_test_env", group_size=2), seed=0)
-        pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=0.5))
-        row = env.examples.next()
-        job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], 2, 0, SamplingConfig())
-
-        async def go():
-            lease(pool.servers[0], job)
-            try:
-                return await run_group(job, pool.servers[0], pool, "m")
-            finally:
-                await env.vf_env._teardown()
-
-        rollouts = asyncio.run(go())
+        _, _, rollouts = run(server, size=2, timeout_s=0.5)
     assert len(rollouts) == 2 and all(r.failed and "TimeoutError" in r.error for r in rollouts)
 
 
@@ -83,21 +79,9 @@ def test_a_multi_turn_v1_env_plays_its_turns_and_merges_them_into_one_sample():
     from prime_rl.orchestrator.samples import turn_stats
 
     with FakeServer() as server:
-        env = load_env(EnvConfig(id="digit-sum-feedback-v1", group_size=2, args={"num_examples": 4}), seed=0)
-        pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=10))
-        row = env.examples.next()
-        job = GroupJob(
-            env.name, env.vf_env, rollout_input(row), row["example_id"], 2, 0, SamplingConfig(), ("answer",)
+        _, row, rollouts = run(
+            server, {"num_examples": 4}, size=2, env_id="digit-sum-feedback-v1", state_columns=("answer",)
         )
-
-        async def go():
-            lease(pool.servers[0], job)
-            try:
-                return await run_group(job, pool.servers[0], pool, "m")
-            finally:
-                await env.vf_env._teardown()
-
-        rollouts = asyncio.run(go())
     assert len(server.requests) == 6  # 3 tries each
     for r in rollouts:
         assert not r.failed and r.reward == 0.0 and r.stop_condition == "max_turns"
