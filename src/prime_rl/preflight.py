@@ -97,7 +97,37 @@ def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[
     for key, advantage in advantages:
         if isinstance(advantage, CustomAdvantage):
             problems.append(import_path_problem(f"{key}.import_path", advantage.import_path))
+    if config.teacher is not None and config.teacher.model:
+        problems.append(teacher_problem(f"{prefix}teacher.model", config.teacher.model, config.model.name))
+    for i, env in enumerate(config.envs):
+        if env.reward_model is not None and env.reward_model.path is not None:
+            problems.append(
+                reward_model_problem(f"{prefix}envs[{i}].reward_model.path", env.reward_model.path)
+            )
     return [p for p in problems if p]
+
+
+def teacher_problem(key: str, teacher: str, student: str) -> str | None:
+    """Why a teacher cannot score the student's token ids: a tokenizer that is not the student's."""
+    from prime_rl.orchestrator.teacher import tokenizer_mismatch
+
+    why = tokenizer_mismatch(student, teacher)
+    return (
+        f"{key} = {teacher!r}: {why}; a teacher must share the student's tokenizer, as it reads the student's token ids"
+        if why
+        else None
+    )
+
+
+def reward_model_problem(key: str, path: str) -> str | None:
+    """Why the folder at `path` is not a reward model, from its config.json alone."""
+    from prime_rl.model.reward import RewardModelError, check_reward_model_dir
+
+    try:
+        check_reward_model_dir(path)
+    except RewardModelError as e:
+        return f"{key}: {e}"
+    return None
 
 
 def trainer_problems(config: TrainerConfig, prefix: str = "") -> list[str]:
@@ -107,7 +137,8 @@ def trainer_problems(config: TrainerConfig, prefix: str = "") -> list[str]:
     return [p for p in problems if p]
 
 
-def _raise(problems: list[str]) -> None:
+def _raise(problems: list[str | None]) -> None:
+    problems = [p for p in problems if p]
     if problems:
         raise ConfigError(" ".join(p.rstrip(".") + "." for p in problems))
 
@@ -121,7 +152,9 @@ def check_trainer(config: TrainerConfig) -> None:
 
 
 def check_rl(config: RLConfig) -> None:
+    teacher = config.teacher
     _raise(
         orchestrator_problems(config.orchestrator, "orchestrator.")
         + trainer_problems(config.trainer, "trainer.")
+        + ([teacher_problem("teacher.model.name", teacher.model.name, config.model)] if teacher else [])
     )

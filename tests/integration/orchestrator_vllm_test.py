@@ -137,3 +137,43 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
         text = tok.decode(turn.completion_ids, skip_special_tokens=True)
         assert text.rstrip("\ufffd") == r.completion[-1]["content"].rstrip("\ufffd")
     assert len({tuple(r.turns[0].completion_ids) for r in rollouts}) > 1  # 8 samples, not one copied
+
+
+def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(server, tmp_path):
+    """The teacher is the very server that sampled: its prompt logprobs of the sampled tokens equal the
+    sampling logprobs (float32), so any misalignment of positions would show as a large KL."""
+    import asyncio
+
+    from prime_rl.orchestrator.client import ServerPool
+    from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+    from prime_rl.orchestrator.envs import load_env, rollout_input
+    from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+    from prime_rl.orchestrator.samples import rollout_to_samples
+    from prime_rl.orchestrator.teacher import Teacher, TeacherConfig
+
+    base, model, _ = server
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12)
+    env = load_env(EnvConfig(id="reverse-text", group_size=4, sampling=sampling), seed=0)
+    row = env.examples.next()
+
+    async def go():
+        pool = ServerPool(ClientConfig(base_urls=[f"{base}/v1"], timeout_s=60))
+        job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], 4, 0, sampling)
+        lease(pool.servers[0], job)
+        rollouts = await run_group(job, pool.servers[0], pool, model)
+        teacher = Teacher(TeacherConfig(base_url=f"{base}/v1", model=model))
+        await teacher.check()
+        try:
+            return await teacher.score_group(rollouts)
+        finally:
+            await teacher.aclose()
+
+    scored = asyncio.run(go())
+    assert len(scored) == 4 and not any(r.failed for r in scored)
+    for r in scored:
+        (turn,) = r.turns
+        assert len(turn.teacher_logprobs) == len(turn.completion_ids) > 0
+        assert turn.teacher_logprobs == pytest.approx(turn.completion_logprobs, abs=1e-3)
+        assert abs(r.metrics["teacher_kl"]) < 1e-3
+        (sample,) = rollout_to_samples(r, 0.0, distill_weight=1.0)
+        assert max(abs(a) for a in sample.token_advantages) < 1e-3

@@ -172,3 +172,34 @@ def test_rl_with_a_critic_and_adaptive_kl_in_the_reward(tiny_model, tmp_path):
     assert betas[0] == 0.1 and kls[-1] > 0
     for i in range(3):  # the controller moves beta toward holding the KL at its target
         assert (betas[i + 1] > betas[i]) == (kls[i] > 1e-6), (betas, kls)
+
+
+def test_rl_distills_from_a_teacher_server_it_starts(tiny_model, tmp_path):
+    """`[teacher]` makes `rl` start a second vLLM server; the orchestrator scores every sampled token
+    with it, and the teacher's signal is what trains (advantage_weight 0)."""
+    from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
+
+    teacher = make_tiny_model(
+        TinyModelConfig(
+            output=tmp_path / "teacher", seed=1, tokenizer=tiny_model, hidden_size=64, num_layers=1
+        )
+    )
+    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=3, extra="""
+[teacher.model]
+name = "TEACHER"
+
+[orchestrator.teacher]
+weight = 1.0
+advantage_weight = 0.0
+""".replace("TEACHER", str(teacher)))  # fmt: skip
+    proc = subprocess.run([RL, "@", str(toml), "--orchestrator.filters", "[]"], capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting the teacher" in proc.stdout
+    orch = [json.loads(line) for line in (tmp_path / "run" / "orchestrator" / "metrics.jsonl").open()]
+    assert [m["step"] for m in orch] == [0, 1, 2]
+    # Two unrelated random models: the student's tokens are far likelier under the student.
+    assert all(m["metric/teacher_kl/reverse-text"] > 0.5 for m in orch)
+    assert all(m["rollouts/all/failed"] == 0 for m in orch)
+    trainer = [json.loads(line) for line in (tmp_path / "run" / "trainer" / "metrics.jsonl").open()]
+    assert len(trainer) == 3 and all(m["grad_norm"] > 0 for m in trainer)

@@ -1,7 +1,9 @@
 """Fault test: bad inputs, each through the console script a user runs, end in a one-line error that
 names the culprit (field, file, env, function, URL or run), a non-zero exit and no traceback."""
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -169,3 +171,42 @@ def test_a_zmq_peer_from_another_run_is_refused(tmp_path, tiny_model):
     assert_clear_error(
         out, 1, "received a message of run 'someone-else'", "this is run 'mine'", "transport.port"
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "phrases"),
+    [
+        ("./no_such_rm", ["envs[0].reward_model.path: './no_such_rm' is not a model folder"]),
+        ("MODELS/reverse_text-tiny", ["envs[0].reward_model.path", "holds a Qwen3ForCausalLM",
+                                      "a reward model is a *ForSequenceClassification with one output"]),
+    ],
+)  # fmt: skip
+def test_a_reward_model_path_that_does_not_load_is_named(tmp_path, path, phrases):
+    path = path.replace("MODELS", str(Path(__file__).parents[2] / "models"))
+    envs = f'[{{id = "reverse-text", reward_model = {{path = "{path}"}}}}]'
+    assert_clear_error(run_until_error("orchestrator", "--envs", envs, cwd=tmp_path), 2, *phrases)
+
+
+def test_a_reward_model_url_that_never_answers_is_named(tmp_path):
+    with socket.socket() as hole:  # accepts connections, never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        envs = f'[{{id = "reverse-text", reward_model = {{url = "{url}", connect_timeout_s = 1}}}}]'
+        out = run("orchestrator", "--output-dir", "out", "--envs", envs, cwd=tmp_path)
+    assert_clear_error(out, 1, f"envs[0].reward_model.url: {url} did not answer within 1s")
+
+
+def test_a_teacher_whose_tokenizer_differs_from_the_students_is_named(tmp_path):
+    models = Path(__file__).parents[2] / "models"
+    teacher = tmp_path / "teacher"
+    shutil.copytree(models / "sum_digits-tiny", teacher)
+    tok = json.loads((teacher / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["zzz"] = len(tok["model"]["vocab"])
+    (teacher / "tokenizer.json").write_text(json.dumps(tok))
+    out = run_until_error(
+        "rl", "--model", str(models / "sum_digits-tiny"), "--teacher.model.name", str(teacher),
+        "--orchestrator.filters", "[]", cwd=tmp_path,
+    )  # fmt: skip
+    assert_clear_error(out, 2, f"teacher.model.name = '{teacher}'", "differs from the student's",
+                       "must share the student's tokenizer")  # fmt: skip

@@ -45,6 +45,24 @@ def answer_format(completion, **kwargs) -> float:
     return float(ANSWER.fullmatch(_reply(completion)) is not None)
 
 
+def preference_pairs(num_pairs: int, seed: int, min_digits: int = 2, max_digits: int = 3) -> list[dict]:
+    """Preference pairs for training a reward model (`train-reward-model`): the right answer over a
+    wrong one. Most rejected replies are a near-miss sum (the mistakes a small model makes); the
+    rest hold the right sum in a broken format, which the env's reward also scores 0."""
+    rng = random.Random(f"pairs-{seed}")
+    pairs = []
+    for row in make_examples(num_pairs, seed + 1000, min_digits, max_digits):
+        total = int(row["answer"])
+        if rng.random() < 0.8:
+            wrong = rng.choice([t for t in range(max(0, total - 4), total + 5) if t != total])
+            rejected = f"<answer>{wrong}</answer>"
+        else:
+            rejected = rng.choice([str(total), f"<answer>{total}", f"answer>{total}</answer>"])
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
+        pairs.append({"prompt": prompt, "chosen": f"<answer>{total}</answer>", "rejected": rejected})
+    return pairs
+
+
 def load_environment(
     num_train: int = 5000,
     num_eval: int = 200,

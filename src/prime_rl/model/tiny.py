@@ -112,6 +112,10 @@ class TinyModelConfig(RootConfig):
     corpus_lines: int = Field(default=20_000, ge=100)
     """Generated text lines the tokenizer is trained on."""
 
+    tokenizer: Path | None = None
+    """Copy this model folder's tokenizer instead of training one: a distillation teacher must share
+    its student's token ids."""
+
     @model_validator(mode="after")
     def _check_heads(self):
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -208,7 +212,12 @@ def build_model(config: TinyModelConfig, tokenizer):
 
 def make_tiny_model(config: TinyModelConfig) -> Path:
     """Build and save the tokenizer and model; return the output folder."""
-    tokenizer = build_tokenizer(config)
+    if config.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    else:
+        tokenizer = build_tokenizer(config)
     model = build_model(config, tokenizer)
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)

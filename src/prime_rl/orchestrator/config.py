@@ -15,7 +15,9 @@ from prime_rl.defaults import (
 )
 from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
+from prime_rl.orchestrator.reward_model import RewardModelConfig
 from prime_rl.orchestrator.rewards import RewardsConfig
+from prime_rl.orchestrator.teacher import TeacherConfig
 from prime_rl.transport.config import TransportConfig
 
 
@@ -128,6 +130,9 @@ class EnvConfig(BaseConfig):
 
     advantage: AdvantageConfig | None = None
     """Advantage function for this env; defaults to the orchestrator's `advantage`."""
+
+    reward_model: RewardModelConfig | None = None
+    """A learned reward model added to this env's rubric (classic envs); see `RewardModelConfig`."""
 
     @property
     def resolved_name(self) -> str:
@@ -316,6 +321,10 @@ class OrchestratorConfig(RootConfig):
     """Bound every rollout's reward to [-reward_clip, reward_clip] before advantages (and in the
     reward sent to the trainer); logged rewards stay as the env gave them."""
 
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: a teacher server's logprobs on the student's tokens become per-token
+    advantages (see `TeacherConfig`)."""
+
     eval: EvalConfig = EvalConfig()
     """Periodic evaluation."""
 
@@ -348,4 +357,25 @@ class OrchestratorConfig(RootConfig):
             )
         if "all" in names:
             raise ValueError("'all' is reserved for metrics over all envs; give the env another 'name'")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_teaches_every_group(self):
+        if self.teacher is not None and any(
+            f.type == "zero_advantage" and not f.monitor_only for f in self.filters
+        ):
+            raise ValueError(
+                "'teacher' gives every token its own advantage, but the 'zero_advantage' filter in 'filters' "
+                "drops groups whose rewards are all equal, and the teacher's signal with them: set filters = []"
+            )
+        hot = [
+            f"envs[{i}].sampling.temperature"
+            for i, e in enumerate(self.envs)
+            if e.sampling.temperature != 1.0
+        ]
+        if self.teacher is not None and hot:
+            raise ValueError(
+                f"'teacher' compares the teacher's logprobs with the student's sampling logprobs, which are "
+                f"taken at the sampling temperature; {', '.join(hot)} must be 1.0"
+            )
         return self

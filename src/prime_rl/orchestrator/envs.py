@@ -14,6 +14,7 @@ from typing import Any
 
 from prime_rl.environments import EnvError, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
+from prime_rl.orchestrator.reward_model import RewardModelError, RewardModels, attach
 from prime_rl.orchestrator.rewards import RewardRunner
 from prime_rl.orchestrator.v1_env import is_v1_module, load_v1_env
 from prime_rl.preflight import env_module_name
@@ -108,9 +109,22 @@ def env_module(env_id: str):
 
 
 def load_env(
-    config: EnvConfig, seed: int, cursor: Cursor | None = None, rewards: RewardRunner | None = None
+    config: EnvConfig,
+    seed: int,
+    cursor: Cursor | None = None,
+    rewards: RewardRunner | None = None,
+    reward_models: RewardModels | None = None,
+    key: str = "envs[0]",
 ) -> Env:
+    """`key` names the env's config entry in errors, e.g. 'envs[1]'."""
     vf_env = load_any_env(config.id, config.args, rewards)
+    if config.reward_model is not None:
+        models = reward_models or RewardModels()
+        try:
+            batcher = models.batcher(config.reward_model, f"{key}.reward_model")
+            attach(vf_env, config.reward_model, batcher, rewards.wrap if rewards else None)
+        except RewardModelError as e:
+            raise EnvError(f"env '{config.id}': {e}") from None
     try:
         dataset = vf_env.get_dataset()
     except Exception as e:

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from prime_rl.environments import EnvError
 from prime_rl.layout import checkpoint_root, complete_steps, weights_root
 from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
@@ -45,10 +46,12 @@ from prime_rl.orchestrator.progress import (
     save_batch,
     save_progress,
 )
+from prime_rl.orchestrator.reward_model import RewardModelError, RewardModels
 from prime_rl.orchestrator.rewards import RewardRunner
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
 from prime_rl.orchestrator.samples import segments, turn_stats
 from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Scheduler
+from prime_rl.orchestrator.teacher import Teacher, TeacherError
 from prime_rl.orchestrator.weights import WeightSync
 from prime_rl.transport import transport_dir
 from prime_rl.transport.config import resolve_run_id
@@ -205,10 +208,23 @@ class Orchestrator:
         c = self.config
         progress, rng, acc = self._restore()
         self.rewards = RewardRunner(c.rewards)
+        self.reward_models = RewardModels()
+        cursors = progress.cursors
         self.envs: list[Env] = [
-            load_env(e, c.seed, cursor_from_json(progress.cursors.get(e.resolved_name)), self.rewards)
-            for e in c.envs
+            load_env(
+                e,
+                c.seed,
+                cursor_from_json(cursors.get(e.resolved_name)),
+                self.rewards,
+                self.reward_models,
+                f"envs[{i}]",
+            )
+            for i, e in enumerate(c.envs)
         ]
+        try:
+            await self.reward_models.check()
+        except RewardModelError as e:
+            raise EnvError(str(e)) from None
         adopt_verifiers_logging()
         self.advantages = {
             e.config.resolved_name: Advantage.from_config(e.config.advantage or c.advantage)
@@ -219,12 +235,20 @@ class Orchestrator:
         log.info("checking inference at %s", ", ".join(c.client.base_urls))
         await self.pool.wait_healthy()
         self.pipeline = PipelineConfig(
-            c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip
-        )
+            c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip,
+            c.teacher.advantage_weight if c.teacher else 1.0, c.teacher.weight if c.teacher else 0.0,
+        )  # fmt: skip
+        self.teacher = Teacher(c.teacher) if c.teacher else None
+        if self.teacher:
+            log.info("checking the teacher at %s", c.teacher.base_url)
+            try:
+                await self.teacher.check()
+            except TeacherError as e:
+                raise EnvError(str(e)) from None
         difficulty = DifficultyMemory(
             c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}
         )
-        self.scheduler = Scheduler(c, self.envs, self.pool, rng, acc, difficulty)
+        self.scheduler = Scheduler(c, self.envs, self.pool, rng, acc, difficulty, self.teacher)
         self.prev_skipped: Counter = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
@@ -307,6 +331,9 @@ class Orchestrator:
             self.metrics.close()
             await self._teardown_envs()
             self.rewards.close()
+            await self.reward_models.aclose()
+            if self.teacher:
+                await self.teacher.aclose()
             raise
         monitor.cancel()
         await self.scheduler.shutdown()
@@ -314,6 +341,9 @@ class Orchestrator:
             await self.evaluator.finish()
         await self._teardown_envs()
         self.rewards.close()
+        await self.reward_models.aclose()
+        if self.teacher:
+            await self.teacher.aclose()
         await self.sender.close(deliver=True)
         self.metrics.close()
 

@@ -65,6 +65,10 @@ class PipelineConfig:
     """(filter type, monitor only) in order: "zero_advantage" and "truncated"."""
     reward_clip: float | None = None
     """Rewards are bounded to [-c, c] for advantages and training (not in the logged records)."""
+    advantage_weight: float = 1.0
+    """Factor on every trained rollout's advantage (a teacher's `advantage_weight`)."""
+    distill_weight: float = 0.0
+    """Factor on the per-token teacher term (0: no distillation)."""
 
 
 def score_group(
@@ -152,5 +156,9 @@ def build_step(
         buckets["trained"][g.env_name] += len(trained)
         buckets["filtered"][g.env_name] += len(g.filtered)
         for (r, a), reward in zip(trained, g.trained_rewards(), strict=True):
-            samples.extend(rollout_to_samples(r, a, temperatures[g.env_name], reward=reward))
+            samples.extend(
+                rollout_to_samples(
+                    r, a * config.advantage_weight, temperatures[g.env_name], reward, config.distill_weight
+                )
+            )
     return StepBuild(TrainingBatch(Header(run_id, step), samples), scored, buckets, filter_counts)

@@ -135,7 +135,7 @@ class RewardRunner:
 
     def install(self, vf_env) -> None:
         """Wrap every reward and metric function of the env's rubric tree, in place (once per env)."""
-        for rubric in _rubrics(getattr(vf_env, "rubric", None)):
+        for rubric in rubrics(getattr(vf_env, "rubric", None)):
             funcs = getattr(rubric, "funcs", None)
             if isinstance(funcs, list):
                 is_group = getattr(rubric, "_is_group_func", None)
@@ -155,11 +155,12 @@ def _record(states, group: bool, reason: str) -> None:
             state[REWARD_ERROR] = reason
 
 
-def _rubrics(rubric):
+def rubrics(rubric):
+    """Every rubric of a rubric tree: itself, its children, and the rubrics of an EnvGroup's envs."""
     if rubric is None:
         return
     yield rubric
     for child in getattr(rubric, "rubrics", None) or []:
-        yield from _rubrics(child)
+        yield from rubrics(child)
     for env in (getattr(rubric, "env_map", None) or {}).values():  # an EnvGroup routes to its envs
-        yield from _rubrics(getattr(env, "rubric", None))
+        yield from rubrics(getattr(env, "rubric", None))

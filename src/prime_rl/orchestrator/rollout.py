@@ -20,6 +20,8 @@ class Turn:
     completion_ids: list[int]
     completion_mask: list[int]
     completion_logprobs: list[float]
+    teacher_logprobs: list[float] | None = None
+    """The teacher's logprob of each completion token, when a teacher scored it (distillation)."""
 
 
 @dataclass

@@ -63,10 +63,27 @@ def sample_lengths(rollout: Rollout) -> list[int]:
     return [len(seg[-1].prompt_ids) + len(seg[-1].completion_ids) for seg in segments(rollout)]
 
 
+def distill_advantages(turn: Turn, weight: float) -> list[float]:
+    """Per completion token, `weight` x (teacher logprob - sampling logprob): minus the per-token
+    estimate of the reverse KL from the student to the teacher, on sampled tokens (0 elsewhere)."""
+    teacher = turn.teacher_logprobs or []
+    if len(teacher) != len(turn.completion_ids):
+        raise ValueError(f"{len(teacher)} teacher logprobs for {len(turn.completion_ids)} completion tokens")
+    return [
+        weight * (t - s) if m else 0.0
+        for t, s, m in zip(teacher, turn.completion_logprobs, turn.completion_mask, strict=True)
+    ]
+
+
 def rollout_to_samples(
-    rollout: Rollout, advantage: float, temperature: float = 1.0, reward: float | None = None
+    rollout: Rollout,
+    advantage: float,
+    temperature: float = 1.0,
+    reward: float | None = None,
+    distill_weight: float = 0.0,
 ) -> list[TrainingSample]:
-    """The rollout's training samples; `reward` (default: the rollout's) travels with each."""
+    """The rollout's training samples; `reward` (default: the rollout's) travels with each. With a
+    `distill_weight`, each model token's advantage gains its `distill_advantages` term."""
     samples = []
     for seg in segments(rollout):
         first = seg[0]
@@ -75,12 +92,15 @@ def rollout_to_samples(
             list(first.completion_mask),
             list(first.completion_logprobs),
         )
+        token_advantages = distill_advantages(first, distill_weight) if distill_weight else []
         context = len(first.prompt_ids) + len(first.completion_ids)
         for turn in seg[1:]:
             inserted = turn.prompt_ids[context:]
             ids += inserted + turn.completion_ids
             mask += [0] * len(inserted) + turn.completion_mask
             logprobs += [0.0] * len(inserted) + turn.completion_logprobs
+            if distill_weight:
+                token_advantages += [0.0] * len(inserted) + distill_advantages(turn, distill_weight)
             context = len(turn.prompt_ids) + len(turn.completion_ids)
         samples.append(
             TrainingSample(
@@ -94,6 +114,7 @@ def rollout_to_samples(
                 example_id=rollout.example_id,
                 policy_version=rollout.policy_version,
                 temperature=temperature,
+                token_advantages=token_advantages,
             )
         )
     return samples

@@ -41,6 +41,7 @@ from prime_rl.orchestrator.envs import Env, rollout_input
 from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
 from prime_rl.orchestrator.pipeline import FinishedGroup
 from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.orchestrator.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class Scheduler:
         rng: random.Random,
         accounting: Accounting | None = None,
         difficulty: DifficultyMemory | None = None,
+        teacher: Teacher | None = None,
     ):
         self.config = config
         self.envs = envs
@@ -131,6 +133,7 @@ class Scheduler:
         """Rollouts handed out in batches whose trained/filtered counts are not yet in."""
         self._weights = [e.config.ratio for e in envs]
         self.difficulty = difficulty or DifficultyMemory(config.difficulty_filter)
+        self.teacher = teacher
         self.skipped: Counter = Counter()
         """Examples the difficulty filter skipped, per env, since the start of this process."""
 
@@ -207,10 +210,12 @@ class Scheduler:
         self._next_group_id += 1
         lease(server, job)
         self.acc.dispatched[env.name] += group.size
-        task = asyncio.create_task(
-            run_group(job, server, self.pool, self.config.model.name), name=f"group-{group.id}"
-        )
+        task = asyncio.create_task(self._run(job, server), name=f"group-{group.id}")
         self.inflight[task] = group
+
+    async def _run(self, job: GroupJob, server) -> list[Rollout]:
+        rollouts = await run_group(job, server, self.pool, self.config.model.name)
+        return await self.teacher.score_group(rollouts) if self.teacher else rollouts
 
     # ---------------------------------------------------------------- collect
 

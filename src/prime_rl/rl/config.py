@@ -22,6 +22,7 @@ from prime_rl.defaults import (
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.model.local import check_model_name
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.teacher import TeacherConfig
 from prime_rl.trainer.config import TrainerConfig
 
 SHARED: dict[str, list[tuple[str, ...]]] = {
@@ -100,6 +101,23 @@ class RLConfig(RootConfig):
     deployment: DeploymentConfig = DeploymentConfig()
     """Process placement."""
 
+    teacher: InferenceConfig | None = None
+    """On-policy distillation: a teacher model's inference server, started beside the policy's
+    (`[teacher.model] name = ...`; its port defaults to the policy server's + 1). The orchestrator's
+    `teacher` section (weights, timeouts) is filled in to point at it."""
+
+    def teacher_server(self) -> InferenceConfig | None:
+        """The teacher server's config: its own port and run folder, so it shares neither with the policy's."""
+        if self.teacher is None:
+            return None
+        port = self.teacher.server.port
+        if "port" not in self.teacher.server.model_fields_set:
+            port = self.inference.server.port + 1
+        return self.teacher.model_copy(
+            update={"server": self.teacher.server.model_copy(update={"port": port}),
+                    "output_dir": Path(self.output_dir) / "teacher"}
+        )  # fmt: skip
+
     def resolved(self) -> tuple[InferenceConfig, OrchestratorConfig, TrainerConfig]:
         """The three process configs, wired to each other (server URL, ranks, run id, resume)."""
         run_id = self.trainer.transport.run_id or self.orchestrator.transport.run_id
@@ -117,6 +135,14 @@ class RLConfig(RootConfig):
                 "transport": self.orchestrator.transport.model_copy(update={"run_id": run_id}),
             }
         )
+        teacher = self.teacher_server()
+        if teacher is not None:
+            t_host = "127.0.0.1" if teacher.server.host in ("0.0.0.0", "::") else teacher.server.host
+            orch = orch.model_copy(
+                update={"teacher": (orch.teacher or TeacherConfig()).model_copy(
+                    update={"base_url": f"http://{t_host}:{teacher.server.port}/v1", "model": teacher.model.name}
+                )}
+            )  # fmt: skip
         ckpt = self.trainer.ckpt
         if ckpt.resume_step is None:
             ckpt = ckpt.model_copy(update={"resume_step": -1})  # rerunning the same command resumes
@@ -169,6 +195,34 @@ class RLConfig(RootConfig):
                     "'orchestrator.filters' drops groups whose rollout advantages are all zero; set "
                     "orchestrator.filters = [] (or the filter's monitor_only = true)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_advantages_reach_the_loss(self):
+        if self.teacher is None and self.orchestrator.teacher is None:
+            return self
+        dropping = [f for f in self.orchestrator.filters if f.type == "zero_advantage" and not f.monitor_only]
+        if dropping:
+            raise ValueError(
+                "a teacher gives every token its own advantage, but 'orchestrator.filters' drops groups whose "
+                "rewards are all equal, and the teacher's signal with them: set orchestrator.filters = []"
+            )
+        a = self.trainer.advantage
+        if a.type != "reinforce" or a.gamma != 1.0 or self.trainer.kl_reward.beta > 0:
+            raise ValueError(
+                "a teacher's per-token advantages reach the loss unchanged only with "
+                "'trainer.advantage.type' = 'reinforce', 'trainer.advantage.gamma' = 1 and no "
+                "'trainer.kl_reward'; the other estimators rebuild advantages from the rollout reward"
+            )
+        if (
+            self.teacher is not None
+            and self.teacher.server.port == self.inference.server.port
+            and ("port" in self.teacher.server.model_fields_set)
+        ):
+            raise ValueError(
+                f"'teacher.server.port' = {self.teacher.server.port} is the policy server's port "
+                "('inference.server.port'); give the teacher its own"
+            )
         return self
 
     @model_validator(mode="before")

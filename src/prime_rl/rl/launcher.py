@@ -172,6 +172,24 @@ class Launcher:
             print(f"rl: error: {e}; see {server.log_path}", file=sys.stderr)
             self.stop_all()
             return 1
+        teacher = self.config.teacher_server()
+        teacher_child = None
+        if teacher is not None:
+            # The teacher scores what the policy server generated: it shares the policy server's cores.
+            teacher_env = server_env(teacher, base_env)
+            if place.vllm_omp_cpus:
+                teacher_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, place.vllm_omp_cpus)))
+            teacher_child = self._start(
+                "teacher", server_command(teacher), teacher_env, place.inference_cpus, False
+            )
+            t_url = f"http://{teacher.server.host}:{teacher.server.port}"
+            print(f"rl: starting the teacher ({teacher.model.name}) at {t_url} ...", flush=True)
+            try:
+                wait_until_healthy(t_url, timeout_s=d.startup_timeout_s, process=teacher_child.proc)
+            except (RuntimeError, TimeoutError) as e:
+                print(f"rl: error: teacher: {e}; see {teacher_child.log_path}", file=sys.stderr)
+                self.stop_all()
+                return 1
         print("rl: inference is up; starting trainer and orchestrator", flush=True)
 
         trainer_env = {**base_env, "OMP_NUM_THREADS": str(place.trainer_threads)}
@@ -194,7 +212,7 @@ class Launcher:
 
         done: set[str] = set()
         while True:
-            for child in (server, trainer, orch):
+            for child in (server, trainer, orch, *([teacher_child] if teacher_child else [])):
                 code = child.proc.poll()
                 if code is None or child.name in done:
                     continue

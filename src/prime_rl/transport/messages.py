@@ -44,6 +44,8 @@ class TrainingSample(msgspec.Struct):
     example_id: int | str = 0
     policy_version: int = 0
     temperature: float = 1.0
+    token_advantages: list[float] = []
+    """Per completion token, added to `advantage` (on-policy distillation); empty: none."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -55,6 +57,11 @@ class TrainingSample(msgspec.Struct):
                 f"training sample of env '{self.env_name}', example {self.example_id!r}: completion_ids, "
                 f"completion_mask and completion_logprobs must have equal lengths, got {n}, "
                 f"{len(self.completion_mask)} and {len(self.completion_logprobs)}"
+            )
+        if self.token_advantages and len(self.token_advantages) != n:
+            raise ValueError(
+                f"training sample of env '{self.env_name}', example {self.example_id!r}: "
+                f"{len(self.token_advantages)} token_advantages for {n} completion tokens"
             )
 
 

@@ -69,13 +69,22 @@ def bin_arrays(b: Bin) -> dict[str, np.ndarray]:
     samples, n = b.samples, b.tokens
     lens = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
     starts = np.repeat(np.cumsum(lens) - lens, lens)
+    advantages = np.repeat(np.array([s.advantage for s in samples], dtype=FLOAT_DTYPE), lens)
+    if any(s.token_advantages for s in samples):
+        advantages += np.fromiter(
+            chain.from_iterable(
+                chain(repeat(0.0, len(s.prompt_ids)), s.token_advantages or repeat(0.0, len(s.completion_ids)))
+                for s in samples
+            ),
+            dtype=FLOAT_DTYPE, count=n,
+        )  # fmt: skip
     return {
         "input_ids": np.fromiter(chain.from_iterable(chain(s.prompt_ids, s.completion_ids) for s in samples),
                                  dtype=ID_DTYPE, count=n),
         "position_ids": np.arange(n, dtype=ID_DTYPE) - starts.astype(ID_DTYPE),
         "loss_mask": np.fromiter(chain.from_iterable(chain(repeat(0, len(s.prompt_ids)), s.completion_mask)
                                                      for s in samples), dtype=MASK_DTYPE, count=n),
-        "advantages": np.repeat(np.array([s.advantage for s in samples], dtype=FLOAT_DTYPE), lens),
+        "advantages": advantages,
         "logprobs": np.fromiter(chain.from_iterable(chain(repeat(0.0, len(s.prompt_ids)), s.completion_logprobs)
                                                     for s in samples), dtype=FLOAT_DTYPE, count=n),
     }  # fmt: skip

@@ -1,0 +1,270 @@
+"""A reward model as one more reward function of an env's rubric, local or remote, batched.
+
+`[orchestrator.envs.reward_model]` adds a function named `reward_model` to the env's rubric, with its
+weight, and can scale the env's own functions (weight 0 trains on the reward model alone, while the
+env's functions are still computed and reported as metrics). Every call from every rollout of every
+env using the same model goes through one `Batcher`: calls arriving within `max_wait_ms` of each
+other, up to `batch_size`, are scored together, by one forward pass in a worker thread (a local
+model, loaded once) or one HTTP request (a `reward-server` URL, with a timeout and retries).
+
+Invariant: a score that could not be computed raises in the rubric function, so the rollout fails
+with the reason (through `RewardRunner`) instead of training on a made-up reward; the event loop
+never runs a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from prime_rl.config import BaseConfig
+from prime_rl.model.reward import RewardModelError, load_reward_model, plain_messages
+from prime_rl.orchestrator.rewards import rubrics
+
+log = logging.getLogger("prime_rl.orchestrator")
+
+Conversation = tuple[list[dict], list[dict]]
+"""A rollout as the reward model sees it: prompt messages, completion messages."""
+
+
+class RewardModelConfig(BaseConfig):
+    """A learned reward model scoring this env's rollouts, beside or instead of the env's rubric."""
+
+    path: str | None = None
+    """Local folder of a one-output *ForSequenceClassification model (e.g. made by
+    `train-reward-model`), loaded once in the orchestrator."""
+
+    url: str | None = None
+    """Instead of `path`: base URL of a reward server (`uv run reward-server`, or anything that answers
+    POST {url}/score {"conversations": [[prompt messages], [completion messages]], ...]} with
+    {"scores": [...]} and GET {url}/health)."""
+
+    weight: float = 1.0
+    """Weight of the reward model's score in the rollout's reward."""
+
+    env_reward_weight: float = 1.0
+    """Factor on the weights of the env's own reward functions: 0 trains on the reward model alone,
+    and the env's functions stay as metrics (`metric/<function>/<env>`) to check it against."""
+
+    batch_size: int = Field(default=64, ge=1)
+    """Most conversations scored in one forward pass or request."""
+
+    max_wait_ms: float = Field(default=5.0, ge=0)
+    """How long the first call of a batch waits for others to join it."""
+
+    max_length: int = Field(default=1024, ge=8)
+    """Tokens of a conversation a local model sees (the end of it)."""
+
+    timeout_s: float = Field(default=30.0, gt=0)
+    """A request to `url` failing to answer within this fails the attempt."""
+
+    retries: int = Field(default=2, ge=0)
+    """Further attempts of a failed request to `url` (connection errors, timeouts, 5xx), with backoff;
+    after the last one the batch's rollouts fail with the reason."""
+
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    """At start-up, how long `url`'s health check may take before the run stops with an error."""
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.url is None):
+            raise ValueError(
+                "set exactly one of reward_model.path (a local model) and reward_model.url (a server)"
+            )
+        return self
+
+    @property
+    def source(self) -> str:
+        return self.path or self.url or ""
+
+
+class Batcher:
+    """Collects concurrent `score` calls into batches for one `score_batch` coroutine."""
+
+    def __init__(
+        self, score_batch: Callable[[list[Any]], Awaitable[list[float]]], batch_size: int, max_wait_s: float
+    ):
+        self.score_batch = score_batch
+        self.batch_size = batch_size
+        self.max_wait_s = max_wait_s
+        self._pending: list[tuple[Any, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.batches = 0  # how many batches were scored (for tests and logs)
+
+    async def score(self, item: Any) -> float:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        if len(self._pending) >= self.batch_size:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if batch:
+            task = asyncio.ensure_future(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+        self.batches += 1
+        try:
+            scores = await self.score_batch([item for item, _ in batch])
+            if len(scores) != len(batch):
+                raise RewardModelError(f"got {len(scores)} scores for {len(batch)} conversations")
+        except Exception as e:
+            for _, future in batch:
+                if not future.done():  # a caller that timed out has cancelled its future
+                    future.set_exception(e)
+            return
+        for (_, future), score in zip(batch, scores, strict=True):
+            if not future.done():
+                future.set_result(float(score))
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+class LocalScorer:
+    """A reward model folder loaded in this process; forward passes in one worker thread."""
+
+    def __init__(self, config: RewardModelConfig, key: str):
+        try:
+            self.model = load_reward_model(config.path, config.max_length, threads=1)
+        except RewardModelError as e:
+            raise RewardModelError(f"{key}.path: {e}") from None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
+
+    async def score_batch(self, conversations: list[Conversation]) -> list[float]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.model.score, conversations
+        )
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RemoteScorer:
+    """A reward server at a URL, asked with one POST per batch."""
+
+    def __init__(self, config: RewardModelConfig, key: str):
+        import httpx
+
+        self.config = config
+        self.key = key
+        self.base = config.url.rstrip("/")
+        self._client = httpx.AsyncClient(timeout=config.timeout_s)
+
+    async def check(self) -> None:
+        """Fail fast, naming the key, when the server does not answer its health route."""
+        import httpx
+
+        try:
+            response = await self._client.get(f"{self.base}/health", timeout=self.config.connect_timeout_s)
+            response.raise_for_status()
+        except httpx.TimeoutException:
+            raise RewardModelError(
+                f"{self.key}.url: {self.config.url} did not answer within "
+                f"{self.config.connect_timeout_s:g}s (reward_model.connect_timeout_s)"
+            ) from None
+        except httpx.HTTPError as e:
+            raise RewardModelError(
+                f"{self.key}.url: {self.config.url} is not a reward server: {type(e).__name__}: {e}"
+            ) from None
+
+    async def score_batch(self, conversations: list[Conversation]) -> list[float]:
+        import httpx
+
+        payload = {"conversations": [[p, c] for p, c in conversations]}
+        error = ""
+        for attempt in range(self.config.retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+            try:
+                response = await self._client.post(f"{self.base}/score", json=payload)
+            except httpx.TimeoutException:
+                error = f"no answer within {self.config.timeout_s:g}s"
+                continue
+            except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+                continue
+            if response.status_code >= 500:
+                error = f"HTTP {response.status_code}: {response.text[:200]}"
+                continue
+            if response.status_code != 200:  # the request itself is wrong: retrying will not help
+                raise RewardModelError(
+                    f"reward server {self.config.url}: HTTP {response.status_code}: {response.text[:200]}"
+                )
+            scores = response.json().get("scores")
+            if not isinstance(scores, list):
+                raise RewardModelError(f"reward server {self.config.url}: the answer has no 'scores' list")
+            return scores
+        raise RewardModelError(
+            f"reward server {self.config.url} failed {self.config.retries + 1} time(s), last: {error}"
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class RewardModels:
+    """The reward models of one orchestrator: one scorer and batcher per path or URL, shared by envs."""
+
+    def __init__(self):
+        self._batchers: dict[str, Batcher] = {}
+        self._scorers: list[LocalScorer | RemoteScorer] = []
+
+    def batcher(self, config: RewardModelConfig, key: str) -> Batcher:
+        if config.source not in self._batchers:
+            scorer = LocalScorer(config, key) if config.path else RemoteScorer(config, key)
+            self._scorers.append(scorer)
+            self._batchers[config.source] = Batcher(
+                scorer.score_batch, config.batch_size, config.max_wait_ms / 1000
+            )
+        return self._batchers[config.source]
+
+    async def check(self) -> None:
+        for scorer in self._scorers:
+            if isinstance(scorer, RemoteScorer):
+                await scorer.check()
+
+    async def aclose(self) -> None:
+        for batcher in self._batchers.values():
+            await batcher.aclose()
+        for scorer in self._scorers:
+            await scorer.aclose()
+
+
+def reward_function(batcher: Batcher):
+    """The rubric function: one rollout's prompt and completion, scored through the batcher."""
+
+    async def reward_model(prompt, completion, **kwargs) -> float:
+        return await batcher.score((plain_messages(prompt), plain_messages(completion)))
+
+    return reward_model
+
+
+def attach(vf_env, config: RewardModelConfig, batcher: Batcher, wrap: Callable | None = None) -> None:
+    """Add the reward model to a classic env's rubric, in place, and scale the env's own weights.
+    `wrap` is the RewardRunner's wrapper (timeout, failure recorded in the rollout's state)."""
+    rubric = getattr(vf_env, "rubric", None)
+    if rubric is None or not hasattr(rubric, "add_reward_func"):
+        raise RewardModelError(
+            "reward_model needs a classic verifiers env with a rubric (not a verifiers.v1 env)"
+        )
+    for r in rubrics(rubric):
+        if isinstance(getattr(r, "weights", None), list):
+            r.weights[:] = [w * config.env_reward_weight for w in r.weights]
+    func = reward_function(batcher)
+    rubric.add_reward_func(wrap(func, False) if wrap else func, config.weight)

@@ -1,0 +1,193 @@
+"""On-policy distillation: a teacher model, served by its own vLLM server, scores the student's tokens.
+
+After a group's rollouts finish, each model call's prompt and sampled tokens go to the teacher as one
+completions request with `prompt_logprobs`, so the teacher reads exactly the student's token ids
+(never re-tokenized text) and returns its logprob of every one. `rollout_to_samples` turns them into
+per-token advantages, weight x (log p_teacher - log p_student): minus the per-token reverse KL, the
+signal of on-policy distillation, added to the env's advantage scaled by `advantage_weight`.
+
+Invariant: a rollout trains with teacher logprobs for every one of its sampled tokens or not at all:
+a teacher that fails (after its retries) or answers with the wrong number of logprobs fails the
+rollout with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from pydantic import Field
+
+from prime_rl.config import BaseConfig
+from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
+
+log = logging.getLogger("prime_rl.orchestrator")
+
+
+class TeacherConfig(BaseConfig):
+    """A teacher whose per-token logprobs on the student's samples become advantages."""
+
+    base_url: str = "http://127.0.0.1:8001/v1"
+    """The teacher's OpenAI-compatible vLLM server (`rl` starts one and sets this when `[teacher]` is given)."""
+
+    model: str = ""
+    """The teacher's model name as its server knows it (`rl` sets it); when it is a local folder, its
+    tokenizer must be the student's, which is checked at start."""
+
+    weight: float = Field(default=1.0, ge=0)
+    """Factor on the per-token term log p_teacher - log p_student."""
+
+    advantage_weight: float = Field(default=0.0, ge=0)
+    """Factor on the env's per-rollout advantage: 0 distills only; 1 adds distillation to RL."""
+
+    timeout_s: float = Field(default=60.0, gt=0)
+    """A teacher request answering later than this fails the attempt."""
+
+    retries: int = Field(default=2, ge=0)
+    """Further attempts of a failed teacher request (connection errors, timeouts, 5xx)."""
+
+    concurrency: int = Field(default=32, ge=1)
+    """Teacher requests in flight at once."""
+
+
+class TeacherError(RuntimeError):
+    """The teacher could not score a sequence; the message says why."""
+
+
+def tokenizer_mismatch(student: str, teacher: str) -> str | None:
+    """Why two local model folders' tokenizers differ (vocabulary, merges or special tokens), from
+    their tokenizer files alone; None when they agree or either is not a local folder."""
+    a, b = Path(student).expanduser(), Path(teacher).expanduser()
+    if not (a / "tokenizer.json").is_file() or not (b / "tokenizer.json").is_file():
+        return None
+    try:
+        ta, tb = (json.loads((p / "tokenizer.json").read_text()) for p in (a, b))
+    except (OSError, json.JSONDecodeError) as e:
+        return f"its tokenizer.json cannot be read: {e}"
+    vocab_a, vocab_b = ta.get("model", {}).get("vocab", {}), tb.get("model", {}).get("vocab", {})
+    if vocab_a != vocab_b:
+        return f"its vocabulary ({len(vocab_b)} tokens) differs from the student's ({len(vocab_a)} tokens)"
+    added = [[(t.get("id"), t.get("content")) for t in x.get("added_tokens", [])] for x in (ta, tb)]
+    if added[0] != added[1] or ta.get("model", {}).get("merges") != tb.get("model", {}).get("merges"):
+        return "its special tokens or merges differ from the student's"
+    return None
+
+
+class Teacher:
+    """The client of a teacher server: logprobs of token sequences, with retries."""
+
+    def __init__(self, config: TeacherConfig):
+        import httpx
+
+        self.config = config
+        self.model = config.model
+        self.base = config.base_url.rstrip("/")
+        self._client = httpx.AsyncClient(timeout=config.timeout_s)
+        self._slots = asyncio.Semaphore(config.concurrency)
+
+    async def check(self) -> None:
+        """Fail fast when the server does not serve `model`."""
+        import httpx
+
+        try:
+            response = await self._client.get(f"{self.base}/models", timeout=10)
+            response.raise_for_status()
+            served = [m["id"] for m in response.json().get("data", [])]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            raise TeacherError(
+                f"teacher.base_url: {self.config.base_url} does not answer /models: {e}"
+            ) from None
+        if self.model and self.model not in served:
+            raise TeacherError(
+                f"teacher.model: '{self.model}' is not served at {self.config.base_url} (it serves {served})"
+            )
+        if not served:
+            raise TeacherError(f"teacher.base_url: {self.config.base_url} serves no model")
+        self.model = self.model or served[0]
+
+    async def logprobs(self, ids: list[int]) -> list[float]:
+        """The teacher's logprob of each token of `ids` after the ones before it (len(ids) - 1 values)."""
+        import httpx
+
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0}  # fmt: skip
+        error = ""
+        async with self._slots:
+            for attempt in range(self.config.retries + 1):
+                if attempt:
+                    await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+                try:
+                    response = await self._client.post(f"{self.base}/completions", json=body)
+                except httpx.HTTPError as e:
+                    error = f"{type(e).__name__}: {e}"
+                    continue
+                if response.status_code >= 500:
+                    error = f"HTTP {response.status_code}"
+                    continue
+                if response.status_code != 200:
+                    raise TeacherError(
+                        f"teacher at {self.config.base_url}: HTTP {response.status_code}: {response.text[:300]}"
+                    )
+                return parse_prompt_logprobs(response.json(), ids)
+        raise TeacherError(
+            f"teacher at {self.config.base_url} failed {self.config.retries + 1} time(s), last: {error}"
+        )
+
+    async def score_turn(self, turn: Turn) -> Turn:
+        values = await self.logprobs(turn.prompt_ids + turn.completion_ids)
+        return replace(turn, teacher_logprobs=values[len(turn.prompt_ids) - 1 :])
+
+    async def score(self, rollout: Rollout) -> Rollout:
+        """The rollout with teacher logprobs on every turn, or failed with the reason."""
+        if rollout.failed:
+            return rollout
+        try:
+            turns = await asyncio.gather(*(self.score_turn(t) for t in rollout.turns))
+        except (TeacherError, ValueError) as e:
+            return failed_rollout(
+                rollout.env_name, rollout.example_id, rollout.policy_version, f"TeacherError: {e}"
+            )
+        return replace(
+            rollout, turns=list(turns), metrics={**rollout.metrics, "teacher_kl": reverse_kl(turns)}
+        )
+
+    async def score_group(self, rollouts: list[Rollout]) -> list[Rollout]:
+        return list(await asyncio.gather(*(self.score(r) for r in rollouts)))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def parse_prompt_logprobs(answer: dict, ids: list[int]) -> list[float]:
+    """The logprob of each of `ids[1:]` from a vLLM completions answer with `prompt_logprobs`."""
+    try:
+        entries = answer["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise TeacherError("the teacher's answer has no prompt_logprobs (is it a vLLM server?)") from None
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        got = len(entries) if isinstance(entries, list) else 0
+        raise TeacherError(f"the teacher returned {got} prompt logprobs for {len(ids)} tokens")
+    out = []
+    for i in range(1, len(ids)):
+        entry = entries[i] or {}
+        found = entry.get(str(ids[i]))
+        if found is None:
+            raise TeacherError(f"the teacher's prompt logprobs miss token {ids[i]} at position {i}")
+        out.append(float(found["logprob"]))
+    return out
+
+
+def reverse_kl(turns: list[Turn]) -> float:
+    """Mean over sampled tokens of log p_student - log p_teacher (the per-token reverse KL estimate)."""
+    diffs = [
+        s - t
+        for turn in turns
+        for s, t, m in zip(
+            turn.completion_logprobs, turn.teacher_logprobs or [], turn.completion_mask, strict=False
+        )
+        if m
+    ]
+    return sum(diffs) / len(diffs) if diffs else 0.0

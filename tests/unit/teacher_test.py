@@ -1,0 +1,143 @@
+"""On-policy distillation: teacher logprobs read at the right positions, turned into per-token
+advantages on model tokens only, packed on top of the rollout's advantage, and a failing teacher
+failing the rollout instead of training it without its teacher signal."""
+
+import asyncio
+import json
+import re
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.rollout import Rollout, Turn
+from prime_rl.orchestrator.samples import rollout_to_samples
+from prime_rl.orchestrator.teacher import (
+    Teacher,
+    TeacherConfig,
+    TeacherError,
+    parse_prompt_logprobs,
+    tokenizer_mismatch,
+)
+from prime_rl.transport.packing import pack
+
+MODELS = Path(__file__).parents[2] / "models"
+
+
+def answer(ids: list[int], logprob) -> dict:
+    """A vLLM completions answer with prompt logprobs: None first, then each token's (plus a top-1
+    alternative, which must not be picked)."""
+    entries = [None] + [
+        {str(t): {"logprob": logprob(i, t), "rank": 2}, "999": {"logprob": -0.01, "rank": 1}}
+        for i, t in enumerate(ids[1:], 1)
+    ]
+    return {"choices": [{"text": "x", "prompt_logprobs": entries}]}
+
+
+def test_prompt_logprobs_are_read_for_the_actual_tokens():
+    ids = [5, 6, 7, 8]
+    assert parse_prompt_logprobs(answer(ids, lambda i, t: -float(i)), ids) == [-1.0, -2.0, -3.0]
+    with pytest.raises(TeacherError, match="3 prompt logprobs for 4 tokens"):
+        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {}, {}]}]}, ids)
+    with pytest.raises(TeacherError, match="miss token 7 at position 2"):
+        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {"6": {"logprob": 0}}, {}, {}]}]}, ids)
+
+
+def two_turn_rollout() -> Rollout:
+    # Turn 2's prompt extends turn 1's prompt + completion with 2 env tokens (41, 42): one sample.
+    t1 = Turn([1, 2], [10, 11], [1, 1], [-0.5, -1.0], teacher_logprobs=[-0.25, -3.0])
+    t2 = Turn([1, 2, 10, 11, 41, 42], [12], [1], [-2.0], teacher_logprobs=[-1.0])
+    return Rollout("env", 0, 0, reward=1.0, turns=[t1, t2])
+
+
+def test_token_advantages_are_weighted_teacher_minus_student_on_model_tokens_only():
+    (sample,) = rollout_to_samples(two_turn_rollout(), advantage=0.5, distill_weight=2.0)
+    assert sample.completion_ids == [10, 11, 41, 42, 12]
+    assert sample.token_advantages == [2 * 0.25, 2 * -2.0, 0.0, 0.0, 2 * 1.0]
+    (plain,) = rollout_to_samples(two_turn_rollout(), advantage=0.5)
+    assert plain.token_advantages == []
+    # Packed, each token's advantage is the rollout's plus its own term; prompt tokens get the rollout's.
+    mb = pack([sample], seq_len=64, num_ranks=1, run_id="r", step=0)[0][0]
+    a = mb.arrays()["advantages"]
+    assert np.allclose(a, [0.5, 0.5, 1.0, -3.5, 0.5, 0.5, 2.5])
+
+
+class FlakyTeacher(BaseHTTPRequestHandler):
+    """Serves /models; /completions fails with 503 for the first `fail` calls, then answers."""
+
+    fail = 0
+    posts = 0
+
+    def _send(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, {"data": [{"id": "teacher"}]})
+
+    def do_POST(self):
+        type(self).posts += 1
+        ids = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        if type(self).posts <= type(self).fail:
+            return self._send(503, {"error": "busy"})
+        self._send(200, answer(ids, lambda i, t: -0.1 * t))
+
+
+@pytest.fixture
+def teacher_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FlakyTeacher)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(("fail", "ok"), [(1, True), (5, False)])
+def test_a_teacher_that_keeps_failing_fails_the_rollout_after_its_retries(teacher_url, fail, ok):
+    FlakyTeacher.fail, FlakyTeacher.posts = fail, 0
+    rollout = Rollout("env", 0, 0, turns=[Turn([1, 2], [10, 11], [1, 1], [-0.5, -1.0])])
+
+    async def go():
+        teacher = Teacher(TeacherConfig(base_url=teacher_url, model="teacher", retries=1))
+        await teacher.check()
+        try:
+            return await teacher.score(rollout)
+        finally:
+            await teacher.aclose()
+
+    out = asyncio.run(go())
+    if ok:  # one failure, then the retry answers: logprobs of the completion tokens 10 and 11
+        assert not out.failed and out.turns[0].teacher_logprobs == pytest.approx([-1.0, -1.1])
+        assert out.metrics["teacher_kl"] == pytest.approx(((-0.5 + 1.0) + (-1.0 + 1.1)) / 2)
+    else:
+        assert out.failed and "failed 2 time(s), last: HTTP 503" in out.error
+    assert FlakyTeacher.posts == 2
+
+
+def test_a_teacher_with_another_tokenizer_is_named(tmp_path):
+    student = MODELS / "sum_digits-tiny"
+    assert tokenizer_mismatch(str(student), str(MODELS / "reverse_text-tiny")) is None
+    other = tmp_path / "teacher"
+    shutil.copytree(student, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    assert "vocabulary" in tokenizer_mismatch(str(student), str(other))
+
+
+def test_distillation_config_refuses_what_would_lose_the_teacher_signal():
+    env = {"id": "reverse-text"}
+    with pytest.raises(ValueError, match=re.escape("set filters = []")):
+        OrchestratorConfig(teacher={}, envs=[env])
+    with pytest.raises(ValueError, match=re.escape("envs[0].sampling.temperature must be 1.0")):
+        OrchestratorConfig(teacher={}, filters=[], envs=[{**env, "sampling": {"temperature": 0.7}}])
+    OrchestratorConfig(teacher={}, filters=[], envs=[env])
