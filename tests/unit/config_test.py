@@ -15,6 +15,7 @@ from prime_rl.orchestrator.config import CustomAdvantage, OrchestratorConfig
 from prime_rl.preflight import check_orchestrator, check_rl, env_module_name
 from prime_rl.rl.config import RLConfig
 from prime_rl.trainer.config import SFTConfig, TrainerConfig
+from prime_rl.trainer.reward_model import RewardModelTrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -203,6 +204,10 @@ def test_every_shipped_config_parses_and_passes_the_checks(path, monkeypatch):
     if path.parent.name == "algorithms":  # overlays on an env's rl.toml
         parse_config(RLConfig, ["@", "configs/sum_digits/rl.toml", "@", str(path)], check=check_rl)
         return
+    if path.name.startswith("rl_"):  # overlays on the rl.toml beside them
+        parse_config(RLConfig, ["@", str(path.parent / "rl.toml"), "@", str(path)], check=check_rl)
+        return
+    kind = "sft.toml" if path.name.endswith("sft.toml") else path.name
     cls, check = {"rl.toml": (RLConfig, check_rl), "orch.toml": (OrchestratorConfig, check_orchestrator),
-                  "sft.toml": (SFTConfig, None)}[path.name]  # fmt: skip
+                  "sft.toml": (SFTConfig, None), "reward_model.toml": (RewardModelTrainConfig, None)}[kind]  # fmt: skip
     parse_config(cls, ["@", str(path)], check=check)

@@ -28,23 +28,28 @@ from prime_rl.transport.packing import pack
 MODELS = Path(__file__).parents[2] / "models"
 
 
-def answer(ids: list[int], logprob) -> dict:
-    """A vLLM completions answer with prompt logprobs: None first, then each token's (plus a top-1
-    alternative, which must not be picked)."""
+def choice(index: int, ids: list[int], logprob) -> dict:
+    """One prompt's choice in a vLLM completions answer with prompt logprobs: None first, then each
+    token's (plus a top-1 alternative, which must not be picked)."""
     entries = [None] + [
         {str(t): {"logprob": logprob(i, t), "rank": 2}, "999": {"logprob": -0.01, "rank": 1}}
         for i, t in enumerate(ids[1:], 1)
     ]
-    return {"choices": [{"text": "x", "prompt_logprobs": entries}]}
+    return {"index": index, "text": "x", "prompt_logprobs": entries}
 
 
-def test_prompt_logprobs_are_read_for_the_actual_tokens():
-    ids = [5, 6, 7, 8]
-    assert parse_prompt_logprobs(answer(ids, lambda i, t: -float(i)), ids) == [-1.0, -2.0, -3.0]
-    with pytest.raises(TeacherError, match="3 prompt logprobs for 4 tokens"):
-        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {}, {}]}]}, ids)
+def test_prompt_logprobs_are_read_for_the_actual_tokens_of_each_prompt():
+    seqs = [[5, 6, 7, 8], [9, 10]]
+    # Choices may come in any order: matched to prompts by index.
+    answer = {"choices": [choice(1, seqs[1], lambda i, t: -10.0), choice(0, seqs[0], lambda i, t: -float(i))]}
+    assert parse_prompt_logprobs(answer, seqs) == [[-1.0, -2.0, -3.0], [-10.0]]
+    with pytest.raises(TeacherError, match=re.escape("3 prompt logprobs for 4 tokens (prompt 0)")):
+        parse_prompt_logprobs({"choices": [{"index": 0, "prompt_logprobs": [None, {}, {}]}]}, seqs[:1])
     with pytest.raises(TeacherError, match="miss token 7 at position 2"):
-        parse_prompt_logprobs({"choices": [{"prompt_logprobs": [None, {"6": {"logprob": 0}}, {}, {}]}]}, ids)
+        bad = [None, {"6": {"logprob": 0}}, {}, {}]
+        parse_prompt_logprobs({"choices": [{"index": 0, "prompt_logprobs": bad}]}, seqs[:1])
+    with pytest.raises(TeacherError, match="answered 1 prompts of 2"):
+        parse_prompt_logprobs({"choices": [choice(0, seqs[0], lambda i, t: 0.0)]}, seqs)
 
 
 def two_turn_rollout() -> Rollout:
@@ -84,10 +89,10 @@ class FlakyTeacher(BaseHTTPRequestHandler):
 
     def do_POST(self):
         type(self).posts += 1
-        ids = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        prompts = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
         if type(self).posts <= type(self).fail:
             return self._send(503, {"error": "busy"})
-        self._send(200, answer(ids, lambda i, t: -0.1 * t))
+        self._send(200, {"choices": [choice(k, ids, lambda i, t: -0.1 * t) for k, ids in enumerate(prompts)]})
 
 
 @pytest.fixture
@@ -100,25 +105,34 @@ def teacher_url():
 
 
 @pytest.mark.parametrize(("fail", "ok"), [(1, True), (5, False)])
-def test_a_teacher_that_keeps_failing_fails_the_rollout_after_its_retries(teacher_url, fail, ok):
+def test_a_group_is_one_request_and_a_teacher_that_keeps_failing_fails_its_rollouts(teacher_url, fail, ok):
     FlakyTeacher.fail, FlakyTeacher.posts = fail, 0
-    rollout = Rollout("env", 0, 0, turns=[Turn([1, 2], [10, 11], [1, 1], [-0.5, -1.0])])
+    group = [
+        Rollout("env", 0, 0, turns=[Turn([1, 2], [10, 11], [1, 1], [-0.5, -1.0])]),
+        Rollout("env", 0, 0, error="HTTP 500"),  # failed already: not sent, returned as it is
+        two_turn_rollout(),
+    ]
 
     async def go():
         teacher = Teacher(TeacherConfig(base_url=teacher_url, model="teacher", retries=1))
         await teacher.check()
         try:
-            return await teacher.score(rollout)
+            return await teacher.score_group(group)
         finally:
             await teacher.aclose()
 
     out = asyncio.run(go())
-    if ok:  # one failure, then the retry answers: logprobs of the completion tokens 10 and 11
-        assert not out.failed and out.turns[0].teacher_logprobs == pytest.approx([-1.0, -1.1])
-        assert out.metrics["teacher_kl"] == pytest.approx(((-0.5 + 1.0) + (-1.0 + 1.1)) / 2)
+    assert out[1] is group[1]
+    assert FlakyTeacher.posts == 2  # the whole group in one request, then one retry
+    if ok:  # one failure, then the retry answers: logprob -0.1 x token id
+        assert not out[0].failed and out[0].turns[0].teacher_logprobs == pytest.approx([-1.0, -1.1])
+        assert out[0].metrics["teacher_kl"] == pytest.approx(((-0.5 + 1.0) + (-1.0 + 1.1)) / 2)
+        assert [t.teacher_logprobs for t in out[2].turns] == [
+            pytest.approx([-1.0, -1.1]),
+            pytest.approx([-1.2]),
+        ]
     else:
-        assert out.failed and "failed 2 time(s), last: HTTP 503" in out.error
-    assert FlakyTeacher.posts == 2
+        assert out[0].failed and out[2].failed and "failed 2 time(s), last: HTTP 503" in out[0].error
 
 
 def test_a_teacher_with_another_tokenizer_is_named(tmp_path):

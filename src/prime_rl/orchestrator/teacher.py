@@ -1,7 +1,7 @@
 """On-policy distillation: a teacher model, served by its own vLLM server, scores the student's tokens.
 
-After a group's rollouts finish, each model call's prompt and sampled tokens go to the teacher as one
-completions request with `prompt_logprobs`, so the teacher reads exactly the student's token ids
+After a group's rollouts finish, every model call's prompt and sampled tokens go to the teacher in
+one completions request (a list of token-id prompts) with `prompt_logprobs`, so the teacher reads exactly the student's token ids
 (never re-tokenized text) and returns its logprob of every one. `rollout_to_samples` turns them into
 per-token advantages, weight x (log p_teacher - log p_student): minus the per-token reverse KL, the
 signal of on-policy distillation, added to the env's advantage scaled by `advantage_weight`.
@@ -108,11 +108,12 @@ class Teacher:
             raise TeacherError(f"teacher.base_url: {self.config.base_url} serves no model")
         self.model = self.model or served[0]
 
-    async def logprobs(self, ids: list[int]) -> list[float]:
-        """The teacher's logprob of each token of `ids` after the ones before it (len(ids) - 1 values)."""
+    async def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The teacher's logprob of each token of each sequence after the ones before it
+        (len(ids) - 1 values per sequence), from one request: one HTTP round trip per group."""
         import httpx
 
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+        body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0}  # fmt: skip
         error = ""
         async with self._slots:
@@ -131,52 +132,68 @@ class Teacher:
                     raise TeacherError(
                         f"teacher at {self.config.base_url}: HTTP {response.status_code}: {response.text[:300]}"
                     )
-                return parse_prompt_logprobs(response.json(), ids)
+                return parse_prompt_logprobs(response.json(), sequences)
         raise TeacherError(
             f"teacher at {self.config.base_url} failed {self.config.retries + 1} time(s), last: {error}"
         )
 
-    async def score_turn(self, turn: Turn) -> Turn:
-        values = await self.logprobs(turn.prompt_ids + turn.completion_ids)
-        return replace(turn, teacher_logprobs=values[len(turn.prompt_ids) - 1 :])
-
-    async def score(self, rollout: Rollout) -> Rollout:
-        """The rollout with teacher logprobs on every turn, or failed with the reason."""
-        if rollout.failed:
-            return rollout
-        try:
-            turns = await asyncio.gather(*(self.score_turn(t) for t in rollout.turns))
-        except (TeacherError, ValueError) as e:
-            return failed_rollout(
-                rollout.env_name, rollout.example_id, rollout.policy_version, f"TeacherError: {e}"
-            )
-        return replace(
-            rollout, turns=list(turns), metrics={**rollout.metrics, "teacher_kl": reverse_kl(turns)}
-        )
-
     async def score_group(self, rollouts: list[Rollout]) -> list[Rollout]:
-        return list(await asyncio.gather(*(self.score(r) for r in rollouts)))
+        """The rollouts with teacher logprobs on every turn; if the teacher fails, every rollout it
+        was asked about fails with the reason (already failed ones are returned as they are)."""
+        where = [(i, j) for i, r in enumerate(rollouts) if not r.failed for j in range(len(r.turns))]
+        if not where:
+            return list(rollouts)
+        sequences = [rollouts[i].turns[j].prompt_ids + rollouts[i].turns[j].completion_ids for i, j in where]
+        try:
+            values = await self.logprobs(sequences)
+        except TeacherError as e:
+            return [
+                r
+                if r.failed
+                else failed_rollout(r.env_name, r.example_id, r.policy_version, f"TeacherError: {e}")
+                for r in rollouts
+            ]
+        turns: dict[int, list[Turn]] = {}
+        for (i, j), lp in zip(where, values, strict=True):
+            turn = rollouts[i].turns[j]
+            turns.setdefault(i, []).append(replace(turn, teacher_logprobs=lp[len(turn.prompt_ids) - 1 :]))
+        return [
+            replace(r, turns=turns[i], metrics={**r.metrics, "teacher_kl": reverse_kl(turns[i])})
+            if i in turns
+            else r
+            for i, r in enumerate(rollouts)
+        ]
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
-def parse_prompt_logprobs(answer: dict, ids: list[int]) -> list[float]:
-    """The logprob of each of `ids[1:]` from a vLLM completions answer with `prompt_logprobs`."""
+def parse_prompt_logprobs(answer: dict, sequences: list[list[int]]) -> list[list[float]]:
+    """For each sequence, the logprob of each of its tokens but the first, from a vLLM completions
+    answer with `prompt_logprobs` (one choice per prompt, matched by `index`)."""
     try:
-        entries = answer["choices"][0]["prompt_logprobs"]
-    except (KeyError, IndexError, TypeError):
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        entries_per_prompt = [c["prompt_logprobs"] for c in choices]
+    except (KeyError, TypeError):
         raise TeacherError("the teacher's answer has no prompt_logprobs (is it a vLLM server?)") from None
-    if not isinstance(entries, list) or len(entries) != len(ids):
-        got = len(entries) if isinstance(entries, list) else 0
-        raise TeacherError(f"the teacher returned {got} prompt logprobs for {len(ids)} tokens")
+    if len(entries_per_prompt) != len(sequences):
+        raise TeacherError(f"the teacher answered {len(entries_per_prompt)} prompts of {len(sequences)}")
     out = []
-    for i in range(1, len(ids)):
-        entry = entries[i] or {}
-        found = entry.get(str(ids[i]))
-        if found is None:
-            raise TeacherError(f"the teacher's prompt logprobs miss token {ids[i]} at position {i}")
-        out.append(float(found["logprob"]))
+    for k, (entries, ids) in enumerate(zip(entries_per_prompt, sequences, strict=True)):
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            got = len(entries) if isinstance(entries, list) else 0
+            raise TeacherError(
+                f"the teacher returned {got} prompt logprobs for {len(ids)} tokens (prompt {k})"
+            )
+        values = []
+        for i in range(1, len(ids)):
+            found = (entries[i] or {}).get(str(ids[i]))
+            if found is None:
+                raise TeacherError(
+                    f"the teacher's prompt logprobs miss token {ids[i]} at position {i} (prompt {k})"
+                )
+            values.append(float(found["logprob"]))
+        out.append(values)
     return out
 
 

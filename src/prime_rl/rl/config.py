@@ -65,6 +65,9 @@ class DeploymentConfig(BaseConfig):
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """How long to wait for the inference server to become healthy."""
 
+    teacher_cpus: list[int] | None = None
+    """CPU cores of the teacher's inference server, with `[teacher]` (default: the policy server's)."""
+
 
 class RLConfig(RootConfig):
     """rl: starts inference, orchestrator and trainer on one machine from one config."""

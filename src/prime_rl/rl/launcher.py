@@ -175,12 +175,12 @@ class Launcher:
         teacher = self.config.teacher_server()
         teacher_child = None
         if teacher is not None:
-            # The teacher scores what the policy server generated: it shares the policy server's cores.
             teacher_env = server_env(teacher, base_env)
-            if place.vllm_omp_cpus:
-                teacher_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, place.vllm_omp_cpus)))
+            t_cpus = d.teacher_cpus or place.vllm_omp_cpus
+            if t_cpus and is_cpu_build():
+                teacher_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, t_cpus)))
             teacher_child = self._start(
-                "teacher", server_command(teacher), teacher_env, place.inference_cpus, False
+                "teacher", server_command(teacher), teacher_env, d.teacher_cpus or place.inference_cpus, False
             )
             t_url = f"http://{teacher.server.host}:{teacher.server.port}"
             print(f"rl: starting the teacher ({teacher.model.name}) at {t_url} ...", flush=True)
