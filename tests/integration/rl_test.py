@@ -181,7 +181,7 @@ def test_rl_distills_from_a_teacher_server_it_starts(tiny_model, tmp_path):
 
     teacher = make_tiny_model(
         TinyModelConfig(
-            output=tmp_path / "teacher", seed=1, tokenizer=tiny_model, hidden_size=64, num_layers=1
+            output=tmp_path / "teacher", seed=1, tokenizer=tiny_model, hidden_size=128, num_layers=1
         )
     )
     toml = write_config(tmp_path, tiny_model, "reverse-text", steps=3, extra="""
@@ -198,8 +198,12 @@ advantage_weight = 0.0
     assert "starting the teacher" in proc.stdout
     orch = [json.loads(line) for line in (tmp_path / "run" / "orchestrator" / "metrics.jsonl").open()]
     assert [m["step"] for m in orch] == [0, 1, 2]
-    # Two unrelated random models: the student's tokens are far likelier under the student.
-    assert all(m["metric/teacher_kl/reverse-text"] > 0.5 for m in orch)
+    # Two unrelated random models: the student's tokens are likelier under the student (about 0.05
+    # nats per token here, both being near uniform).
+    assert all(m["metric/teacher_kl/reverse-text"] > 0.01 for m in orch)
     assert all(m["rollouts/all/failed"] == 0 for m in orch)
     trainer = [json.loads(line) for line in (tmp_path / "run" / "trainer" / "metrics.jsonl").open()]
-    assert len(trainer) == 3 and all(m["grad_norm"] > 0 for m in trainer)
+    # The env's advantages are weighted 0: every token advantage is the teacher's term.
+    assert len(trainer) == 3 and all(
+        m["token_advantage/all/std"] > 0.1 and m["grad_norm"] > 0 for m in trainer
+    )

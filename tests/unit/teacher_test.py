@@ -20,6 +20,7 @@ from prime_rl.orchestrator.teacher import (
     Teacher,
     TeacherConfig,
     TeacherError,
+    TeacherUnavailable,
     parse_prompt_logprobs,
     tokenizer_mismatch,
 )
@@ -133,6 +134,26 @@ def test_a_group_is_one_request_and_a_teacher_that_keeps_failing_fails_its_rollo
         ]
     else:
         assert out[0].failed and out[2].failed and "failed 2 time(s), last: HTTP 503" in out[0].error
+
+
+def test_a_teacher_failing_group_after_group_stops_the_run(teacher_url):
+    FlakyTeacher.fail, FlakyTeacher.posts = 100, 0
+    group = [Rollout("env", 0, 0, turns=[Turn([1, 2], [10, 11], [1, 1], [-0.5, -1.0])])]
+
+    async def go():
+        teacher = Teacher(
+            TeacherConfig(base_url=teacher_url, model="teacher", retries=0, max_failed_groups=2)
+        )
+        try:
+            first = await teacher.score_group(group)
+            with pytest.raises(TeacherUnavailable, match="failed 2 groups in a row"):
+                await teacher.score_group(group)
+            return first
+        finally:
+            await teacher.aclose()
+
+    first = asyncio.run(go())
+    assert first[0].failed  # the first failed group fails its rollouts; the second stops the run
 
 
 def test_a_teacher_with_another_tokenizer_is_named(tmp_path):

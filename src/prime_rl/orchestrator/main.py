@@ -13,12 +13,15 @@ from prime_rl.orchestrator.client import InferenceUnavailable
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError
 from prime_rl.orchestrator.orchestrator import Orchestrator, RunDirError
+from prime_rl.orchestrator.teacher import TeacherUnavailable
 from prime_rl.orchestrator.weights import WeightSyncError
 from prime_rl.preflight import check_orchestrator
 from prime_rl.transport import TransportError
 
 # Failures whose message says all the user needs: shown without a traceback.
-USER_ERRORS = (EnvError, AdvantageError, InferenceUnavailable, TransportError, WeightSyncError, RunDirError)
+USER_ERRORS = (
+    EnvError, AdvantageError, InferenceUnavailable, TransportError, WeightSyncError, RunDirError, TeacherUnavailable,
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,9 +52,17 @@ class TeacherConfig(BaseConfig):
     concurrency: int = Field(default=32, ge=1)
     """Teacher requests in flight at once."""
 
+    max_failed_groups: int = Field(default=3, ge=1)
+    """Groups in a row the teacher fails to score (each after its retries) before the run stops with
+    an error: a dead teacher would otherwise fail every rollout forever."""
+
 
 class TeacherError(RuntimeError):
     """The teacher could not score a sequence; the message says why."""
+
+
+class TeacherUnavailable(TeacherError):
+    """The teacher failed `max_failed_groups` groups in a row: the run cannot go on."""
 
 
 def tokenizer_mismatch(student: str, teacher: str) -> str | None:
@@ -87,6 +95,7 @@ class Teacher:
         self.base = config.base_url.rstrip("/")
         self._client = httpx.AsyncClient(timeout=config.timeout_s)
         self._slots = asyncio.Semaphore(config.concurrency)
+        self.failed_in_a_row = 0
 
     async def check(self) -> None:
         """Fail fast when the server does not serve `model`."""
@@ -147,12 +156,19 @@ class Teacher:
         try:
             values = await self.logprobs(sequences)
         except TeacherError as e:
+            self.failed_in_a_row += 1
+            if self.failed_in_a_row >= self.config.max_failed_groups:
+                raise TeacherUnavailable(
+                    f"the teacher failed {self.failed_in_a_row} groups in a row (teacher.max_failed_groups), "
+                    f"last: {e}; is its server running?"
+                ) from None
             return [
                 r
                 if r.failed
                 else failed_rollout(r.env_name, r.example_id, r.policy_version, f"TeacherError: {e}")
                 for r in rollouts
             ]
+        self.failed_in_a_row = 0
         turns: dict[int, list[Turn]] = {}
         for (i, j), lp in zip(where, values, strict=True):
             turn = rollouts[i].turns[j]

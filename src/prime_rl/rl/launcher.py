@@ -216,6 +216,11 @@ class Launcher:
                 code = child.proc.poll()
                 if code is None or child.name in done:
                     continue
+                if child in (server, teacher_child):  # a server serves until rl stops it, whatever its status
+                    print(f"rl: {child.name} server exited with status {code} during the run; stopping the others "
+                          f"(see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
+                    self.stop_all()
+                    return code if code > 0 else 1
                 if code != 0:
                     print(f"rl: {child.name} exited with status {code}; stopping the others (see {child.log_path})",
                           file=sys.stderr, flush=True)  # fmt: skip
