@@ -91,3 +91,37 @@ def test_a_second_signal_mid_stop_still_reaps_every_child(tmp_path):
     assert proc.returncode == 130, err
     assert err.count("stopping every process") == 1
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+def spawn(launcher, name: str, code: str):
+    from prime_rl.rl.launcher import Child
+
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    child = Child(name, proc, launcher.out / f"{name}.log")
+    launcher.children.append(child)
+    return child
+
+
+@pytest.mark.parametrize("server_code", ["pass", "raise SystemExit(3)"])
+def test_rl_stops_everything_when_a_server_exits_whatever_its_status(tmp_path, server_code):
+    # vLLM's API server exits 0 when its engine dies: that must stop the run, not go unnoticed.
+    from prime_rl.rl.config import RLConfig
+    from prime_rl.rl.launcher import Launcher
+
+    launcher = Launcher(RLConfig(output_dir=tmp_path))
+    server = spawn(launcher, "teacher", server_code)
+    # (Without the rule, watch would return 0 once this worker ended: bounded, so the test fails, not hangs.)
+    worker = spawn(launcher, "trainer", "import time; time.sleep(20)")
+    assert launcher.watch([server], [worker], poll_s=0.05) == (3 if "3" in server_code else 1)
+    assert worker.proc.poll() is not None  # stopped, not left running
+
+
+def test_rl_succeeds_when_the_workers_finish_and_then_stops_the_servers(tmp_path):
+    from prime_rl.rl.config import RLConfig
+    from prime_rl.rl.launcher import Launcher
+
+    launcher = Launcher(RLConfig(output_dir=tmp_path))
+    server = spawn(launcher, "inference", "import time; time.sleep(600)")
+    workers = [spawn(launcher, n, "pass") for n in ("trainer", "orchestrator")]
+    assert launcher.watch([server], workers, poll_s=0.05) == 0
+    assert server.proc.poll() is not None

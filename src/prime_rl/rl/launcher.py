@@ -210,13 +210,19 @@ class Launcher:
             True,
         )
 
+        return self.watch([server, *([teacher_child] if teacher_child else [])], [trainer, orch])
+
+    def watch(self, servers: list[Child], workers: list[Child], poll_s: float = 0.5) -> int:
+        """Wait until every worker (trainer, orchestrator) has exited 0, then stop the servers: 0.
+        A worker failing, or a server exiting at all (it serves until rl stops it; vLLM's API server
+        exits 0 when its engine dies), stops everything: that child's status, at least 1."""
         done: set[str] = set()
         while True:
-            for child in (server, trainer, orch, *([teacher_child] if teacher_child else [])):
+            for child in servers + workers:
                 code = child.proc.poll()
                 if code is None or child.name in done:
                     continue
-                if child in (server, teacher_child):  # a server serves until rl stops it, whatever its status
+                if child in servers:
                     print(f"rl: {child.name} server exited with status {code} during the run; stopping the others "
                           f"(see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
                     self.stop_all()
@@ -227,13 +233,13 @@ class Launcher:
                     self.stop_all()
                     return code if code > 0 else 1
                 done.add(child.name)
-            if {"trainer", "orchestrator"} <= done:
+            if {w.name for w in workers} <= done:
                 self.stop_all()
                 print(
                     f"rl: done; metrics in {self.out / 'trainer'} and {self.out / 'orchestrator'}", flush=True
                 )
                 return 0
-            time.sleep(0.5)
+            time.sleep(poll_s)
 
 
 def install_signal_handlers(launcher: Launcher) -> None:
