@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig
 from prime_rl.model.reward import RewardModelError, load_reward_model, plain_messages
+from prime_rl.orchestrator.http_retry import post_json
 from prime_rl.orchestrator.rewards import rubrics
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -184,35 +185,14 @@ class RemoteScorer:
             ) from None
 
     async def score_batch(self, conversations: list[Conversation]) -> list[float]:
-        import httpx
-
         payload = {"conversations": [[p, c] for p, c in conversations]}
-        error = ""
-        for attempt in range(self.config.retries + 1):
-            if attempt:
-                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
-            try:
-                response = await self._client.post(f"{self.base}/score", json=payload)
-            except httpx.TimeoutException:
-                error = f"no answer within {self.config.timeout_s:g}s"
-                continue
-            except httpx.HTTPError as e:
-                error = f"{type(e).__name__}: {e}"
-                continue
-            if response.status_code >= 500:
-                error = f"HTTP {response.status_code}: {response.text[:200]}"
-                continue
-            if response.status_code != 200:  # the request itself is wrong: retrying will not help
-                raise RewardModelError(
-                    f"reward server {self.config.url}: HTTP {response.status_code}: {response.text[:200]}"
-                )
-            scores = response.json().get("scores")
-            if not isinstance(scores, list):
-                raise RewardModelError(f"reward server {self.config.url}: the answer has no 'scores' list")
-            return scores
-        raise RewardModelError(
-            f"reward server {self.config.url} failed {self.config.retries + 1} time(s), last: {error}"
-        )
+        answer = await post_json(self._client, f"{self.base}/score", payload, retries=self.config.retries,
+                                 timeout_s=self.config.timeout_s, what=f"reward server {self.config.url}",
+                                 error=RewardModelError)  # fmt: skip
+        scores = answer.get("scores") if isinstance(answer, dict) else None
+        if not isinstance(scores, list):
+            raise RewardModelError(f"reward server {self.config.url}: the answer has no 'scores' list")
+        return scores
 
     async def aclose(self) -> None:
         await self._client.aclose()

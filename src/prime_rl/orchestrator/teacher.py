@@ -22,6 +22,7 @@ from pathlib import Path
 from pydantic import Field
 
 from prime_rl.config import BaseConfig
+from prime_rl.orchestrator.http_retry import post_json
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -120,31 +121,13 @@ class Teacher:
     async def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The teacher's logprob of each token of each sequence after the ones before it
         (len(ids) - 1 values per sequence), from one request: one HTTP round trip per group."""
-        import httpx
-
         body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0}  # fmt: skip
-        error = ""
         async with self._slots:
-            for attempt in range(self.config.retries + 1):
-                if attempt:
-                    await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
-                try:
-                    response = await self._client.post(f"{self.base}/completions", json=body)
-                except httpx.HTTPError as e:
-                    error = f"{type(e).__name__}: {e}"
-                    continue
-                if response.status_code >= 500:
-                    error = f"HTTP {response.status_code}"
-                    continue
-                if response.status_code != 200:
-                    raise TeacherError(
-                        f"teacher at {self.config.base_url}: HTTP {response.status_code}: {response.text[:300]}"
-                    )
-                return parse_prompt_logprobs(response.json(), sequences)
-        raise TeacherError(
-            f"teacher at {self.config.base_url} failed {self.config.retries + 1} time(s), last: {error}"
-        )
+            answer = await post_json(self._client, f"{self.base}/completions", body, retries=self.config.retries,
+                                     timeout_s=self.config.timeout_s, what=f"teacher at {self.config.base_url}",
+                                     error=TeacherError)  # fmt: skip
+        return parse_prompt_logprobs(answer, sequences)
 
     async def score_group(self, rollouts: list[Rollout]) -> list[Rollout]:
         """The rollouts with teacher logprobs on every turn; if the teacher fails, every rollout it
