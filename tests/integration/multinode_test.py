@@ -1,0 +1,118 @@
+"""Beyond one machine, on loopback: `rl` started once per "node" of a multi-node deployment.
+
+Two trainer nodes of one rank each (two torchrun agents meeting at a c10d rendezvous) train the
+same global batches as one node of two ranks: the same gradients (norm per step) and parameters
+after every step. The data comes through the filesystem transport, as an orchestrator would send it.
+"""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prime_rl.monitor import read_metrics
+from prime_rl.net import free_port
+from prime_rl.transport.file_transport import FileSender
+from prime_rl.transport.messages import TrainingSample
+from prime_rl.transport.packing import pack
+
+pytestmark = pytest.mark.slow
+
+RL = str(Path(sys.executable).parent / "rl")
+STEPS, WORLD, SEQ_LEN, RUN_ID = 3, 2, 128, "multinode"
+
+
+def samples(step: int, n: int = 12) -> list[TrainingSample]:
+    rng = random.Random(step)
+    out = []
+    for _ in range(n):
+        p, c = rng.randint(4, 30), rng.randint(2, 40)
+        out.append(
+            TrainingSample(
+                [rng.randrange(3, 500) for _ in range(p)],
+                [rng.randrange(3, 500) for _ in range(c)],
+                [1] * c,
+                [-rng.uniform(4.0, 8.0) for _ in range(c)],
+                advantage=rng.uniform(-1, 1),
+                reward=0.0,
+                env_name="a",
+            )
+        )
+    return out
+
+
+def deployment(trainer_nodes: int, ranks: int) -> str:
+    nodes = '[[deployment.nodes]]\nhost = "127.0.0.1"\nroles = ["inference", "orchestrator"]\n'
+    nodes += '[[deployment.nodes]]\nhost = "127.0.0.1"\nroles = ["trainer"]\n' * trainer_nodes
+    return f"[deployment]\ntrainer_ranks = {ranks}\nrendezvous_port = {free_port()}\ntrainer_cpus = [0, 1]\n{nodes}"
+
+
+def write_run(tmp_path: Path, name: str, model: Path, trainer_nodes: int, ranks: int) -> tuple[Path, Path]:
+    run, data = tmp_path / name, tmp_path / f"{name}-data"
+    sender = FileSender(data)
+    for step in range(STEPS):
+        for rank_mbs in pack(samples(step), SEQ_LEN, WORLD, RUN_ID, step):
+            for mb in rank_mbs:
+                sender.send(mb)
+    toml = tmp_path / f"{name}.toml"
+    toml.write_text(
+        f'model = "{model}"\noutput_dir = "{run}"\nmax_steps = {STEPS}\nseq_len = {SEQ_LEN}\n'
+        "[trainer.loss]\nclip_low = 1e9\nclip_high = 1e9\nmask_low = 0.0\nmask_high = 1e30\n"
+        f'[orchestrator.transport]\ntype = "filesystem"\ndir = "{data}"\nrun_id = "{RUN_ID}"\ntimeout_s = 120\n'
+        + deployment(trainer_nodes, ranks)
+    )
+    return toml, run
+
+
+def start_node(toml: Path, node: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        return subprocess.Popen([RL, "@", str(toml), "--deployment.node", str(node)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, log: Path) -> None:
+    try:
+        code = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, log.read_text()[-4000:]
+
+
+def trained(run: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    metrics = read_metrics(run / "trainer" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    weights = load_file(next((run / "weights" / f"step_{STEPS}").glob("*.safetensors")))
+    return [m["grad_norm"] for m in metrics], weights
+
+
+def test_two_trainer_nodes_of_one_rank_train_like_one_node_of_two(tiny_model, tmp_path):
+    toml, one_node = write_run(tmp_path, "one-node", tiny_model, trainer_nodes=1, ranks=2)
+    finish(start_node(toml, 1, tmp_path / "one-node.log"), tmp_path / "one-node.log")
+
+    toml, two_nodes = write_run(tmp_path, "two-nodes", tiny_model, trainer_nodes=2, ranks=1)
+    logs = [tmp_path / f"node{n}.log" for n in (1, 2)]
+    procs = [start_node(toml, n, log) for n, log in zip((1, 2), logs, strict=True)]
+    for proc, log in zip(procs, logs, strict=True):
+        finish(proc, log)
+    # Each node ran one torchrun agent of a 2-node world; its own logs and configs are apart.
+    for n, log in zip((1, 2), logs, strict=True):
+        assert f"(node {n}: trainer)" in log.read_text()
+        assert (two_nodes / "logs" / f"node{n}" / "trainer.log").exists()
+        assert (two_nodes / "configs" / f"node{n}" / "trainer.toml").exists()
+
+    norms_one, weights_one = trained(one_node)
+    norms_two, weights_two = trained(two_nodes)
+    assert all(n > 0 for n in norms_one)
+    for a, b in zip(norms_one, norms_two, strict=True):
+        assert abs(a - b) <= 1e-5 * a, (norms_one, norms_two)
+    base = load_file(next(Path(tiny_model).glob("*.safetensors")))
+    assert max((weights_one[k] - base[k]).abs().max().item() for k in base) > 1e-4  # it trained
+    for name, w in weights_one.items():
+        torch.testing.assert_close(weights_two[name], w, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
