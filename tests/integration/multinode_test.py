@@ -1,18 +1,26 @@
-"""Beyond one machine, on loopback: `rl` started once per "node" of a multi-node deployment.
+"""Beyond one machine, on loopback: several trainer nodes, several inference servers.
 
-Two trainer nodes of one rank each (two torchrun agents meeting at a c10d rendezvous) train the
-same global batches as one node of two ranks: the same gradients (norm per step) and parameters
-after every step. The data comes through the filesystem transport, as an orchestrator would send it.
+- `rl` started once per "node" of a multi-node deployment: two trainer nodes of one rank each (two
+  torchrun agents meeting at a c10d rendezvous) train the same global batches as one node of two
+  ranks: the same gradients (norm per step) and parameters after every step. The data comes through
+  the filesystem transport, as an orchestrator would send it.
+- `rl` with two real vLLM servers, one killed mid-run: the run completes on the other, every step
+  is trained once, and every dispatched rollout is accounted for.
 """
 
 import os
 import random
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
+from fault_test import jsonl, wait_until
+from rl_test import write_config
 from safetensors.torch import load_file
 
 from prime_rl.monitor import read_metrics
@@ -116,3 +124,72 @@ def test_two_trainer_nodes_of_one_rank_train_like_one_node_of_two(tiny_model, tm
     assert max((weights_one[k] - base[k]).abs().max().item() for k in base) > 1e-4  # it trained
     for name, w in weights_one.items():
         torch.testing.assert_close(weights_two[name], w, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+def two_free_ports() -> int:
+    while True:
+        port = free_port()
+        with __import__("socket").socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def requests_running(port: int) -> float:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))  # fmt: skip
+
+
+def test_two_inference_servers_one_killed_mid_run_the_run_completes_on_the_other(tiny_model, tmp_path):
+    steps, port = 8, two_free_ports()
+    toml = write_config(
+        tmp_path, tiny_model, "reverse-text", steps, extra="[deployment]\ninference_servers = 2\n"
+    )
+    toml.write_text(
+        toml.read_text().replace("[inference.server]\nport = ", f"[inference.server]\nport = {port}\n#")
+    )
+    run, out = tmp_path / "run", tmp_path / "rl.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            [RL, "@", str(toml)], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        orch_metrics = run / "orchestrator" / "metrics.jsonl"
+        wait_until(lambda: len(jsonl(orch_metrics)) >= 2, "2 orchestrator steps", [proc])
+        # Kill it while it is generating, so that rollouts are lost with it.
+        wait_until(lambda: requests_running(port + 1) > 0, "inference-1 to be generating", [proc])
+        victim = next(
+            p for p in psutil.Process(proc.pid).children()
+            if "prime_rl.inference.vllm_server" in p.cmdline() and str(port + 1) in p.cmdline()
+        )  # fmt: skip
+        group = [victim, *victim.children(recursive=True)]
+        os.killpg(victim.pid, signal.SIGKILL)
+        _, left = psutil.wait_procs(group, timeout=60)
+        assert not left, left
+        killed_at = len(jsonl(orch_metrics))
+        assert proc.wait(timeout=900) == 0, out.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    text = out.read_text()
+    assert "inference-1 server exited with status -9 during the run; its work moves to inference-0" in text
+    assert killed_at < steps  # the kill fell mid-run, and the steps after it were generated on inference-0
+    trainer = jsonl(run / "trainer" / "metrics.jsonl")
+    assert [m["step"] for m in trainer] == list(range(steps))  # each step trained once
+    orch = jsonl(orch_metrics)
+    assert [m["step"] for m in orch] == list(range(steps))
+    last = orch[-1]
+    pending = last["rollouts/all/inflight"] + last["rollouts/all/waiting"]
+    buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+    assert last["rollouts/all/dispatched_total"] == buckets + pending
+    assert last["rollouts/all/failed_total"] > 0  # the rollouts it was generating, counted, not lost
+    orch_log = (run / "logs" / "orchestrator.log").read_text()
+    assert f"127.0.0.1:{port + 1} does not answer" in orch_log  # the orchestrator kept work off it
