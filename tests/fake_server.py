@@ -75,6 +75,15 @@ class FakeServer:
         async def weights():
             return {"step": self.loads[-1]["step"] if self.loads else 0}
 
+        @app.post("/fake/broadcast")
+        async def broadcast(req: Request):
+            # What a trainer's collective broadcast leaves behind: the server serves a new step
+            # (recorded apart from file loads, which a broadcast run never asks for).
+            body = await req.json()
+            self.loads.append({**body, "broadcast": True})
+            self.events.append(f"broadcast {body['step']}")
+            return {"step": body["step"]}
+
         @app.get("/fake/events")
         async def events():
             return self.events

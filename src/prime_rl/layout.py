@@ -4,7 +4,9 @@
 - `checkpoints/step_<N>/`: the trainer's state after N optimizer steps; `DONE` in it is written
   last, so only folders with `DONE` are complete.
 - `weights/step_<N>/`: the weights after N steps as an HF folder for inference; `READY` in it is
-  written last, so only folders with `READY` are loaded.
+  written last, so only folders with `READY` are loaded. With the collective weight broadcast the
+  folder holds only `BROADCAST` (the servers that took the weights in memory) and `READY`, unless the
+  broadcast failed and the files were written instead.
 - `orchestrator/` (progress, metrics, saved batches), `trainer/` (metrics), `rollouts/step_<N>.jsonl`,
   `transport/` (the filesystem transport), `inference/` (server logs, temporary files).
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 DONE = "DONE"
 READY = "READY"
+BROADCAST = "BROADCAST"
 _STEP = re.compile(r"^step_(\d+)$")
 
 

@@ -134,6 +134,12 @@ def trainer_problems(config: TrainerConfig, prefix: str = "") -> list[str]:
     paths = [("loss.custom_import_path", config.loss.custom_import_path),
              ("advantage.import_path", config.advantage.import_path)]  # fmt: skip
     problems = [import_path_problem(f"{prefix}{key}", path) for key, path in paths if path]
+    if config.weight_broadcast.type == "collective" and not config.weight_broadcast.servers and not prefix:
+        # (Under rl the servers are filled in from the deployment.)
+        problems.append(
+            "'weight_broadcast.type' = 'collective' needs 'weight_broadcast.servers', the inference servers' "
+            'URLs (e.g. ["http://127.0.0.1:8000"])'
+        )
     return [p for p in problems if p]
 
 

@@ -8,6 +8,7 @@
   is trained once, and every dispatched rollout is accounted for.
 """
 
+import json
 import os
 import random
 import signal
@@ -193,3 +194,34 @@ def test_two_inference_servers_one_killed_mid_run_the_run_completes_on_the_other
     assert last["rollouts/all/failed_total"] > 0  # the rollouts it was generating, counted, not lost
     orch_log = (run / "logs" / "orchestrator.log").read_text()
     assert f"127.0.0.1:{port + 1} does not answer" in orch_log  # the orchestrator kept work off it
+
+
+def test_collective_broadcast_puts_the_trainers_weights_on_two_real_servers_without_files(
+    tiny_model, tmp_path
+):
+    steps, port = 4, two_free_ports()
+    extra = '[deployment]\ninference_servers = 2\n[trainer.weight_broadcast]\ntype = "collective"\n'
+    toml = write_config(tmp_path, tiny_model, "reverse-text", steps, extra=extra)
+    text = toml.read_text().replace("[inference.server]\nport = ", f"[inference.server]\nport = {port}\n#")
+    toml.write_text(text.replace("max_async_level = 1", "max_async_level = 0"))  # sampler = trainer's weights
+    run = tmp_path / "run"
+    done = subprocess.run([RL, "@", str(toml)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+    published = sorted((run / "weights").glob("step_*"))
+    assert published and not list((run / "weights").rglob("*.safetensors"))  # no file per step
+    for folder in published:
+        assert json.loads((folder / "BROADCAST").read_text())["servers"] == urls
+    trainer = jsonl(run / "trainer" / "metrics.jsonl")
+    # (A publish finishes in the background: a step's line reports the one before.)
+    assert [m.get("weights/broadcast") for m in trainer[1:]] == [1.0] * (steps - 1)
+    # Synchronous: each step's rollouts come from the weights the trainer broadcast after the step
+    # before. Had they not arrived (or arrived wrong), the trainer's logprobs would differ from the
+    # servers' by far more (one step moves the policy by a KL of ~1e-2).
+    assert max(m["mismatch_kl/all/mean"] for m in trainer) < 1e-4, [
+        m["mismatch_kl/all/mean"] for m in trainer
+    ]
+    for i in range(2):
+        log = (run / "logs" / f"inference-{i}.log").read_text()
+        assert log.count('POST /prime_rl/receive_weights HTTP/1.1" 200') == steps, f"inference-{i}"

@@ -66,6 +66,17 @@ def publish(run: Path, step: int) -> None:
     (d / "READY").touch()
 
 
+def publish_broadcast(run: Path, step: int, server: ServerProcess) -> None:
+    """What the trainer does after step N with `weight_broadcast.type = "collective"`: the weights go
+    to the servers that answer, then a folder with only the markers."""
+    if server.proc.poll() is None:
+        httpx.post(server.url + "/fake/broadcast", json={"step": step}, timeout=5)
+    d = run / "weights" / f"step_{step}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "BROADCAST").write_text("{}")
+    (d / "READY").touch()
+
+
 def metric_steps(run: Path) -> list[int]:
     path = run / "orchestrator" / "metrics.jsonl"
     return [m["step"] for m in read_metrics(path)] if path.exists() else []
@@ -197,3 +208,30 @@ def test_no_server_back_within_the_timeout_is_a_clear_error(tmp_path, server):
     error = run_with(cfg, scenario)
     assert isinstance(error, InferenceUnavailable) and "no inference server answered for 2 s" in str(error)
     assert (run / "orchestrator" / "progress.json").exists()  # step 0 is saved for a resume
+
+
+@pytest.mark.parametrize("server", [0.0], indirect=True)
+def test_with_broadcast_weights_a_restarted_server_gets_no_work_until_a_broadcast_reaches_it(
+    tmp_path, server, caplog
+):
+    run = tmp_path / "run"
+
+    def scenario():
+        wait_for(lambda: metric_steps(run) == [0, 1], "steps 0 and 1")
+        publish_broadcast(run, 1, server)
+        wait_for(lambda: metric_steps(run) == [0, 1, 2], "step 2")
+        # Step 3 waits for weights 2. The server comes back on the base model, and there is no
+        # file to load it from: it must stay without work until the next broadcast reaches it.
+        server.kill()
+        server.start()
+        wait_for(lambda: "serves step 0, not 1: it gets work again once a weight broadcast" in caplog.text,
+                 "the orchestrator to notice", 30)  # fmt: skip
+        for step in (2, 3, 4):
+            publish_broadcast(run, step, server)
+
+    assert run_with(config(run, server), scenario) is None
+    events = server.get("/fake/events")
+    assert not any(e.startswith("load") for e in events)  # never told to load files
+    assert events[0] == "broadcast 2" and "chat" in events[1:]  # no rollout before the weights came
+    metrics = check_accounting(run)
+    assert [m["step"] for m in metrics] == list(range(6))

@@ -7,7 +7,13 @@ Routes added (nothing else: vLLM's development endpoints stay off):
   kept and continue afterwards), reload the weights from `path` in every worker, resume, and answer
   `{"step": N}`. Only folders under the weights dir that hold a `READY` marker are accepted
   (400 for a malformed body, 403 outside the weights dir, 404 for a folder that is not ready).
-- `GET /prime_rl/weights`: `{"step": N}`, the step of the weights being served (0 = as started).
+- `POST /prime_rl/receive_weights {"step": N, "host", "port", "prefix", "first_rank", "world_size",
+  "plan", "timeout_s"}`: pause generation, have every worker join the trainer's broadcast group for
+  this update and load the tensors as they arrive (`weight_transfer.py`), resume, answer `{"step": N}`.
+  The trainer sends it (`weight_broadcast.type = "collective"`). A failed update (500) aborts the
+  requests in flight and leaves the step at BROKEN (-2) until an update succeeds.
+- `GET /prime_rl/weights`: `{"step": N, "workers": W}`, the step of the weights being served (0 = as
+  started) and the workers that join a broadcast group.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from prime_rl.layout import READY
+
+BROKEN = -2
+"""The served step after a broadcast failed midway: part of the weights may be new."""
 
 
 def make_router(weights_dir: Path) -> APIRouter:
@@ -57,9 +66,41 @@ def make_router(weights_dir: Path) -> APIRouter:
             request.app.state.prime_rl_step = step
         return {"step": step, "seconds": time.perf_counter() - t0}
 
+    @router.post("/prime_rl/receive_weights")
+    async def receive_weights(request: Request):
+        try:
+            body = await request.json()
+            step = int(body["step"])
+            args = (str(body["host"]), int(body["port"]), str(body["prefix"]), int(body["first_rank"]),
+                    int(body["world_size"]), list(body["plan"]), float(body["timeout_s"]))  # fmt: skip
+        except Exception:
+            return JSONResponse(
+                {"error": 'expected JSON {"step", "host", "port", "prefix", "first_rank", "world_size", "plan", '
+                 '"timeout_s"}'}, status_code=400,
+            )  # fmt: skip
+        engine = request.app.state.engine_client
+        async with lock:
+            t0 = time.perf_counter()
+            await engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await engine.collective_rpc("prime_rl_receive", args=args)
+                request.app.state.prime_rl_step = step
+            except Exception as e:  # the trainer or the group went away mid-update
+                # Some tensors may be new and some old: no request may finish on such a model. Abort
+                # the paused ones (their rollouts fail, counted) and say BROKEN until a good update,
+                # so that the orchestrator keeps new work off this server.
+                request.app.state.prime_rl_step = BROKEN
+                await engine.pause_generation(mode="abort", clear_cache=True)
+                return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+            finally:
+                await engine.resume_generation()
+        return {"step": step, "seconds": time.perf_counter() - t0}
+
     @router.get("/prime_rl/weights")
     async def weights(request: Request):
-        return {"step": getattr(request.app.state, "prime_rl_step", 0)}
+        workers = request.app.state.vllm_config.parallel_config.world_size if hasattr(
+            request.app.state, "vllm_config") else 1  # fmt: skip
+        return {"step": getattr(request.app.state, "prime_rl_step", 0), "workers": workers}
 
     return router
 

@@ -1,8 +1,8 @@
 """Methods added to vLLM's workers (`--worker-extension-cls`), called through `collective_rpc`.
 
-Only what the reload route needs. Invariant: after `prime_rl_reload(path)` the model computes with
-the weights in `path`, tied embeddings included (the CPU backend keeps a pre-packed copy of a tied
-lm_head that must be rebuilt after an in-place reload).
+Only what the weight routes need. Invariant: after `prime_rl_reload(path)` or a completed
+`prime_rl_receive(...)`, the model computes with the new weights, tied embeddings included (the CPU
+backend keeps a pre-packed copy of a tied lm_head that must be rebuilt after an in-place reload).
 """
 
 from __future__ import annotations
@@ -11,6 +11,53 @@ from __future__ import annotations
 class WeightReloadExtension:
     def prime_rl_reload(self, path: str) -> None:
         self.reload_weights(weights_path=path)
+        self._prime_rl_after_reload()
+
+    def prime_rl_receive(
+        self,
+        host: str,
+        port: int,
+        prefix: str,
+        first_rank: int,
+        world_size: int,
+        plan: list,
+        timeout_s: float,
+    ) -> None:
+        """Join the trainer's broadcast group for one update (as `first_rank` + this worker's rank in
+        its server) and load every tensor as it arrives."""
+        import torch
+
+        from prime_rl.weight_transfer import (
+            broadcast,
+            chunk_bytes,
+            join_group,
+            open_store,
+            plan_from_json,
+            unpack_chunk,
+        )
+
+        device = self.device if getattr(self, "device", None) is not None else torch.device("cpu")
+        cuda = torch.device(device).type == "cuda"
+        store = open_store(host, port, is_master=False, timeout_s=timeout_s)
+        group = join_group(
+            store, prefix, first_rank + int(getattr(self, "rank", 0)), world_size, timeout_s, cuda
+        )
+
+        def tensors():
+            for chunk in plan_from_json(plan):
+                buffer = torch.empty(
+                    chunk_bytes(chunk), dtype=torch.uint8, device=device
+                )  # fresh: see weight_transfer
+                broadcast(group, buffer)
+                yield from unpack_chunk(buffer, chunk)
+
+        stream = tensors()
+        self.reload_weights(weights_iterator=stream)
+        for _ in stream:  # take every chunk even if the loader skipped the last names: rank 0 waits on us
+            pass
+        self._prime_rl_after_reload()  # the group is dropped on return
+
+    def _prime_rl_after_reload(self) -> None:
         model = self.model_runner.get_model()
         config = getattr(model, "config", None)
         lm_head = getattr(model, "lm_head", None)

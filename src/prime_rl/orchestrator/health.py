@@ -20,26 +20,9 @@ import time
 import httpx
 
 from prime_rl.orchestrator.client import InferenceUnavailable, Server, ServerPool
-from prime_rl.orchestrator.weights import WeightSync
+from prime_rl.orchestrator.weights import UNKNOWN, WeightSync, served_step
 
 log = logging.getLogger("prime_rl.orchestrator")
-
-WEIGHTS_ROUTE = "/prime_rl/weights"
-UNKNOWN = -1
-"""Served step of a server that is healthy but has no weights route (a plain vLLM server)."""
-
-
-async def served_step(http: httpx.AsyncClient, server: Server) -> int | None:
-    """The step of the weights `server` serves, UNKNOWN if it cannot say, None if it does not answer."""
-    try:
-        resp = await http.get(f"{server.root_url}{WEIGHTS_ROUTE}")
-        if resp.status_code == 200:
-            return int(resp.json()["step"])
-        if resp.status_code == 404 and (await http.get(f"{server.root_url}/health")).status_code == 200:
-            return UNKNOWN
-    except (httpx.HTTPError, ValueError, KeyError):
-        pass
-    return None
 
 
 class ServerHealth:
@@ -57,6 +40,8 @@ class ServerHealth:
         self.give_up_s = give_up_s
         self.request_timeout_s = request_timeout_s
         self._recovering: dict[Server, asyncio.Task] = {}
+        self._behind: set[Server] = set()
+        """Servers waiting for a broadcast to catch up (said once, not at every check)."""
         self._none_up_since: float | None = None
         self.error: BaseException | None = None
         """Set when the monitor gave up; the step loop raises it."""
@@ -86,7 +71,7 @@ class ServerHealth:
         if server.up:
             version = self.weights.version
             step = await served_step(http, server)
-            if step is not None and step in (UNKNOWN, self.weights.version):
+            if step is not None and (step == UNKNOWN or self.weights.serves(step, self.weights.version)):
                 return
             if step is not None and (self.weights.lock.locked() or self.weights.version != version):
                 return  # a reload was under way: look again next time
@@ -106,12 +91,20 @@ class ServerHealth:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
             async with self.weights.lock:
-                if step not in (UNKNOWN, self.weights.version):
-                    log.warning("inference server %s serves step %d, not %d: reloading it before it gets work",
-                                server.root_url, step, self.weights.version)  # fmt: skip
+                version = self.weights.version
+                if step != UNKNOWN and not self.weights.serves(step, version):
+                    if not self.weights.broadcast(version):
+                        log.warning("inference server %s serves step %d, not %d: reloading it before it gets work",
+                                    server.root_url, step, version)  # fmt: skip
+                    elif server not in self._behind:
+                        log.warning("inference server %s serves step %d, not %d: it gets work again once a weight "
+                                    "broadcast reaches it", server.root_url, step, version)  # fmt: skip
+                        self._behind.add(server)
                     noted = True
                 # If it went away again, the load has suspected it anew and the next check retries.
                 server.up = await self.weights.restore(server, None if step == UNKNOWN else step)
+            if server.up:
+                self._behind.discard(server)
             if server.up and noted:
                 log.info(
                     "inference server %s is back after %.1f s, serving step %d",

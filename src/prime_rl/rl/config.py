@@ -21,6 +21,7 @@ from prime_rl.defaults import (
 )
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.model.local import check_model_name
+from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.teacher import TeacherConfig
 from prime_rl.trainer.config import TrainerConfig
@@ -251,7 +252,14 @@ class RLConfig(RootConfig):
         ckpt = self.trainer.ckpt
         if ckpt.resume_step is None:
             ckpt = ckpt.model_copy(update={"resume_step": -1})  # rerunning the same command resumes
-        trainer = self.trainer.model_copy(update={"transport": orch.transport, "ckpt": ckpt})
+        broadcast = self.trainer.weight_broadcast
+        if broadcast.type == "collective":
+            update = {"servers": [u.removesuffix("/v1") for u in urls]}
+            if not d.nodes and "port" not in broadcast.model_fields_set:
+                update["port"] = free_port()  # one machine: any free port will do
+            broadcast = broadcast.model_copy(update=update)
+        trainer = self.trainer.model_copy(update={"transport": orch.transport, "ckpt": ckpt,
+                                                  "weight_broadcast": broadcast})  # fmt: skip
         return self.policy_servers()[0], orch, trainer
 
     @model_validator(mode="after")

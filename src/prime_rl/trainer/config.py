@@ -210,6 +210,32 @@ class PublishConfig(BaseConfig):
     """Keep only the newest this many published steps."""
 
 
+class WeightBroadcastConfig(BaseConfig):
+    """How the weights after each step reach the inference servers."""
+
+    type: Literal["filesystem", "collective"] = "filesystem"
+    """'filesystem': rank 0 writes `weights/step_<N>/` and the orchestrator has every server load it.
+    'collective': rank 0 broadcasts the weights in memory to every server's workers through a
+    torch.distributed group (gloo on CPU, NCCL on CUDA) and writes only a marker; when the group
+    cannot be formed or breaks, it writes that step's files instead. Checkpoints are files either way."""
+
+    servers: list[str] = []
+    """Inference servers to broadcast to (root URLs, e.g. http://10.0.0.1:8000); `rl` fills them in."""
+
+    host: str | None = None
+    """Address the servers reach trainer rank 0 at. Default: MASTER_ADDR (torchrun's address of the
+    node of rank 0), else 127.0.0.1."""
+
+    port: int = Field(default=29510, ge=1024, le=65535)
+    """Port of the broadcast group's store on trainer rank 0; `rl` picks a free one on one machine."""
+
+    timeout_s: float = Field(default=120.0, gt=0)
+    """How long an update may take to form its group and to move each chunk before it fails."""
+
+    chunk_mb: float = Field(default=256.0, gt=0)
+    """Tensors travel in flat chunks of about this size: one collective per chunk."""
+
+
 class ExportConfig(BaseConfig):
     """Per-token export of what the loss saw (opt-in)."""
 
@@ -258,6 +284,9 @@ class TrainerConfig(RootConfig):
 
     publish: PublishConfig = PublishConfig()
     """Weight publishing."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """Files or an in-memory broadcast to the inference servers."""
 
     export: ExportConfig = ExportConfig()
     """Token export."""

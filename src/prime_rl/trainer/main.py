@@ -84,7 +84,12 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
                                 trainer.scheduler, world, critic=critic)  # fmt: skip
         trainer.load_extra_state(extra)
         log.info("resumed from checkpoint step %d", start)
-    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep)
+    broadcaster = None
+    if config.weight_broadcast.type == "collective":
+        from prime_rl.trainer.broadcast import Broadcaster
+
+        broadcaster = Broadcaster(config.weight_broadcast)
+    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, broadcaster)
     run_id = resolve_run_id(config.transport, output_dir)
     receiver = StepReceiver(
         make_receiver(config.transport, run_id, world.rank, output_dir, start_step=start), config.seq_len
@@ -117,6 +122,8 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
                 nan_streak = 0
             metrics["time/publish_blocking"] = publisher.publish(trainer.model, step + 1)
             metrics["time/publish_write"] = publisher.last_write_s
+            if publisher.last_broadcast is not None:
+                metrics["weights/broadcast"] = publisher.last_broadcast
             if config.export.enabled:
                 from prime_rl.trainer.export import export_tokens
 

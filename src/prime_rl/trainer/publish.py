@@ -1,14 +1,18 @@
-"""Publish the weights after each step as an HF folder that inference loads.
+"""Publish the weights after each step as an HF folder that inference loads, or broadcast them.
 
 Layout: `<output_dir>/weights/step_<N>/` (the weights after N optimizer steps): `model.safetensors`,
 `config.json`, the tokenizer files, and `READY`, written last. Invariant: a folder with `READY` is
 complete, so a reader never loads half-written weights. Gathering the full state dict is a
 collective on every rank; only rank 0 writes, in a background thread, so training goes on while
-the file is written (the next publish first waits for the previous write).
+the file is written (the next publish first waits for the previous write). With a `Broadcaster`
+(collective mode) that thread pushes the weights to the servers instead and the folder holds only
+`BROADCAST` and `READY`; if the push fails, it writes the files after all, so no step goes unpublished.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,13 +22,24 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from prime_rl.layout import READY, marked_steps, step_dir, weights_root
+from prime_rl.layout import BROADCAST, READY, marked_steps, step_dir, weights_root
+from prime_rl.trainer.broadcast import Broadcaster, BroadcastError
 from prime_rl.trainer.dist import World
+
+log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, output_dir: Path, model_name: str, world: World, keep: int):
+    def __init__(
+        self,
+        output_dir: Path,
+        model_name: str,
+        world: World,
+        keep: int,
+        broadcaster: Broadcaster | None = None,
+    ):
         self.root = weights_root(output_dir)
+        self.broadcaster = broadcaster if world.is_main else None
         self.world = world
         self.keep = keep
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
@@ -36,6 +51,9 @@ class Publisher:
             self.root.mkdir(parents=True, exist_ok=True)
             self._tokenizer = AutoTokenizer.from_pretrained(model_name)
         self.last_write_s = 0.0
+        self.last_broadcast = None
+        """1.0 if the last finished publish was broadcast, 0.0 if it fell back to files, None before
+        the first one finishes or without broadcast."""
 
     def publish(self, model: torch.nn.Module, step: int) -> float:
         """Start publishing `step`; returns the seconds training was blocked."""
@@ -72,7 +90,22 @@ class Publisher:
 
     def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:
         t0 = time.perf_counter()
-        self._write_folder(step_dir(self.root, step), state, config)
+        if self.broadcaster is not None:
+            try:
+                pushed = self.broadcaster.push(step, state)
+                folder = step_dir(self.root, step)
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / BROADCAST).write_text(
+                    json.dumps({"servers": pushed.servers, "seconds": pushed.seconds})
+                )
+                (folder / READY).touch()
+                self.last_broadcast = 1.0
+            except BroadcastError as e:
+                log.warning("%s; writing the weights of step %d to files instead", e, step)
+                self._write_folder(step_dir(self.root, step), state, config)
+                self.last_broadcast = 0.0
+        else:
+            self._write_folder(step_dir(self.root, step), state, config)
         for old in marked_steps(self.root, READY)[: -self.keep]:
             shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
         self.last_write_s = time.perf_counter() - t0

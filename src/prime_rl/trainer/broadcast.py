@@ -1,0 +1,110 @@
+"""Trainer rank 0's side of `weight_broadcast.type = "collective"`: push one step's weights to every
+inference server that answers, in memory.
+
+Per update: ask each server how many workers it has (a server that does not answer is left out and
+resynced by a later update, which always carries the full weights); tell each one, over HTTP, to join
+a group of 1 + all workers under a fresh store prefix; broadcast the plan's chunks as rank 0; collect
+the answers. Invariant: the result names exactly the servers that confirmed they serve the new
+weights; anything else raises `BroadcastError`, and the caller writes the step's files instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from prime_rl.trainer.config import WeightBroadcastConfig
+from prime_rl.weight_transfer import broadcast, join_group, make_plan, open_store, pack_chunk, plan_to_json
+
+log = logging.getLogger(__name__)
+
+
+class BroadcastError(RuntimeError):
+    """An update could not reach any server, or its group broke."""
+
+
+@dataclass
+class Pushed:
+    servers: list[str]
+    """The servers that confirmed they serve the new weights."""
+    seconds: float
+    bytes: int
+
+
+class Broadcaster:
+    def __init__(self, config: WeightBroadcastConfig):
+        self.config = config
+        self.host = config.host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        self._store = None  # hosted for the whole run, from the first update on
+
+    def _workers(self, http, url: str) -> int | None:
+        try:
+            reply = http.get(f"{url}/prime_rl/weights", timeout=5.0)
+            return int(reply.json().get("workers", 1)) if reply.status_code == 200 else None
+        except Exception:
+            return None
+
+    def push(self, step: int, state: dict[str, torch.Tensor]) -> Pushed:
+        import httpx
+
+        t0 = time.perf_counter()
+        c = self.config
+        with httpx.Client() as http:
+            workers = {url.rstrip("/"): self._workers(http, url.rstrip("/")) for url in c.servers}
+        live = {url: n for url, n in workers.items() if n}
+        if not live:
+            raise BroadcastError(f"no inference server answered ({', '.join(workers)})")
+        if self._store is None:
+            self._store = open_store(self.host, c.port, is_master=True, timeout_s=c.timeout_s)
+        plan = make_plan(state, int(c.chunk_mb * 2**20))
+        world = 1 + sum(live.values())
+        prefix = f"prime_rl/step_{step}/{uuid.uuid4().hex[:8]}/"
+        answers: dict[str, str] = {}
+
+        def ask(url: str, first_rank: int) -> None:
+            body = {"step": step, "host": self.host, "port": c.port, "prefix": prefix, "first_rank": first_rank,
+                    "world_size": world, "plan": plan_to_json(plan), "timeout_s": c.timeout_s}  # fmt: skip
+            try:
+                reply = httpx.post(f"{url}/prime_rl/receive_weights", json=body, timeout=3 * c.timeout_s + 30)
+                answers[url] = (
+                    "ok" if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"
+                )
+            except httpx.HTTPError as e:
+                answers[url] = f"{type(e).__name__}: {e}"
+
+        threads, rank = [], 1
+        for url, n in live.items():
+            threads.append(threading.Thread(target=ask, args=(url, rank), daemon=True))
+            rank += n
+        for t in threads:
+            t.start()
+        error = None
+        try:
+            cuda = torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            group = join_group(self._store, prefix, 0, world, c.timeout_s, cuda)
+            for chunk in plan:
+                broadcast(group, pack_chunk(state, chunk, device))
+            del group
+        except Exception as e:  # a server went away mid-update, or never joined
+            error = e
+        for t in threads:
+            t.join()
+        confirmed = [url for url in live if answers.get(url) == "ok"]
+        failed = {url: answers.get(url, "no answer") for url in live if url not in confirmed}
+        if error is not None or not confirmed:
+            raise BroadcastError(
+                f"the broadcast of step {step} failed ({type(error).__name__ + ': ' + str(error) if error else 'no server confirmed'}); "
+                f"servers: {failed or confirmed}"
+            )  # fmt: skip
+        if failed:
+            log.warning("step %d: %s did not take the broadcast weights (%s); they are resynced by a later update",
+                        step, ", ".join(failed), "; ".join(failed.values()))  # fmt: skip
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        return Pushed(confirmed, time.perf_counter() - t0, nbytes)

@@ -1,0 +1,105 @@
+"""Weights in memory from trainer rank 0 to the inference workers: one torch.distributed broadcast
+group per update, shared by both ends (the trainer and the vLLM worker extension import it).
+
+Invariant: both ends walk the same plan (chunks of named tensors, in order), so the receiver knows
+every tensor's place without a message per tensor. Each chunk travels as one flat byte buffer: one
+collective per chunk, not per tensor, and the receiver allocates a fresh buffer per chunk, because
+vLLM's in-place reload keeps references to loaded tensors until a layer is complete. The group is
+made for one update (a store prefix per update) and dropped after it, so a server that died or
+restarted never leaves a broken group behind. Gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                                        torch.int64, torch.int32, torch.uint8)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+Plan = list[list[Entry]]
+"""Chunks of tensors, in the order both ends walk them."""
+
+
+def make_plan(state: dict[str, torch.Tensor], chunk_bytes: int) -> Plan:
+    """`state`'s tensors cut into chunks of at most `chunk_bytes` (a bigger tensor is a chunk alone)."""
+    plan: Plan = [[]]
+    size = 0
+    for name, t in state.items():
+        entry = Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        if plan[-1] and size + entry.nbytes > chunk_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(entry)
+        size += entry.nbytes
+    return [c for c in plan if c]
+
+
+def plan_to_json(plan: Plan) -> list[list[list]]:
+    return [[[e.name, e.dtype, list(e.shape)] for e in chunk] for chunk in plan]
+
+
+def plan_from_json(data: list[list[list]]) -> Plan:
+    return [[Entry(str(n), str(d), tuple(int(s) for s in shape)) for n, d, shape in chunk] for chunk in data]
+
+
+def pack_chunk(state: dict[str, torch.Tensor], chunk: list[Entry], device: torch.device) -> torch.Tensor:
+    """One chunk's tensors as one contiguous byte buffer (the sender's side)."""
+    parts = [state[e.name].detach().contiguous().reshape(-1).view(torch.uint8) for e in chunk]
+    return torch.cat(parts).to(device)
+
+
+def unpack_chunk(buffer: torch.Tensor, chunk: list[Entry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views of `buffer` as the chunk's named tensors (the receiver's side)."""
+    offset = 0
+    for e in chunk:
+        n = e.nbytes
+        yield e.name, buffer[offset : offset + n].view(DTYPES[e.dtype]).view(e.shape)
+        offset += n
+
+
+def chunk_bytes(chunk: list[Entry]) -> int:
+    return sum(e.nbytes for e in chunk)
+
+
+def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """The trainer hosts the store (once, for the whole run); each worker connects per update."""
+    return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)  # fmt: skip
+
+
+def join_group(store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float, cuda: bool):
+    """A process group of `world_size` ranks under `prefix`; blocks until all of them joined. It
+    leaves torch's default group alone (vLLM's workers already have one of their own)."""
+    scoped = dist.PrefixStore(prefix, store)
+    if cuda:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(scoped, rank, world_size, options)
+    return dist.ProcessGroupGloo(scoped, rank, world_size, timedelta(seconds=timeout_s))
+
+
+def broadcast(group, buffer: torch.Tensor) -> None:
+    """Rank 0's `buffer` into every other rank's `buffer`."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([buffer], options).wait()

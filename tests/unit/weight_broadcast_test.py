@@ -1,0 +1,83 @@
+"""The collective weight broadcast's pieces: the chunk plan over a real gloo group, and the trainer
+falling back to files when the group cannot be formed (so no step goes unpublished)."""
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fake_server import FakeServer
+from prime_rl.net import free_port
+from prime_rl.trainer.broadcast import Broadcaster, BroadcastError
+from prime_rl.trainer.config import WeightBroadcastConfig
+from prime_rl.trainer.dist import World
+from prime_rl.trainer.publish import Publisher
+from prime_rl.weight_transfer import (
+    broadcast,
+    chunk_bytes,
+    join_group,
+    make_plan,
+    open_store,
+    pack_chunk,
+    plan_from_json,
+    plan_to_json,
+    unpack_chunk,
+)
+
+
+def test_a_state_dict_crosses_a_gloo_group_in_chunks_intact():
+    state = {"emb": torch.randn(50, 8), "norm": torch.ones(8, dtype=torch.bfloat16),
+             "big": torch.randn(300), "idx": torch.arange(7), "last": torch.randn(2, 3, 4)}  # fmt: skip
+    plan = make_plan(state, chunk_bytes=1024)
+    # Tensors stay whole and in order; a chunk only grows past the limit with a single big tensor.
+    assert [e.name for chunk in plan for e in chunk] == list(state)
+    assert all(chunk_bytes(c) <= 1024 or len(c) == 1 for c in plan) and len(plan) > 1
+    port, received = free_port(), {}
+    store = open_store("127.0.0.1", port, is_master=True, timeout_s=30)
+
+    def worker(rank: int) -> None:
+        group = join_group(open_store("127.0.0.1", port, False, 30), "u/", rank, 3, 30, cuda=False)
+        for chunk in plan_from_json(plan_to_json(plan)):  # as the HTTP body carries it
+            buffer = torch.empty(chunk_bytes(chunk), dtype=torch.uint8)
+            broadcast(group, buffer)
+            received.update({(rank, n): t for n, t in unpack_chunk(buffer, chunk)})
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    group = join_group(store, "u/", 0, 3, 30, cuda=False)
+    for chunk in plan:
+        broadcast(group, pack_chunk(state, chunk, torch.device("cpu")))
+    for t in threads:
+        t.join(timeout=60)
+    assert len(received) == 2 * len(state)
+    for (_, name), tensor in received.items():
+        assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
+
+
+def test_no_server_answering_is_a_broadcast_error_at_once():
+    config = WeightBroadcastConfig(
+        type="collective", servers=[f"http://127.0.0.1:{free_port()}"], port=free_port()
+    )
+    t0 = time.monotonic()
+    with pytest.raises(BroadcastError, match="no inference server answered"):
+        Broadcaster(config).push(1, {"w": torch.zeros(2)})
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_server_that_never_joins_makes_the_trainer_write_that_steps_files(tiny_model, tmp_path):
+    # The fake server answers the health and weights routes but has no broadcast route: the group
+    # never forms, the update fails after timeout_s, and the step is published as files instead.
+    with FakeServer() as server:
+        url = server.base_url.removesuffix("/v1")
+        config = WeightBroadcastConfig(type="collective", servers=[url], port=free_port(), timeout_s=2)
+        publisher = Publisher(tmp_path, str(tiny_model), World(), keep=3, broadcaster=Broadcaster(config))
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        publisher.publish(model, 1)
+        publisher.close()
+    folder = tmp_path / "weights" / "step_1"
+    assert (folder / "READY").exists() and (folder / "model.safetensors").exists()
+    assert not (folder / "BROADCAST").exists()  # the orchestrator loads it from the files
+    assert publisher.last_broadcast == 0.0
