@@ -1,11 +1,15 @@
-"""Weight sync: publish-to-serving latency per step, against writing plus reading the same safetensors.
+"""Weight sync: publish-to-serving latency per step, files against the in-memory broadcast, and
+against the limits (writing plus reading the same safetensors; one memory copy of the weights).
 
-    uv run python benchmarks/weight_sync.py [--hidden 384 --layers 6 --steps 5]
+    uv run python benchmarks/weight_sync.py [--hidden 512 --layers 16 --steps 5]
 
-Starts `inference` on a freshly built model, then for each step: the trainer's Publisher writes the
-weights (gather, safetensors, config, tokenizer, READY) and the orchestrator's WeightSync finds the
-new step and has the server load it (pause, reload in place, resume). The baseline writes and reads
-the same state dict with safetensors alone. Medians over the steps, and their ratio.
+Starts `inference` on a freshly built model (default 54M parameters), then per step, alternating
+the two modes on the same server:
+- filesystem: the trainer's Publisher writes the weights (gather, safetensors, config, tokenizer,
+  READY) and the orchestrator's WeightSync has the server load the folder (pause, reload, resume);
+- collective: the Publisher broadcasts them to the server's worker over a gloo group (pause, load
+  as the chunks arrive, resume), writes the markers, and WeightSync sees the server serve the step.
+Medians over the steps, and their ratios.
 """
 
 from __future__ import annotations
@@ -31,19 +35,27 @@ from prime_rl.net import free_port
 from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.weights import WeightSync
+from prime_rl.trainer.broadcast import Broadcaster
+from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.dist import init_world
 from prime_rl.trainer.publish import Publisher
 
 
+def ms(values: list[float]) -> str:
+    return f"{1e3 * statistics.median(values):7.0f} ms"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    folder = make_tiny_model(TinyModelConfig(output=tmp / "model", hidden_size=args.hidden,
-                                             intermediate_size=3 * args.hidden, num_layers=args.layers))  # fmt: skip
+    folder = make_tiny_model(TinyModelConfig(output=tmp / "model", hidden_size=args.hidden, num_heads=args.heads,
+                                             num_kv_heads=args.heads // 2, intermediate_size=3 * args.hidden,
+                                             num_layers=args.layers))  # fmt: skip
     port, out = free_port(), tmp / "run"
     cmd = [str(Path(sys.executable).parent / "inference"), "--model.name", str(folder), "--model.max-model-len", "256",
            "--server.port", str(port), "--output-dir", str(out)]  # fmt: skip
@@ -51,37 +63,53 @@ def main() -> None:
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_until_healthy(base, timeout_s=600, process=server)
+        wait_until_healthy(base, timeout_s=900, process=server)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        publisher = Publisher(out, str(folder), init_world(), keep=2)
+        world = init_world()
+        broadcaster = Broadcaster(WeightBroadcastConfig(type="collective", servers=[base], port=free_port()))
+        publishers = {"filesystem": Publisher(out, str(folder), world, keep=2),
+                      "collective": Publisher(out, str(folder), world, keep=2, broadcaster=broadcaster)}  # fmt: skip
         sync = WeightSync(out / "weights", ServerPool(ClientConfig(base_urls=[f"{base}/v1"])))
-        latency, published, baseline = [], [], []
-        for step in range(1, args.steps + 1):
-            with torch.no_grad():
-                model.lm_head.weight.mul_(1.01)  # new weights each step
-            t0 = time.perf_counter()
-            publisher.publish(model, step)
-            publisher.wait()
-            published.append(time.perf_counter() - t0)
-            assert asyncio.run(sync.poll()) == step
-            latency.append(time.perf_counter() - t0)
+        latency = {m: [] for m in publishers}
+        published = {m: [] for m in publishers}
+        baseline, memcpy = [], []
+        step = 0
+        for _ in range(args.steps):
+            for mode, publisher in publishers.items():
+                step += 1
+                with torch.no_grad():
+                    model.lm_head.weight.mul_(1.01)  # new weights each step
+                t0 = time.perf_counter()
+                publisher.publish(model, step)
+                publisher.wait()
+                published[mode].append(time.perf_counter() - t0)
+                assert asyncio.run(sync.poll()) == step
+                assert publisher.last_broadcast in (None, 1.0), "the broadcast fell back to files"
+                latency[mode].append(time.perf_counter() - t0)
 
             state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
             t0 = time.perf_counter()
             save_file(state, str(tmp / "plain.safetensors"))
             load_file(str(tmp / "plain.safetensors"))
             baseline.append(time.perf_counter() - t0)
-        publisher.close()
+            t0 = time.perf_counter()
+            {k: v.clone() for k, v in state.items()}
+            memcpy.append(time.perf_counter() - t0)
+        for publisher in publishers.values():
+            publisher.close()
         size = (tmp / "plain.safetensors").stat().st_size / 2**20
         params = sum(p.numel() for p in model.parameters()) / 1e6
-        print(f"model {params:.1f}M params ({size:.0f} MB float32), {args.steps} steps")
-        print(f"publish -> serving (median) {1e3 * statistics.median(latency):.0f} ms")
-        print(f"  of which publishing       {1e3 * statistics.median(published):.0f} ms")
-        print(
-            f"  of which loading (server) {1e3 * (statistics.median(latency) - statistics.median(published)):.0f} ms"
-        )
-        print(f"safetensors write + read    {1e3 * statistics.median(baseline):.0f} ms")
-        print(f"ratio                       {statistics.median(latency) / statistics.median(baseline):.2f}")
+        print(f"model {params:.1f}M params ({size:.0f} MB float32), {args.steps} steps per mode, medians")
+        for mode in publishers:
+            load = statistics.median(latency[mode]) - statistics.median(published[mode])
+            print(f"{mode:10s} publish -> serving {ms(latency[mode])}  (publishing {ms(published[mode])}, "
+                  f"then {1e3 * load:.0f} ms until served)")  # fmt: skip
+        print(f"safetensors write + read      {ms(baseline)}")
+        print(f"memory copy of the weights    {ms(memcpy)}")
+        fs, coll = statistics.median(latency["filesystem"]), statistics.median(latency["collective"])
+        print(f"collective / filesystem       {coll / fs:.2f}")
+        print(f"filesystem / safetensors      {fs / statistics.median(baseline):.2f}")
+        print(f"collective / memory copy      {coll / statistics.median(memcpy):.1f}")
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)

@@ -416,11 +416,13 @@ def parse_config(
     argv: Sequence[str] | None = None,
     prog: str | None = None,
     check: Callable[[C], None] | None = None,
+    dry_run: Callable[[C], str] | None = None,
 ) -> C:
     """Parse `argv` into `cls`. Handles --help and --dry-run (print, exit 0) and user errors (exit 2).
 
     `check` runs on the validated config (also for --dry-run); a `ConfigError` it raises is a user
-    error like any other (for the checks that import user code, see `prime_rl.preflight`)."""
+    error like any other (for the checks that import user code, see `prime_rl.preflight`).
+    `dry_run` says what --dry-run prints (default: the resolved config as TOML)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or Path(sys.argv[0]).name
     try:
@@ -435,6 +437,6 @@ def parse_config(
         sys.stderr.write(f"{prog}: error: {e}\nRun '{prog} --help' to list the settings.\n")
         raise SystemExit(EXIT_USAGE) from None
     if sources.dry_run:
-        sys.stdout.write(to_toml(config))
+        sys.stdout.write(dry_run(config) if dry_run is not None else to_toml(config))
         raise SystemExit(0)
     return config

@@ -46,8 +46,9 @@ Role = Literal["inference", "orchestrator", "trainer"]
 class NodeConfig(BaseConfig):
     """One machine of a multi-node run and what runs on it."""
 
-    host: str
-    """Address the other nodes reach this one at (an IP or a resolvable name)."""
+    host: str | None = None
+    """Address the other nodes reach this one at (an IP or a resolvable name). Required, except with
+    `deployment.type = "slurm"`, where the job's node list fills it in."""
 
     roles: list[Role] = Field(min_length=1)
     """What `rl` starts here: 'inference' (`deployment.inference_servers` vLLM servers), 'orchestrator'
@@ -55,8 +56,48 @@ class NodeConfig(BaseConfig):
     torchrun agent; the trainer nodes rendezvous to form one data-parallel world)."""
 
 
+class SlurmConfig(BaseConfig):
+    """The sbatch job `rl` renders with `deployment.type = "slurm"`: one node per entry of
+    `deployment.nodes` (one node running everything when it is empty), one `rl` per node."""
+
+    job_name: str = "prime-rl"
+    """`#SBATCH --job-name`."""
+
+    partition: str | None = None
+    """`#SBATCH --partition` (default: the cluster's)."""
+
+    account: str | None = None
+    """`#SBATCH --account`."""
+
+    time_limit: str | None = None
+    """`#SBATCH --time`, e.g. '04:00:00' (default: the partition's)."""
+
+    cpus_per_node: int | None = Field(default=None, ge=1)
+    """`#SBATCH --cpus-per-task` (one task per node: `rl` starts that node's processes itself)."""
+
+    gpus_per_node: int | None = Field(default=None, ge=1)
+    """`#SBATCH --gpus-per-node`."""
+
+    sbatch_args: list[str] = []
+    """More `#SBATCH` options, as written after it, e.g. ['--exclusive', '--mem=0']."""
+
+    setup: list[str] = []
+    """Shell lines every node runs first, e.g. ['module load cuda', 'source .venv/bin/activate']."""
+
+    rl_command: str | None = None
+    """How the nodes start `rl` (default: the absolute path of the `rl` that renders the job; the
+    same install must be reachable from every node)."""
+
+
 class DeploymentConfig(BaseConfig):
     """How `rl` places the processes: on this machine, or on this machine's part of several."""
+
+    type: Literal["local", "slurm"] = "local"
+    """'local': start this machine's processes now. 'slurm': render an sbatch job that runs `rl` on
+    every node of an allocation (`deployment.slurm`), and submit it (print it with --dry-run)."""
+
+    slurm: SlurmConfig = SlurmConfig()
+    """The SLURM job, with type = 'slurm'."""
 
     trainer_ranks: int = Field(default=1, ge=1)
     """Trainer processes (data-parallel ranks, started with torchrun when more than 1)."""
@@ -110,6 +151,13 @@ class DeploymentConfig(BaseConfig):
                     f"'deployment.node' = {self.node} needs 'deployment.nodes' (the list of machines)"
                 )
             return self
+        if self.type == "local":
+            hostless = [i for i, n in enumerate(self.nodes) if not n.host]
+            if hostless:
+                raise ValueError(
+                    f"'deployment.nodes[{hostless[0]}].host' is missing: every node needs its address "
+                    "(with deployment.type = 'slurm' the job's node list fills it in)"
+                )
         if self.node >= len(self.nodes):
             raise ValueError(
                 f"'deployment.node' = {self.node} is not an index of 'deployment.nodes' ({len(self.nodes)} nodes)"

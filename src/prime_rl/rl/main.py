@@ -1,13 +1,33 @@
-"""`uv run rl @ rl.toml`: resolve one config into the three processes and run them together."""
+"""`uv run rl @ rl.toml`: resolve one config into the three processes and run them together, or
+render and submit the SLURM job that does (`deployment.type = "slurm"`)."""
+
+import sys
 
 from prime_rl.config import parse_config
+from prime_rl.config.cli import to_toml
 from prime_rl.preflight import check_rl
 from prime_rl.rl.config import RLConfig
 
 
+def _dry_run(config: RLConfig) -> str:
+    if config.deployment.type == "slurm":
+        from prime_rl.rl.slurm import dry_run
+
+        return dry_run(config)
+    return to_toml(config)
+
+
 def main(argv: list[str] | None = None) -> None:
     # Every check that needs no process runs here, so a mistake costs seconds, not a vLLM start-up.
-    config = parse_config(RLConfig, argv, prog="rl", check=check_rl)
+    config = parse_config(RLConfig, argv, prog="rl", check=check_rl, dry_run=_dry_run)
+    if config.deployment.type == "slurm":
+        from prime_rl.rl.slurm import SlurmError, submit
+
+        try:
+            raise SystemExit(submit(config))
+        except SlurmError as e:
+            sys.stderr.write(f"rl: error: {e}\n")
+            raise SystemExit(1) from None
     from prime_rl.rl.launcher import launch
 
     raise SystemExit(launch(config))
