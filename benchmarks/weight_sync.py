@@ -9,13 +9,15 @@ the two modes on the same server:
   READY) and the orchestrator's WeightSync has the server load the folder (pause, reload, resume);
 - collective: the Publisher broadcasts them to the server's worker over a gloo group (pause, load
   as the chunks arrive, resume), writes the markers, and WeightSync sees the server serve the step.
-Medians over the steps, and their ratios.
+Limits, measured in the same run: safetensors write + read, one memory copy of the weights, and the
+same chunks over a bare gloo group to a process that only receives them. Medians over the steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -39,6 +41,44 @@ from prime_rl.trainer.broadcast import Broadcaster
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.dist import init_world
 from prime_rl.trainer.publish import Publisher
+from prime_rl.weight_transfer import (
+    join_group,
+    make_plan,
+    open_store,
+    plan_from_json,
+    plan_to_json,
+    receive,
+    send,
+)
+
+
+def _receive_only(port: int, plan_json: list, rounds: int) -> None:
+    store = open_store("127.0.0.1", port, is_master=False, timeout_s=120)
+    for r in range(rounds):
+        group = join_group(store, f"raw/{r}/", 1, 2, 120, cuda=False)
+        for _ in receive(group, plan_from_json(plan_json), torch.device("cpu")):
+            pass
+
+
+def raw_gloo(state: dict[str, torch.Tensor], chunk_mb: float, rounds: int) -> list[float]:
+    """The same chunks over a bare gloo group to a process that only receives them: the wire's limit."""
+    import multiprocessing
+
+    port = free_port()
+    plan = make_plan(state, int(chunk_mb * 2**20))
+    store = open_store("127.0.0.1", port, is_master=True, timeout_s=120)
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_receive_only, args=(port, plan_to_json(plan), rounds)
+    )
+    peer.start()
+    times = []
+    for r in range(rounds):
+        group = join_group(store, f"raw/{r}/", 0, 2, 120, cuda=False)
+        t0 = time.perf_counter()
+        send(group, state, plan, torch.device("cpu"))
+        times.append(time.perf_counter() - t0)
+    peer.join(timeout=120)
+    return times
 
 
 def ms(values: list[float]) -> str:
@@ -73,6 +113,7 @@ def main() -> None:
         latency = {m: [] for m in publishers}
         published = {m: [] for m in publishers}
         baseline, memcpy = [], []
+        phases: dict[str, list[float]] = {}
         step = 0
         for _ in range(args.steps):
             for mode, publisher in publishers.items():
@@ -86,6 +127,10 @@ def main() -> None:
                 assert asyncio.run(sync.poll()) == step
                 assert publisher.last_broadcast in (None, 1.0), "the broadcast fell back to files"
                 latency[mode].append(time.perf_counter() - t0)
+                if mode == "collective":
+                    marker = json.loads((out / "weights" / f"step_{step}" / "BROADCAST").read_text())
+                    for phase, seconds in marker["phases"].items():
+                        phases.setdefault(phase, []).append(seconds)
 
             state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
             t0 = time.perf_counter()
@@ -97,6 +142,8 @@ def main() -> None:
             memcpy.append(time.perf_counter() - t0)
         for publisher in publishers.values():
             publisher.close()
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        wire = raw_gloo(state, broadcaster.config.chunk_mb, args.steps)
         size = (tmp / "plain.safetensors").stat().st_size / 2**20
         params = sum(p.numel() for p in model.parameters()) / 1e6
         print(f"model {params:.1f}M params ({size:.0f} MB float32), {args.steps} steps per mode, medians")
@@ -104,12 +151,20 @@ def main() -> None:
             load = statistics.median(latency[mode]) - statistics.median(published[mode])
             print(f"{mode:10s} publish -> serving {ms(latency[mode])}  (publishing {ms(published[mode])}, "
                   f"then {1e3 * load:.0f} ms until served)")  # fmt: skip
+        print(
+            "  collective phases: "
+            + ", ".join(f"{k} {1e3 * statistics.median(v):.0f} ms" for k, v in phases.items())
+        )
         print(f"safetensors write + read      {ms(baseline)}")
         print(f"memory copy of the weights    {ms(memcpy)}")
+        print(f"bare gloo broadcast (no load) {ms(wire)}")
         fs, coll = statistics.median(latency["filesystem"]), statistics.median(latency["collective"])
         print(f"collective / filesystem       {coll / fs:.2f}")
         print(f"filesystem / safetensors      {fs / statistics.median(baseline):.2f}")
         print(f"collective / memory copy      {coll / statistics.median(memcpy):.1f}")
+        print(
+            f"collective send / bare gloo   {statistics.median(phases['send']) / statistics.median(wire):.2f}"
+        )
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)

@@ -98,8 +98,38 @@ def join_group(store: dist.Store, prefix: str, rank: int, world_size: int, timeo
     return dist.ProcessGroupGloo(scoped, rank, world_size, timedelta(seconds=timeout_s))
 
 
-def broadcast(group, buffer: torch.Tensor) -> None:
-    """Rank 0's `buffer` into every other rank's `buffer`."""
+def broadcast(group, buffer: torch.Tensor):
+    """Start sending rank 0's `buffer` into every other rank's `buffer`; wait on what it returns.
+    Both ends keep one chunk in flight while they pack or load the previous one."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([buffer], options).wait()
+    return group.broadcast([buffer], options)
+
+
+def send(group, state: dict[str, torch.Tensor], plan: Plan, device: torch.device) -> None:
+    """Rank 0: broadcast `state` chunk by chunk, packing the next chunk while one is on the wire."""
+    in_flight = None
+    for chunk in plan:
+        buffer = pack_chunk(state, chunk, device)
+        work = broadcast(group, buffer)
+        if in_flight is not None:
+            in_flight[1].wait()
+        in_flight = (buffer, work)  # the buffer must outlive its broadcast
+    if in_flight is not None:
+        in_flight[1].wait()
+
+
+def receive(group, plan: Plan, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The other ranks: the named tensors, in plan order; the next chunk arrives while the caller
+    loads this one."""
+
+    def start(chunk: list[Entry]):
+        buffer = torch.empty(chunk_bytes(chunk), dtype=torch.uint8, device=device)  # fresh: see above
+        return buffer, broadcast(group, buffer)
+
+    following = start(plan[0]) if plan else None
+    for i, chunk in enumerate(plan):
+        buffer, work = following
+        work.wait()
+        following = start(plan[i + 1]) if i + 1 < len(plan) else None
+        yield from unpack_chunk(buffer, chunk)

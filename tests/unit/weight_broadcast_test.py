@@ -15,15 +15,14 @@ from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.dist import World
 from prime_rl.trainer.publish import Publisher
 from prime_rl.weight_transfer import (
-    broadcast,
     chunk_bytes,
     join_group,
     make_plan,
     open_store,
-    pack_chunk,
     plan_from_json,
     plan_to_json,
-    unpack_chunk,
+    receive,
+    send,
 )
 
 
@@ -39,17 +38,14 @@ def test_a_state_dict_crosses_a_gloo_group_in_chunks_intact():
 
     def worker(rank: int) -> None:
         group = join_group(open_store("127.0.0.1", port, False, 30), "u/", rank, 3, 30, cuda=False)
-        for chunk in plan_from_json(plan_to_json(plan)):  # as the HTTP body carries it
-            buffer = torch.empty(chunk_bytes(chunk), dtype=torch.uint8)
-            broadcast(group, buffer)
-            received.update({(rank, n): t for n, t in unpack_chunk(buffer, chunk)})
+        for name, tensor in receive(group, plan_from_json(plan_to_json(plan)), torch.device("cpu")):
+            received[(rank, name)] = tensor.clone() if rank == 1 else tensor  # views of fresh buffers
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in (1, 2)]
     for t in threads:
         t.start()
     group = join_group(store, "u/", 0, 3, 30, cuda=False)
-    for chunk in plan:
-        broadcast(group, pack_chunk(state, chunk, torch.device("cpu")))
+    send(group, state, plan, torch.device("cpu"))
     for t in threads:
         t.join(timeout=60)
     assert len(received) == 2 * len(state)

@@ -27,14 +27,7 @@ class WeightReloadExtension:
         its server) and load every tensor as it arrives."""
         import torch
 
-        from prime_rl.weight_transfer import (
-            broadcast,
-            chunk_bytes,
-            join_group,
-            open_store,
-            plan_from_json,
-            unpack_chunk,
-        )
+        from prime_rl.weight_transfer import join_group, open_store, plan_from_json, receive
 
         device = self.device if getattr(self, "device", None) is not None else torch.device("cpu")
         cuda = torch.device(device).type == "cuda"
@@ -42,16 +35,7 @@ class WeightReloadExtension:
         group = join_group(
             store, prefix, first_rank + int(getattr(self, "rank", 0)), world_size, timeout_s, cuda
         )
-
-        def tensors():
-            for chunk in plan_from_json(plan):
-                buffer = torch.empty(
-                    chunk_bytes(chunk), dtype=torch.uint8, device=device
-                )  # fresh: see weight_transfer
-                broadcast(group, buffer)
-                yield from unpack_chunk(buffer, chunk)
-
-        stream = tensors()
+        stream = receive(group, plan_from_json(plan), device)
         self.reload_weights(weights_iterator=stream)
         for _ in stream:  # take every chunk even if the loader skipped the last names: rank 0 waits on us
             pass

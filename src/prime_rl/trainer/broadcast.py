@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from prime_rl.trainer.config import WeightBroadcastConfig
-from prime_rl.weight_transfer import broadcast, join_group, make_plan, open_store, pack_chunk, plan_to_json
+from prime_rl.weight_transfer import join_group, make_plan, open_store, plan_to_json, send
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class Pushed:
     """The servers that confirmed they serve the new weights."""
     seconds: float
     bytes: int
+    phases: dict[str, float]
+    """Seconds per phase: asking the servers, forming the group, sending, the servers' answers."""
 
 
 class Broadcaster:
@@ -54,6 +56,7 @@ class Broadcaster:
         import httpx
 
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         c = self.config
         with httpx.Client() as http:
             workers = {url.rstrip("/"): self._workers(http, url.rstrip("/")) for url in c.servers}
@@ -66,6 +69,7 @@ class Broadcaster:
         world = 1 + sum(live.values())
         prefix = f"prime_rl/step_{step}/{uuid.uuid4().hex[:8]}/"
         answers: dict[str, str] = {}
+        phases["ask"] = time.perf_counter() - t0
 
         def ask(url: str, first_rank: int) -> None:
             body = {"step": step, "host": self.host, "port": c.port, "prefix": prefix, "first_rank": first_rank,
@@ -88,14 +92,19 @@ class Broadcaster:
         try:
             cuda = torch.cuda.is_available()
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            t = time.perf_counter()
             group = join_group(self._store, prefix, 0, world, c.timeout_s, cuda)
-            for chunk in plan:
-                broadcast(group, pack_chunk(state, chunk, device))
+            phases["group"] = time.perf_counter() - t
+            t = time.perf_counter()
+            send(group, state, plan, device)
+            phases["send"] = time.perf_counter() - t
             del group
         except Exception as e:  # a server went away mid-update, or never joined
             error = e
-        for t in threads:
-            t.join()
+        t = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        phases["answers"] = time.perf_counter() - t
         confirmed = [url for url in live if answers.get(url) == "ok"]
         failed = {url: answers.get(url, "no answer") for url in live if url not in confirmed}
         if error is not None or not confirmed:
@@ -107,4 +116,4 @@ class Broadcaster:
             log.warning("step %d: %s did not take the broadcast weights (%s); they are resynced by a later update",
                         step, ", ".join(failed), "; ".join(failed.values()))  # fmt: skip
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        return Pushed(confirmed, time.perf_counter() - t0, nbytes)
+        return Pushed(confirmed, time.perf_counter() - t0, nbytes, phases)

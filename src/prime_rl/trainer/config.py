@@ -232,8 +232,9 @@ class WeightBroadcastConfig(BaseConfig):
     timeout_s: float = Field(default=120.0, gt=0)
     """How long an update may take to form its group and to move each chunk before it fails."""
 
-    chunk_mb: float = Field(default=256.0, gt=0)
-    """Tensors travel in flat chunks of about this size: one collective per chunk."""
+    chunk_mb: float = Field(default=32.0, gt=0)
+    """Tensors travel in flat chunks of about this size: one collective per chunk, and each end works
+    on one chunk (packing, loading) while the next is on the wire."""
 
 
 class ExportConfig(BaseConfig):

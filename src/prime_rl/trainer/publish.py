@@ -96,7 +96,9 @@ class Publisher:
                 folder = step_dir(self.root, step)
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / BROADCAST).write_text(
-                    json.dumps({"servers": pushed.servers, "seconds": pushed.seconds})
+                    json.dumps(
+                        {"servers": pushed.servers, "seconds": pushed.seconds, "phases": pushed.phases}
+                    )
                 )
                 (folder / READY).touch()
                 self.last_broadcast = 1.0
