@@ -236,6 +236,20 @@ def test_a_multi_node_deployment_wires_every_server_rank_and_address():
     assert orch.teacher.base_url == "http://10.0.0.1:8102/v1"  # after the policy servers
     assert [s.server.host for s in cfg.policy_servers("10.0.0.2")] == ["10.0.0.2", "10.0.0.2"]
     assert inference.server.port == 8100
+    # The weight broadcast goes to every server; its store is on trainer rank 0's node: with several
+    # trainer nodes torchrun says which (MASTER_ADDR), with one it is that node.
+    broadcast = {"trainer": {**DISTILL["trainer"], "weight_broadcast": {"type": "collective"}}}
+    cfg = RLConfig(deployment={"nodes": NODES, "inference_servers": 2}, **{**DISTILL, **broadcast})
+    wb = cfg.resolved()[2].weight_broadcast
+    assert wb.servers == [
+        "http://10.0.0.1:8000",
+        "http://10.0.0.1:8001",
+        "http://10.0.0.2:8000",
+        "http://10.0.0.2:8001",
+    ]
+    assert wb.host is None
+    one = [NODES[0], NODES[1], NODES[2]]
+    assert RLConfig(deployment={"nodes": one}, **broadcast).resolved()[2].weight_broadcast.host == "10.0.0.3"
 
 
 @pytest.mark.parametrize(

@@ -305,6 +305,8 @@ class RLConfig(RootConfig):
             update = {"servers": [u.removesuffix("/v1") for u in urls]}
             if not d.nodes and "port" not in broadcast.model_fields_set:
                 update["port"] = free_port()  # one machine: any free port will do
+            if d.nodes and d.trainer_nodes == 1 and "host" not in broadcast.model_fields_set:
+                update["host"] = d.hosts("trainer")[0]  # (several trainer nodes: torchrun's MASTER_ADDR)
             broadcast = broadcast.model_copy(update=update)
         trainer = self.trainer.model_copy(update={"transport": orch.transport, "ckpt": ckpt,
                                                   "weight_broadcast": broadcast})  # fmt: skip
