@@ -75,6 +75,8 @@ class ServerHealth:
                 return
             if step is not None and (self.weights.lock.locked() or self.weights.version != version):
                 return  # a reload was under way: look again next time
+            if step is not None and self.weights.arriving(step):
+                return  # a broadcast reached it before the trainer wrote the step's marker: likewise
             server.up = False
         self._recovering[server] = asyncio.create_task(self._recover(http, server))
 

@@ -105,6 +105,11 @@ class WeightSync:
             self._broadcast[step] = (folder / BROADCAST).exists()  # a published folder never changes
         return self._broadcast[step]
 
+    def arriving(self, served: int) -> bool:
+        """Whether `served` is newer than the current version and not published yet: a broadcast
+        reaches the servers before the trainer writes its step's markers."""
+        return served > self.version and not (step_dir(self.root, served) / READY).exists()
+
     def serves(self, served: int, step: int) -> bool:
         """Whether a server serving `served` may get work tagged with version `step`."""
         return served == step or (served > step and self.broadcast(served))
