@@ -40,12 +40,14 @@ Plan = list[list[Entry]]
 """Chunks of tensors, in the order both ends walk them."""
 
 
-def make_plan(state: dict[str, torch.Tensor], chunk_bytes: int) -> Plan:
-    """`state`'s tensors cut into chunks of at most `chunk_bytes` (a bigger tensor is a chunk alone)."""
+def make_plan(state: dict[str, torch.Tensor], chunk_bytes: int, cast: str | None = None) -> Plan:
+    """`state`'s tensors cut into chunks of at most `chunk_bytes` (a bigger tensor is a chunk alone);
+    with `cast` (a dtype name), floating-point tensors travel in that dtype (the servers' own)."""
     plan: Plan = [[]]
     size = 0
     for name, t in state.items():
-        entry = Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        dtype = cast if cast and t.is_floating_point() else str(t.dtype).removeprefix("torch.")
+        entry = Entry(name, dtype, tuple(t.shape))
         if plan[-1] and size + entry.nbytes > chunk_bytes:
             plan.append([])
             size = 0
@@ -64,7 +66,9 @@ def plan_from_json(data: list[list[list]]) -> Plan:
 
 def pack_chunk(state: dict[str, torch.Tensor], chunk: list[Entry], device: torch.device) -> torch.Tensor:
     """One chunk's tensors as one contiguous byte buffer (the sender's side)."""
-    parts = [state[e.name].detach().contiguous().reshape(-1).view(torch.uint8) for e in chunk]
+    parts = [
+        state[e.name].detach().to(DTYPES[e.dtype]).contiguous().reshape(-1).view(torch.uint8) for e in chunk
+    ]
     return torch.cat(parts).to(device)
 
 

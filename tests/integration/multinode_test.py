@@ -10,7 +10,6 @@
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -24,35 +23,16 @@ from fault_test import jsonl, wait_until
 from rl_test import write_config
 from safetensors.torch import load_file
 
+from helpers.grad_worker import make_samples
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
 from prime_rl.transport.file_transport import FileSender
-from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
 pytestmark = pytest.mark.slow
 
 RL = str(Path(sys.executable).parent / "rl")
 STEPS, WORLD, SEQ_LEN, RUN_ID = 3, 2, 128, "multinode"
-
-
-def samples(step: int, n: int = 12) -> list[TrainingSample]:
-    rng = random.Random(step)
-    out = []
-    for _ in range(n):
-        p, c = rng.randint(4, 30), rng.randint(2, 40)
-        out.append(
-            TrainingSample(
-                [rng.randrange(3, 500) for _ in range(p)],
-                [rng.randrange(3, 500) for _ in range(c)],
-                [1] * c,
-                [-rng.uniform(4.0, 8.0) for _ in range(c)],
-                advantage=rng.uniform(-1, 1),
-                reward=0.0,
-                env_name="a",
-            )
-        )
-    return out
 
 
 def deployment(trainer_nodes: int, ranks: int) -> str:
@@ -65,7 +45,7 @@ def write_run(tmp_path: Path, name: str, model: Path, trainer_nodes: int, ranks:
     run, data = tmp_path / name, tmp_path / f"{name}-data"
     sender = FileSender(data)
     for step in range(STEPS):
-        for rank_mbs in pack(samples(step), SEQ_LEN, WORLD, RUN_ID, step):
+        for rank_mbs in pack(make_samples(12, seed=step), SEQ_LEN, WORLD, RUN_ID, step):
             for mb in rank_mbs:
                 sender.send(mb)
     toml = tmp_path / f"{name}.toml"

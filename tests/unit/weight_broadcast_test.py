@@ -19,10 +19,12 @@ from prime_rl.weight_transfer import (
     join_group,
     make_plan,
     open_store,
+    pack_chunk,
     plan_from_json,
     plan_to_json,
     receive,
     send,
+    unpack_chunk,
 )
 
 
@@ -51,6 +53,15 @@ def test_a_state_dict_crosses_a_gloo_group_in_chunks_intact():
     assert len(received) == 2 * len(state)
     for (_, name), tensor in received.items():
         assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
+
+
+def test_floating_point_weights_travel_in_the_servers_dtype():
+    state = {"w": torch.randn(4, 4), "steps": torch.arange(3)}
+    plan = make_plan(state, chunk_bytes=1 << 20, cast="bfloat16")
+    assert [(e.name, e.dtype) for e in plan[0]] == [("w", "bfloat16"), ("steps", "int64")]
+    assert chunk_bytes(plan[0]) == 16 * 2 + 3 * 8  # half the float bytes
+    got = dict(unpack_chunk(pack_chunk(state, plan[0], torch.device("cpu")), plan[0]))
+    assert torch.equal(got["w"], state["w"].to(torch.bfloat16)) and torch.equal(got["steps"], state["steps"])
 
 
 def test_no_server_answering_is_a_broadcast_error_at_once():

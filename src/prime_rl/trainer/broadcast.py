@@ -20,7 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from prime_rl.trainer.config import WeightBroadcastConfig
-from prime_rl.weight_transfer import join_group, make_plan, open_store, plan_to_json, send
+from prime_rl.weight_transfer import (
+    DTYPES,
+    chunk_bytes,
+    join_group,
+    make_plan,
+    open_store,
+    plan_to_json,
+    send,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +53,14 @@ class Broadcaster:
         self.host = config.host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         self._store = None  # hosted for the whole run, from the first update on
 
-    def _workers(self, http, url: str) -> int | None:
+    def _ask(self, http, url: str) -> tuple[int, str | None] | None:
+        """A server's workers and dtype, None if it does not answer."""
         try:
             reply = http.get(f"{url}/prime_rl/weights", timeout=5.0)
-            return int(reply.json().get("workers", 1)) if reply.status_code == 200 else None
+            if reply.status_code != 200:
+                return None
+            answer = reply.json()
+            return int(answer.get("workers", 1)), answer.get("dtype")
         except Exception:
             return None
 
@@ -59,13 +71,16 @@ class Broadcaster:
         phases: dict[str, float] = {}
         c = self.config
         with httpx.Client() as http:
-            workers = {url.rstrip("/"): self._workers(http, url.rstrip("/")) for url in c.servers}
-        live = {url: n for url, n in workers.items() if n}
+            found = {url.rstrip("/"): self._ask(http, url.rstrip("/")) for url in c.servers}
+        live = {url: a[0] for url, a in found.items() if a}
         if not live:
-            raise BroadcastError(f"no inference server answered ({', '.join(workers)})")
+            raise BroadcastError(f"no inference server answered ({', '.join(found)})")
+        # Weights travel in the servers' dtype (bf16 servers: half the bytes of fp32 master weights).
+        dtypes = {a[1] for a in found.values() if a}
+        cast = next(iter(dtypes)) if len(dtypes) == 1 and next(iter(dtypes)) in DTYPES else None
         if self._store is None:
             self._store = open_store(self.host, c.port, is_master=True, timeout_s=c.timeout_s)
-        plan = make_plan(state, int(c.chunk_mb * 2**20))
+        plan = make_plan(state, int(c.chunk_mb * 2**20), cast)
         world = 1 + sum(live.values())
         prefix = f"prime_rl/step_{step}/{uuid.uuid4().hex[:8]}/"
         answers: dict[str, str] = {}
@@ -115,5 +130,4 @@ class Broadcaster:
         if failed:
             log.warning("step %d: %s did not take the broadcast weights (%s); they are resynced by a later update",
                         step, ", ".join(failed), "; ".join(failed.values()))  # fmt: skip
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        return Pushed(confirmed, time.perf_counter() - t0, nbytes, phases)
+        return Pushed(confirmed, time.perf_counter() - t0, sum(chunk_bytes(chunk) for chunk in plan), phases)
