@@ -85,11 +85,11 @@ class WeightSync:
             # No files to load it from: the trainer's next broadcast (all the weights) brings it back.
             # (Said without suspecting it anew, which would wake the health monitor in a loop.)
             return False
-        if self.version > 0 or (served is not None and served < 0):  # behind, or a broadcast broke midway
-            if self.version == 0:
-                return False  # nothing to load from either
+        if self.version > 0:  # behind, or a broadcast broke midway: load the current version's files
             return server not in await self.load([server], self.version)
-        if self.version == 0 and served not in (None, 0):
+        if served is not None and served < 0:
+            return False  # the first broadcast broke midway on it: the next one brings it back
+        if served not in (None, 0):
             raise WeightSyncError(
                 f"{server.root_url} serves the weights of step {served}, but this run has published none: "
                 "it was loaded by another run; restart it so that it serves the base model"
