@@ -1,10 +1,12 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
-argv: model_path out_file split [gae]. With 2 ranks, rank 0 takes samples[:split] and rank 1 the rest,
-each packed into its own micro-batches (the poorer rank gets filler micro-batches). Rank 0 saves the
-full (unsharded) gradients and the per-token metrics reduced over the ranks. With "gae", the
-estimator is GAE with a critic, KL in the reward and batch whitening (all reduced over ranks), and
-the critic's gradients are saved too.
+argv: model_path out_file split [gae] [cp=N] [steps=N]. With 2 data-parallel ranks, rank 0 takes
+samples[:split] and rank 1 the rest, each packed into its own micro-batches (the poorer rank gets
+filler micro-batches). With cp=N, each data-parallel rank is N context-parallel ranks sharing its
+micro-batches. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
+the ranks. With "gae", the estimator is GAE with a critic, KL in the reward and batch whitening (all
+reduced over ranks), and the critic's gradients are saved too. With steps=N, it trains N optimizer
+steps (a fresh global batch each) and saves the parameters before and after, and each step's metrics.
 """
 
 import random
@@ -41,22 +43,40 @@ def make_samples(n: int = 12, seed: int = 0) -> list[TrainingSample]:
     return out
 
 
-def main() -> None:
-    model_path, out_file, split = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    gae = sys.argv[4:] == ["gae"]
-    world = init_world()
-    samples = make_samples()
-    if world.distributed:
-        samples = samples[:split] if world.rank == 0 else samples[split:]
-    mbs = pack(samples, SEQ_LEN, 1, "grad", 0)[0] if samples else []
+def rank_micro_batches(world, split: int, seed: int) -> list:
+    """This data-parallel rank's share of the global batch of `seed`, padded with filler micro-batches
+    to the count of the richest rank."""
+    samples = make_samples(seed=seed)
+    if world.dp > 1:
+        samples = samples[:split] if world.dp_rank == 0 else samples[split:]
+    mbs = pack(samples, SEQ_LEN, 1, "grad", seed)[0] if samples else []
     count = torch.tensor(len(mbs))
     if world.distributed:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     while len(mbs) < int(count):
-        mbs.append(pack([], SEQ_LEN, 1, "grad", 0)[0][0])
+        mbs.append(pack([], SEQ_LEN, 1, "grad", seed)[0][0])
+    return mbs
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def main() -> None:
+    model_path, out_file, split = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    options = sys.argv[4:]
+    gae = "gae" in options
+    cp = next((int(o[3:]) for o in options if o.startswith("cp=")), 1)
+    steps = next((int(o[6:]) for o in options if o.startswith("steps=")), 0)
+    world = init_world(cp)
     config = TrainerConfig(
-        model={"name": model_path},
+        model={"name": model_path, "logprob_chunk_tokens": 48},
+        parallel={"cp": cp},
         seq_len=SEQ_LEN,
+        # Adam's per-entry normalization makes an entry whose gradient is float rounding take a
+        # learning-rate-sized step of random sign; an eps above such entries keeps every step
+        # proportional to its gradient, so parameters after N steps compare the gradients' agreement.
+        optim={"lr": 1e-3, "eps": 1e-3},
         # No clipping or masking: every token contributes, so any normalization error shows.
         loss={"clip_low": 1e9, "clip_high": 1e9, "mask_low": 0.0, "mask_high": 1e30},
         **(
@@ -70,14 +90,22 @@ def main() -> None:
     )
     torch.manual_seed(0)
     trainer = Trainer(config, world)
+    modules = [("", trainer.model)] + ([("critic.", trainer.critic)] if gae else [])
+    if steps:  # train `steps` optimizer steps and save the parameters
+        before = {prefix + n: full(p) for prefix, m in modules for n, p in m.named_parameters()}
+        history = [
+            trainer.train_step(rank_micro_batches(world, split, seed), seed)[0] for seed in range(steps)
+        ]
+        after = {prefix + n: full(p) for prefix, m in modules for n, p in m.named_parameters()}
+        if world.is_main:
+            torch.save({"before": before, "after": after, "metrics": history}, out_file)
+        close_world(world)
+        exit_rank(world, 0)
+        return
+    mbs = rank_micro_batches(world, split, 0)
     acc = trainer.accumulate(mbs)
     global_tokens, metrics = acc.global_tokens, acc.stats.reduce(world)
-    grads = {}
-    modules = [("", trainer.model)] + ([("critic.", trainer.critic)] if gae else [])
-    for prefix, module in modules:
-        for name, p in module.named_parameters():
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            grads[prefix + name] = g.detach().clone()
+    grads = {prefix + n: full(p.grad) for prefix, m in modules for n, p in m.named_parameters()}
     if world.is_main:
         torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs),
                     "metrics": {**metrics, **acc.metrics}},

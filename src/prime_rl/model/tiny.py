@@ -1,8 +1,14 @@
-"""Build the project's own tiny causal LM and tokenizer (no model hub needed).
+"""Build the project's own tiny causal LM and tokenizer (no model hub needed), or a real model's shape.
 
 `uv run make-tiny-model --output models/tiny` trains a byte-level BPE tokenizer on generated text,
 gives it a ChatML chat template, creates a small Qwen3-style model with random weights and saves
 both as one HF folder that transformers and vLLM load.
+
+`--preset` gives shapes that matter at scale with random weights, to measure memory and speed
+(`PRESETS`): 'real-vocab' keeps Qwen3's vocabulary of 151,936 (whose logits dominate trainer memory)
+on a small body, and 'qwen3-0.6b' is Qwen3-0.6B's whole config. A real vocabulary needs no real
+tokenizer: the small BPE's vocabulary is padded with reserved tokens that no text encodes to, so
+every id the model can sample decodes (vLLM detokenizes what it samples).
 
 Invariant: the same config (seed included) produces byte-identical files. Embeddings are untied by
 default, because vLLM's CPU backend keeps a stale copy of a tied lm_head after a weight reload.
@@ -14,6 +20,7 @@ import random
 import string
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -76,11 +83,34 @@ CHAT_TEMPLATE = (
 )
 
 
+PRESETS: dict[str, dict] = {
+    "tiny": {},
+    "real-vocab": {"model_vocab_size": 151_936, "hidden_size": 256, "intermediate_size": 768,
+                   "num_heads": 4, "num_kv_heads": 2, "max_position_embeddings": 32_768},
+    "qwen3-0.6b": {"model_vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 40_960, "rope_theta": 1_000_000.0, "tie_word_embeddings": True},
+}  # fmt: skip
+"""Shape fields per preset; fields given explicitly win over the preset's."""
+
+
 class TinyModelConfig(RootConfig):
     """make-tiny-model: builds a small Qwen3-style model and its BPE tokenizer as an HF folder."""
 
     output: Path = Path("models/tiny")
     """Folder to write the model, config and tokenizer to."""
+
+    preset: Literal["tiny", "real-vocab", "qwen3-0.6b"] = "tiny"
+    """Shape: 'tiny' (the defaults below, 0.4M parameters), 'real-vocab' (Qwen3's 151,936-token
+    vocabulary, width 256, 2 layers: 78M parameters, nearly all in the embedding and the lm_head), or
+    'qwen3-0.6b' (Qwen3-0.6B's width, depth, heads and tied embeddings: 596M parameters)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data):
+        if isinstance(data, dict) and data.get("preset", "tiny") in PRESETS:
+            return {**PRESETS[data.get("preset", "tiny")], **data}
+        return data
 
     seed: int = 0
     """Seed for the generated corpus and the weights; the same seed gives identical files."""
@@ -103,6 +133,16 @@ class TinyModelConfig(RootConfig):
     num_kv_heads: int = Field(default=2, ge=1)
     """Key/value heads (grouped-query attention when fewer than num_heads)."""
 
+    head_dim: int | None = Field(default=None, ge=4)
+    """Width of one attention head; unset: hidden_size / num_heads."""
+
+    rope_theta: float = Field(default=10_000.0, gt=0)
+    """RoPE base frequency."""
+
+    model_vocab_size: int | None = Field(default=None, ge=300)
+    """Embedding rows of the model (a real model's vocabulary); the tokenizer is padded with reserved
+    tokens up to it. Unset: the tokenizer's size, rounded up to a multiple of 64."""
+
     max_position_embeddings: int = Field(default=2048, ge=64)
     """Longest sequence the model supports (vLLM's max-model-len must not exceed it)."""
 
@@ -118,8 +158,17 @@ class TinyModelConfig(RootConfig):
 
     @model_validator(mode="after")
     def _check_heads(self):
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+        if self.num_heads % self.num_kv_heads or (
+            self.head_dim is None and self.hidden_size % self.num_heads
+        ):
+            raise ValueError(
+                "num_heads must divide by num_kv_heads, and hidden_size by num_heads unless head_dim is set"
+            )
+        if self.model_vocab_size is not None and self.model_vocab_size < self.vocab_size + len(TOOL_TOKENS):
+            raise ValueError(
+                f"model_vocab_size ({self.model_vocab_size}) must hold the tokenizer's "
+                f"{self.vocab_size + len(TOOL_TOKENS)} tokens"
+            )
         return self
 
 
@@ -175,6 +224,8 @@ def build_tokenizer(config: TinyModelConfig):
     )
     tok.train_from_iterator(corpus(config.seed, config.corpus_lines), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    if config.model_vocab_size is not None:
+        tok = pad_vocabulary(tok, config.model_vocab_size)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
@@ -186,12 +237,30 @@ def build_tokenizer(config: TinyModelConfig):
     )
 
 
+def pad_vocabulary(tok, size: int):
+    """The BPE with reserved tokens `<|reserved_N|>` added to its vocabulary up to `size` ids: no
+    merge produces them, so text never encodes to them, but each decodes (to its own name)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    # Added tokens go into the vocabulary too: a loaded tokenizer keeps an added token's id only if
+    # its model knows it, and would otherwise renumber it past the reserved ones.
+    vocab.update({t["content"]: t["id"] for t in data["added_tokens"]})
+    taken = set(vocab.values())
+    vocab.update({f"<|reserved_{i}|>": i for i in range(size) if i not in taken})
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def build_model(config: TinyModelConfig, tokenizer):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(config.seed)
-    vocab = -(-len(tokenizer) // 64) * 64  # round up: vLLM needs vocab_size >= len(tokenizer)
+    # vLLM needs vocab_size >= len(tokenizer); rounded up to 64 like real models' embeddings.
+    vocab = max(config.model_vocab_size or 0, -(-len(tokenizer) // 64) * 64)
     model_config = Qwen3Config(
         vocab_size=vocab,
         hidden_size=config.hidden_size,
@@ -199,7 +268,8 @@ def build_model(config: TinyModelConfig, tokenizer):
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads,
-        head_dim=config.hidden_size // config.num_heads,
+        head_dim=config.head_dim or config.hidden_size // config.num_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings,
         bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),

@@ -27,10 +27,24 @@ class ModelConfig(BaseConfig):
     """Parameter dtype (float32 gives exact logprob parity with vLLM in float32)."""
 
     activation_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    """Recompute each decoder layer's activations in backward: activation memory of one layer instead
+    of all of them, for about a third more compute (figures in the README's Trainer section)."""
+
+    logprob_chunk_tokens: int = Field(default=256, ge=1)
+    """Tokens whose logits exist at once when computing logprobs and entropy, in forward and backward:
+    memory is about this x vocabulary x 8 bytes instead of micro-batch tokens x vocabulary x 16."""
 
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (less memory, one more all-gather in backward)."""
+
+
+class ParallelConfig(BaseConfig):
+    """How the trainer ranks share the work: dp x cp = all ranks (torchrun's nproc x nodes)."""
+
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel ranks per data-parallel replica: each micro-batch's tokens are split across
+    this many ranks (attention all-gathers keys and values). It must divide the number of ranks;
+    the data-parallel size is ranks / cp, which is the orchestrator's `trainer_ranks`."""
 
 
 class OptimizerConfig(BaseConfig):
@@ -44,6 +58,10 @@ class OptimizerConfig(BaseConfig):
 
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW beta1 and beta2."""
+
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon: gradient entries much smaller than it get steps proportional to them rather
+    than of the learning rate's size."""
 
     max_norm: float = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value."""
@@ -262,6 +280,9 @@ class TrainerConfig(RootConfig):
     seed: int = 0
     """Seed for anything random in the trainer."""
 
+    parallel: ParallelConfig = ParallelConfig()
+    """Data and context parallelism."""
+
     optim: OptimizerConfig = OptimizerConfig()
     """Optimizer."""
 
@@ -300,6 +321,15 @@ class TrainerConfig(RootConfig):
 
     wandb: WandbConfig = WandbConfig()
     """W&B logging."""
+
+    @model_validator(mode="after")
+    def _cp_fits_the_micro_batch(self):
+        if self.seq_len < 2 * self.parallel.cp:
+            raise ValueError(
+                f"parallel.cp = {self.parallel.cp} cuts each micro-batch into {2 * self.parallel.cp} "
+                f"chunks: seq_len = {self.seq_len} must be at least that"
+            )
+        return self
 
 
 class SFTDataConfig(BaseConfig):

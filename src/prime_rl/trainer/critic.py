@@ -1,8 +1,8 @@
 """The critic of PPO with GAE: a causal LM's body with a scalar value head, and its clipped loss.
 
-Invariant: values are aligned to tokens like logprobs (`logprobs.py`): entry t is V of the state
-before token t, read from the hidden state at t - 1, so the value and the logprob of a token see the
-same context; entry 0 is 0. On several ranks the critic is sharded with FSDP2 exactly like the
+Invariant: the trainer aligns values to tokens like logprobs (`logprobs.py`): entry t is V of the
+state before token t, read from the hidden state at t - 1, so the value and the logprob of a token
+see the same context; entry 0 is 0. The model itself returns one value per position. On several ranks the critic is sharded with FSDP2 exactly like the
 policy, and its gradients follow the same global-token normalization.
 """
 
@@ -12,6 +12,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from prime_rl.trainer.config import CriticConfig, ModelConfig
+from prime_rl.trainer.context_parallel import cp_attention_problem, enable_cp_attention
 from prime_rl.trainer.dist import World
 from prime_rl.trainer.model import DTYPES, ModelLoadError
 
@@ -28,11 +29,13 @@ class ValueModel(torch.nn.Module):
             self.value_head.weight.copy_(torch.randn(1, hidden_size, generator=g) / (hidden_size + 1))
             self.value_head.bias.zero_()
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Values of shape [T] for one packed micro-batch of shape [T]."""
-        hidden = self.body(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
-        v = self.value_head(hidden.last_hidden_state[0, :-1]).squeeze(-1).float()
-        return torch.cat([v.new_zeros(1), v])
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **model_kwargs) -> torch.Tensor:
+        """One value per position (of the state after it), shape [N], for packed positions of shape
+        [N]; `model_kwargs` go to the body (the context-parallel shard)."""
+        hidden = self.body(
+            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **model_kwargs
+        )
+        return self.value_head(hidden.last_hidden_state[0]).squeeze(-1).float()
 
 
 def load_critic(config: CriticConfig, policy: ModelConfig, world: World) -> ValueModel:
@@ -48,6 +51,14 @@ def load_critic(config: CriticConfig, policy: ModelConfig, world: World) -> Valu
         ) from None
     critic = ValueModel(body, body.config.hidden_size).to(dtype=DTYPES[policy.dtype])
     critic.to(world.device)
+    if world.cp > 1:
+        problem = cp_attention_problem(body)
+        if problem:
+            raise ModelLoadError(
+                f"trainer.parallel.cp = {world.cp}, but the attention of {key} = '{path}' cannot be split "
+                f"across ranks: {problem}"
+            )
+        enable_cp_attention(body)
     if policy.activation_checkpointing:
         body.gradient_checkpointing_enable()
     if world.distributed:

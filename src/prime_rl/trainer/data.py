@@ -3,14 +3,19 @@
 Invariant: `get(step)` returns exactly the micro-batches of that step (all `count` of them, in
 index order, each validated). Messages of earlier steps are ones the orchestrator re-sent after a
 restart and are skipped; a repeated index is dropped, so no step is trained twice or on a mix.
+With context parallelism only the group's cp rank 0 reads the transport (the orchestrator sends to
+data-parallel ranks); `share_with_cp_group` hands the same micro-batches to the group's other ranks.
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch.distributed as dist
+
+from prime_rl.trainer.dist import World
 from prime_rl.transport.base import Receiver, TransportError
-from prime_rl.transport.messages import MicroBatch
+from prime_rl.transport.messages import MicroBatch, decode, encode
 
 log = logging.getLogger("prime_rl.trainer")
 
@@ -49,3 +54,12 @@ class StepReceiver:
         if skipped:
             log.info("skipped %d re-sent micro-batches of steps before %d", skipped, step)
         return [got[i] for i in range(count)]
+
+
+def share_with_cp_group(micro_batches: list[MicroBatch] | None, world: World) -> list[MicroBatch]:
+    """The cp leader's micro-batches on every rank of its group (msgpack bytes over the group)."""
+    if world.cp == 1:
+        return micro_batches
+    box = [[encode(mb) for mb in micro_batches] if world.cp_rank == 0 else None]
+    dist.broadcast_object_list(box, src=world.cp_leader, group=world.cp_group)
+    return micro_batches if world.cp_rank == 0 else [decode(b) for b in box[0]]

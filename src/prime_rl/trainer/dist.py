@@ -1,7 +1,9 @@
 """The process's place among the trainer ranks (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK).
 
-Data parallelism only for now: the "dp x cp" group of the loss normalization is the dp group.
-On CPU the backend is gloo; on CUDA, nccl.
+The world is dp x cp ranks: `cp` consecutive ranks form one context-parallel group that shares each
+micro-batch of one data-parallel replica (rank = dp_rank * cp + cp_rank, so a group sits on one node
+whenever cp divides the ranks per node). FSDP shards parameters over the whole world, and the loss is
+normalized by the loss tokens of the whole world. On CPU the backend is gloo; on CUDA, nccl.
 """
 
 from __future__ import annotations
@@ -24,20 +26,51 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cp: int = 1
+    """Context-parallel ranks per data-parallel replica."""
+    cp_group: dist.ProcessGroup | None = None
+    """This rank's context-parallel group (None when cp = 1)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def dp(self) -> int:
+        return self.world_size // self.cp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which replica's micro-batches this rank trains on (the orchestrator's trainer rank)."""
+        return self.rank // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+    @property
+    def cp_leader(self) -> int:
+        """Global rank of this group's cp rank 0 (it receives the group's micro-batches)."""
+        return self.dp_rank * self.cp
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
-def init_world() -> World:
+class WorldError(RuntimeError):
+    """The ranks cannot be arranged as configured."""
+
+
+def init_world(cp: int = 1) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size % cp:
+        raise WorldError(
+            f"trainer.parallel.cp = {cp} does not divide the {world_size} trainer ranks: "
+            "the ranks must be data-parallel replicas of cp ranks each"
+        )
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -45,7 +78,24 @@ def init_world() -> World:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return World(rank, world_size, local_rank, device)
+    cp_group = None
+    if cp > 1:
+        # Every rank creates every group, in the same order (a collective on the world).
+        for first in range(0, world_size, cp):
+            group = dist.new_group(list(range(first, first + cp)))
+            if first <= rank < first + cp:
+                cp_group = group
+    return World(rank, world_size, local_rank, device, cp, cp_group)
+
+
+def init_world_or_exit(cp: int, prog: str) -> World:
+    """`init_world` for a console script: a rank layout that cannot work is one line and exit 2."""
+    try:
+        return init_world(cp)
+    except WorldError as e:
+        if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
+            sys.stderr.write(f"{prog}: error: {e}\n")
+        raise SystemExit(2) from None
 
 
 def all_reduce_sum(value: torch.Tensor, world: World) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Opt-in per-token export of what the loss saw, one JSONL line per packed sample.
 
-Layout: `<output_dir>/trainer/tokens/step_<N>/rank_<r>.jsonl`, and `READY` in the step folder once
-every rank's file is complete. Non-finite numbers are written as null.
+Layout: `<output_dir>/trainer/tokens/step_<N>/rank_<r>.jsonl` (r: the data-parallel rank; with
+context parallelism the group's cp rank 0 writes its whole micro-batches), and `READY` in the step
+folder once every rank's file is complete. Non-finite numbers are written as null.
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ def _clean(values: list[float]) -> list[float | None]:
 def export_tokens(output_dir: Path, step: int, results: list[MicroBatchResult], world: World) -> Path:
     folder = Path(output_dir) / "trainer" / "tokens" / f"step_{step}"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"rank_{world.rank}.jsonl"
+    path = folder / f"rank_{world.dp_rank}.jsonl"
+    if world.cp_rank == 0:
+        _write(path, step, results, world.dp_rank)
+    if world.distributed:
+        dist.barrier()
+    if world.is_main:
+        (folder / "READY").touch()
+    return path
+
+
+def _write(path: Path, step: int, results: list[MicroBatchResult], rank: int) -> None:
     with path.open("w") as f:
         for r in results:
             a = r.mb.arrays()
@@ -35,7 +46,7 @@ def export_tokens(output_dir: Path, step: int, results: list[MicroBatchResult], 
                 sl = slice(start, start + n)
                 record = {
                     "step": step,
-                    "rank": world.rank,
+                    "rank": rank,
                     "micro_batch": r.mb.index,
                     "env": env,
                     "input_ids": a["input_ids"][sl].tolist(),
@@ -49,8 +60,3 @@ def export_tokens(output_dir: Path, step: int, results: list[MicroBatchResult], 
                 }
                 f.write(json.dumps(record) + "\n")
                 start += n
-    if world.distributed:
-        dist.barrier()
-    if world.is_main:
-        (folder / "READY").touch()
-    return path

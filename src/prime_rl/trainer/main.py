@@ -17,8 +17,8 @@ from prime_rl.plugins import PluginError, load_function
 from prime_rl.preflight import check_trainer
 from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.data import StepReceiver
-from prime_rl.trainer.dist import World, init_world, run_rank
+from prime_rl.trainer.data import StepReceiver, share_with_cp_group
+from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.estimator import TokenAdvantageError
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.publish import Publisher
@@ -74,7 +74,7 @@ def estimator_summary(metrics: dict[str, float]) -> str:
 
 
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
-    world = world or init_world()
+    world = world or init_world(config.parallel.cp)
     output_dir = Path(config.output_dir)
     trainer = Trainer(config, world, loss_fn or load_custom_loss(config))
     start = resume_step(config)
@@ -91,9 +91,12 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         broadcaster = Broadcaster(config.weight_broadcast)
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, broadcaster)
     run_id = resolve_run_id(config.transport, output_dir)
-    receiver = StepReceiver(
-        make_receiver(config.transport, run_id, world.rank, output_dir, start_step=start), config.seq_len
-    )
+    receiver = None
+    if world.cp_rank == 0:  # the orchestrator sends to data-parallel ranks; cp peers get a copy
+        receiver = StepReceiver(
+            make_receiver(config.transport, run_id, world.dp_rank, output_dir, start_step=start),
+            config.seq_len,
+        )
     metrics_log = None
     if world.is_main:
         from prime_rl.monitor import MetricsLogger, forget_steps_from
@@ -108,7 +111,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     try:
         for step in range(start, config.max_steps):
             t_get = time.perf_counter()
-            micro_batches = receiver.get(step)
+            micro_batches = share_with_cp_group(receiver.get(step) if receiver else None, world)
             t_wait = time.perf_counter() - t_get
             metrics, results = trainer.train_step(micro_batches, step)
             if not math.isfinite(metrics["loss"]):
@@ -153,7 +156,8 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         publisher.close()
         if metrics_log is not None:
             metrics_log.close()
-        receiver.receiver.close()
+        if receiver is not None:
+            receiver.receiver.close()
 
 
 USER_ERRORS = (
@@ -168,7 +172,7 @@ USER_ERRORS = (
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer)
-    world = init_world()
+    world = init_world_or_exit(config.parallel.cp, "trainer")
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
     run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS)
 

@@ -8,10 +8,12 @@ reduce-scattered in backward and divided by the data-parallel size, which the tr
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from prime_rl.trainer.config import ModelConfig
+from prime_rl.trainer.context_parallel import cp_attention_problem, enable_cp_attention
 from prime_rl.trainer.dist import World
+from prime_rl.trainer.logprobs import attach_position_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -31,6 +33,24 @@ def load_model(config: ModelConfig, world: World) -> torch.nn.Module:
             "Give a local HF folder (config.json, safetensors, tokenizer) or a hub id that is reachable."
         ) from None
     model.to(world.device)
+    prepare_model(model, config, world, key="trainer.model.name")
+    attach_position_logprobs(model)
+    if world.distributed:
+        # The trainer calls this method instead of forward (body, then the lm_head in chunks).
+        register_fsdp_forward_method(model, "prime_rl_position_logprobs")
+    return model
+
+
+def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key: str) -> None:
+    """Context-parallel attention, activation checkpointing and FSDP2 sharding, as configured."""
+    if world.cp > 1:
+        problem = cp_attention_problem(model)
+        if problem:
+            raise ModelLoadError(
+                f"trainer.parallel.cp = {world.cp}, but the attention of {key} = '{config.name}' cannot be "
+                f"split across ranks: {problem}. Use cp = 1 for this model."
+            )
+        enable_cp_attention(model)
     if config.activation_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -39,7 +59,6 @@ def load_model(config: ModelConfig, world: World) -> torch.nn.Module:
             fully_shard(layer, reshard_after_forward=config.reshard_after_forward)
         fully_shard(model, reshard_after_forward=config.reshard_after_forward)
     model.train()
-    return model
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -13,7 +13,12 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach=False: the foreach kernels do not support every DTensor placement on CPU.
     return torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
+        params,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        foreach=False,
     )
 
 

@@ -20,7 +20,7 @@ from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import SFTConfig, SFTDataConfig
-from prime_rl.trainer.dist import World, init_world, run_rank
+from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.loss import sft_loss
 from prime_rl.trainer.main import USER_ERRORS, resume_step
 from prime_rl.trainer.publish import Publisher
@@ -141,7 +141,7 @@ def sample_stream(samples: list[TrainingSample], seed: int, start: int) -> Itera
 def run_sft(config: SFTConfig, world: World | None = None) -> Path:
     from transformers import AutoTokenizer
 
-    world = world or init_world()
+    world = world or init_world(config.parallel.cp)
     output_dir = Path(config.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     samples = []
@@ -168,7 +168,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
     for step in range(start, config.max_steps):
         t0 = time.perf_counter()
         batch = [next(stream) for _ in range(config.batch_size)]
-        mbs = pack(batch, config.seq_len, world.world_size, "sft", step)[world.rank]
+        mbs = pack(batch, config.seq_len, world.dp, "sft", step)[world.dp_rank]  # cp ranks share them
         metrics, _ = trainer.train_step(mbs)
         if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
             metrics_log.log(step, metrics)
@@ -188,7 +188,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv, prog="sft")
-    world = init_world()
+    world = init_world_or_exit(config.parallel.cp, "sft")
     setup_logging("sft")
     run_rank(world, "sft", lambda: run_sft(config, world), (*USER_ERRORS, SFTDataError))
 

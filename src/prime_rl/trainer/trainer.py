@@ -1,11 +1,18 @@
 """One optimizer step on the micro-batches of this rank, with the loss normalized globally.
 
 Normalization (the contract of DESIGN.md):
-1. before the micro-batch loop, all-reduce (sum) the local loss-token count over the dp group;
-2. each micro-batch's loss is its token-loss sum divided by that global count;
-3. after the loop, multiply the gradients by the factor FSDP divided them by (the dp size).
+1. before the micro-batch loop, all-reduce (sum) the loss tokens this rank owns over all dp x cp ranks;
+2. each micro-batch's loss is the sum of its owned tokens' losses divided by that global count;
+3. after the loop, multiply the gradients by the factor FSDP divided them by (dp x cp, the ranks it
+   shards over).
 The gradient is then that of the per-token mean over the whole global batch, however the tokens
-are split across ranks and micro-batches.
+are split across ranks, micro-batches and context-parallel shards.
+
+With context parallelism (`context_parallel.py`) each rank computes the logprobs of its share of a
+micro-batch's positions, and they are gathered back to full length: the estimators and losses run
+on the whole micro-batch on every rank of the group, and each token is owned (counted in the loss
+and in the metrics) by one rank. Reductions of per-micro-batch data that every rank of a group
+holds (sample counts, total tokens) count the group's cp rank 0 only.
 """
 
 from __future__ import annotations
@@ -19,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.context_parallel import SequenceShard, shard_micro_batch
 from prime_rl.trainer.critic import load_critic, value_loss
 from prime_rl.trainer.dist import World, all_reduce_max, all_reduce_sum
 from prime_rl.trainer.estimator import TokenAdvantageError, TokenAdvantageInputs, TokenEstimator
 from prime_rl.trainer.kl_reward import KLController, kl_rewards
-from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, position_logprobs
 from prime_rl.trainer.loss import LossInputs, LossOutputs, rl_loss, sample_ids
 from prime_rl.trainer.model import load_model
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
@@ -106,6 +114,7 @@ class MicroBatchResult:
     mb: MicroBatch
     trainer_logprobs: torch.Tensor
     token_loss: torch.Tensor
+    """Of the whole micro-batch (the same on every rank of a cp group)."""
     masks: dict[str, torch.Tensor]
 
 
@@ -127,6 +136,8 @@ class Prepared:
 
     mb: MicroBatch
     t: dict[str, torch.Tensor]
+    """Full-length per-token tensors; t["owned"] marks the tokens this rank counts."""
+    shard: SequenceShard
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -162,6 +173,30 @@ class Trainer:
             "logprobs": torch.from_numpy(a["logprobs"].copy()).to(dev),
         }
 
+    def _shard(self, mb: MicroBatch) -> SequenceShard:
+        w = self.world
+        return shard_micro_batch(mb.sample_lens, w.cp, w.cp_rank, w.cp_group, w.device)
+
+    def _logprobs(
+        self, model: torch.nn.Module, t: dict, shard: SequenceShard, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs, entropy) of the whole micro-batch, aligned to tokens; this rank computes its shard."""
+        lp, entropy = position_logprobs(
+            model,
+            shard.take(t["input_ids"]),
+            shard.take(t["position_ids"]),
+            shard.take(next_token_targets(t["input_ids"])),
+            temperature,
+            self.config.model.logprob_chunk_tokens,
+            **shard.model_kwargs(),
+        )
+        return align_to_tokens(shard.gather(lp)), align_to_tokens(shard.gather(entropy.detach()))
+
+    def _values(self, t: dict, shard: SequenceShard) -> torch.Tensor:
+        """The critic's values of the whole micro-batch, aligned to tokens."""
+        v = self.critic(shard.take(t["input_ids"]), shard.take(t["position_ids"]), **shard.model_kwargs())
+        return align_to_tokens(shard.gather(v))
+
     def extra_state(self) -> dict:
         """What a checkpoint keeps besides the modules and optimizers (the same on every rank)."""
         return {"kl_beta": self.kl.beta}
@@ -179,21 +214,25 @@ class Trainer:
         """First pass, without gradients: reference logprobs and old values where needed, then each
         micro-batch's per-token advantages (and returns), whitened over all ranks when configured."""
         out, kl_sum, samples = [], torch.zeros((), dtype=torch.float64, device=self.world.device), 0
+        lead = self.world.cp_rank == 0
         for mb in micro_batches:
             t = self._tensors(mb)
+            shard = self._shard(mb)
+            t["owned"] = shard.owned_tokens(self.world.device)
             mask = t["loss_mask"]
             ref = values = None
             if self.ref_model is not None:
-                ref, _ = forward_logprobs(self.ref_model, t["input_ids"], t["position_ids"], mb.temperature)
+                ref, _ = self._logprobs(self.ref_model, t, shard, mb.temperature)
             if self.critic is not None:
-                values = self.critic(t["input_ids"], t["position_ids"]) * mask
+                values = self._values(t, shard) * mask
             kl_reward = torch.zeros_like(t["advantages"])
             if self.config.kl_reward.beta > 0:
                 kl_reward, kl = kl_rewards(
                     t["logprobs"], ref, mask, self.kl.beta, self.config.kl_reward.estimator
                 )
-                kl_sum += kl.sum().double()
-                samples += sum(1 for n in _loss_tokens_per_sample(mask, mb.sample_lens) if n > 0)
+                kl_sum += kl[t["owned"]].sum().double()
+                if lead:
+                    samples += sum(1 for n in _loss_tokens_per_sample(mask, mb.sample_lens) if n > 0)
             est = self.estimator(
                 TokenAdvantageInputs(
                     loss_mask=mask,
@@ -207,7 +246,7 @@ class Trainer:
             if self.critic is not None and est.returns is None:
                 raise TokenAdvantageError(f"estimator '{self.estimator.name}' gave no returns for the critic")
             t["advantages"] = est.advantages
-            out.append(Prepared(mb, t, ref, values, est.returns))
+            out.append(Prepared(mb, t, shard, ref, values, est.returns))
         mode = self.config.advantage.batch_normalize
         if mode != "none":
             whiten_advantages(out, mode, self.world)
@@ -228,7 +267,7 @@ class Trainer:
         for mb in micro_batches:
             mb.validate(seq_len=self.config.seq_len)
         prepared, prepare_metrics = self.prepare(micro_batches)
-        local = sum(int(p.t["loss_mask"].sum()) for p in prepared)
+        local = sum(int((p.t["loss_mask"] & p.t["owned"]).sum()) for p in prepared)
         global_tokens = all_reduce_sum(torch.tensor(float(local), dtype=torch.float64), self.world).item()
         denom = max(global_tokens, 1.0)
         train_policy = self.policy_trains(step)
@@ -236,7 +275,7 @@ class Trainer:
         for p in prepared:
             mb, t = p.mb, p.t
             with torch.set_grad_enabled(train_policy):
-                lp, entropy = forward_logprobs(self.model, t["input_ids"], t["position_ids"], mb.temperature)
+                lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
                 inputs = LossInputs(
                     lp,
                     t["logprobs"],
@@ -247,15 +286,16 @@ class Trainer:
                     p.ref_logprobs,
                 )
                 out = self.loss_fn(inputs)
+                token_loss = out.token_loss * t["owned"]
             if train_policy:
-                (out.token_loss.sum() / denom).backward()
+                (token_loss.sum() / denom).backward()
             self._record(stats, mb, t, lp.detach(), entropy, out)
             if self.critic is not None:
                 self._critic_backward(stats, p, denom)
             results.append(MicroBatchResult(mb, lp.detach(), out.token_loss.detach(), out.masks))
         if self.world.distributed:
-            # FSDP2 averaged the reduce-scattered gradients over the dp ranks; the loss is already
-            # divided by the global count, so undo that average.
+            # FSDP2 averaged the reduce-scattered gradients over all dp x cp ranks; the loss is
+            # already divided by the global count, so undo that average.
             for module in (self.model, self.critic):
                 for p in module.parameters() if module is not None else ():
                     if p.grad is not None:
@@ -264,9 +304,10 @@ class Trainer:
 
     def _critic_backward(self, stats: TokenStats, p: Prepared, denom: float) -> None:
         mask = p.t["loss_mask"]
-        values = self.critic(p.t["input_ids"], p.t["position_ids"])
+        values = self._values(p.t, p.shard)
         loss, clipped = value_loss(values, p.old_values, p.returns, mask, self.config.critic.value_clip)
-        (loss.sum() / denom).backward()
+        (loss[p.t["owned"]].sum() / denom).backward()
+        mask = mask & p.t["owned"]
         rows = stats.rows(p.mb.env_names)[sample_ids(p.mb.sample_lens, mask.device)][mask]
         stats.add("critic/value_loss", rows, loss[mask])
         stats.add("critic/value_clipped", rows, clipped[mask].float())
@@ -275,10 +316,8 @@ class Trainer:
     def _record(
         self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs
     ) -> None:
-        mask = t["loss_mask"]
-        rows = stats.rows(mb.env_names)[sample_ids(mb.sample_lens, mask.device)][
-            mask
-        ]  # env row per loss token
+        mask = t["loss_mask"] & t["owned"]
+        rows = stats.rows(mb.env_names)[sample_ids(mb.sample_lens, mask.device)][mask]  # env row per token
         d = (lp - t["logprobs"])[mask]
         stats.add("loss", rows, out.token_loss[mask])
         stats.add("entropy", rows, entropy[mask])
@@ -319,7 +358,8 @@ class Trainer:
         results, global_tokens = acc.results, acc.global_tokens
         metrics = acc.stats.reduce(self.world)
         metrics.update(acc.metrics)
-        loss_sum = sum(float(r.token_loss.sum()) for r in results)
+        # Every rank of a cp group holds its micro-batches' full token losses: count them once.
+        loss_sum = sum(float(r.token_loss.sum()) for r in results) if self.world.cp_rank == 0 else 0.0
         loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64), self.world).item() / max(
             global_tokens, 1
         )
@@ -333,9 +373,8 @@ class Trainer:
         if "kl_reward/samples" in metrics:
             self.kl = self.kl.update(metrics["kl_reward/kl_per_sample"], int(metrics["kl_reward/samples"]))
         elapsed = time.perf_counter() - t0
-        tokens = all_reduce_sum(
-            torch.tensor(float(sum(mb.num_tokens for mb in micro_batches))), self.world
-        ).item()
+        local_tokens = sum(mb.num_tokens for mb in micro_batches) if self.world.cp_rank == 0 else 0
+        tokens = all_reduce_sum(torch.tensor(float(local_tokens)), self.world).item()
         metrics.update(
             {
                 "loss": loss,
@@ -375,8 +414,9 @@ def whiten_advantages(prepared: list[Prepared], mode: str, world: World) -> None
             [index.get(e, 0) if mode == "env" else 0 for e in p.mb.env_names], device=dev
         )
         rows = per_sample[sample_ids(p.mb.sample_lens, dev)][mask]
+        counted = p.t["owned"][mask]  # each token once over the cp group
         a = p.t["advantages"][mask].to(torch.float64)
-        moments.index_add_(0, rows, torch.stack([torch.ones_like(a), a, a * a], dim=1))
+        moments.index_add_(0, rows[counted], torch.stack([torch.ones_like(a), a, a * a], dim=1)[counted])
         rows_of.append(rows)
     moments = all_reduce_sum(moments, world)
     n = moments[:, 0].clamp(min=1)
@@ -393,7 +433,7 @@ def explained_variance(prepared: list[Prepared], world: World) -> float:
     """1 - Var(returns - old values) / Var(returns) over the step's model tokens on all ranks."""
     sums = torch.zeros(5, dtype=torch.float64, device=world.device)
     for p in prepared:
-        mask = p.t["loss_mask"]
+        mask = p.t["loss_mask"] & p.t["owned"]
         r, v = p.returns[mask].double(), p.old_values[mask].double()
         d = r - v
         sums += torch.stack(

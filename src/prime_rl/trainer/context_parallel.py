@@ -1,0 +1,175 @@
+"""Context parallelism: the tokens of one packed micro-batch split across the `cp` ranks of a group.
+
+Split: the micro-batch's T positions are cut into 2 * cp contiguous chunks; rank r holds chunks r and
+2 * cp - 1 - r (an early and a late one), so under causal attention every rank has about the same
+work. Ranks are padded to one length L (at most one or two positions); padding attends only to
+padding and its outputs are dropped.
+
+Attention: each layer all-gathers the keys and values of the group (after RoPE, which used the real
+position ids) and attends its own queries to them under a mask that lets a query see the keys of
+its own sample at or before its own place, so samples never attend to each other, exactly as
+without cp. In backward, the gathered keys' and values' gradients are summed over the group and
+each rank keeps its own slice.
+
+Invariant: every per-position value a rank computes (logprobs, entropies, values) is gathered back
+to the full micro-batch with `SequenceShard.gather`, whose backward sums the group's gradients, so
+the losses see the same full-length tensors as without cp and need no change. Each rank then adds
+to its loss only the tokens it *owns* (those predicted from its positions), so the group's losses
+sum to the micro-batch's loss once. With cp = 1 the shard is the whole micro-batch and every
+method is the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ATTENTION = "prime_rl_cp"
+"""The attention implementation name registered with transformers."""
+
+SHARD_KWARG = "cp_shard"
+"""The keyword under which a model call hands the shard down to every attention layer."""
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's share of one packed micro-batch of `length` positions."""
+
+    length: int
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+    index: torch.Tensor | None = None
+    """[L] the micro-batch position of each local position; padding holds `length` (out of range)."""
+    mask: torch.Tensor | None = None
+    """[L, size * L] bool: which gathered keys each local query may attend to."""
+
+    @property
+    def split(self) -> bool:
+        return self.size > 1
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The local positions of a per-position tensor of shape [T] (padding gets 0)."""
+        if not self.split:
+            return full
+        padded = torch.cat([full, full.new_zeros(1)])
+        return padded[self.index]
+
+    def owned_tokens(self, device: torch.device) -> torch.Tensor:
+        """[T] bool: the tokens whose loss and metrics this rank counts, those predicted from its
+        positions (token t from position t - 1); each token is owned by exactly one rank."""
+        if not self.split:
+            return torch.ones(self.length, dtype=torch.bool, device=device)
+        positions = torch.zeros(self.length + 1, dtype=torch.bool, device=device)
+        positions[self.index] = True
+        return torch.cat([positions.new_zeros(1), positions[: self.length - 1]])
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """A per-position tensor [L] of every rank, put back together as [T] (differentiable)."""
+        if not self.split:
+            return local
+        everything = _GatherSum.apply(local, self.group, self.size, self.rank, 0)  # [size * L]
+        full = local.new_zeros(self.length + 1)
+        full = full.index_copy(0, self.keys(local.device), everything)  # padding lands on the extra slot
+        return full[: self.length]
+
+    def keys(self, device: torch.device) -> torch.Tensor:
+        """[size * L] micro-batch position of each gathered entry, in rank order (padding: `length`)."""
+        return _all_indices(self.length, self.size, device).flatten()
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments of a model call that make its attention layers attend across the group."""
+        return {SHARD_KWARG: self} if self.split else {}
+
+
+def shard_micro_batch(
+    sample_lens: list[int], size: int, rank: int, group, device: torch.device
+) -> SequenceShard:
+    """This rank's shard of a micro-batch made of samples of `sample_lens` tokens."""
+    length = sum(sample_lens)
+    if size == 1:
+        return SequenceShard(length)
+    indices = _all_indices(length, size, device)  # [size, L]
+    sample = torch.repeat_interleave(
+        torch.arange(len(sample_lens), device=device), torch.tensor(sample_lens, device=device)
+    )
+    # Padding is a sample of its own (-1) and sits after every real position, so each padding query
+    # has at least itself to attend to (an all-masked row would give NaN).
+    sample = torch.cat([sample, sample.new_full((1,), -1)])
+    pad_order = torch.arange(indices.numel(), device=device).view_as(indices) + length
+    order = torch.where(indices < length, indices, pad_order)
+    q, k = indices[rank], indices.flatten()
+    q_order, k_order = order[rank], order.flatten()
+    mask = (sample[q][:, None] == sample[k][None, :]) & (k_order[None, :] <= q_order[:, None])
+    return SequenceShard(length, size, rank, group, q, mask)
+
+
+def _all_indices(length: int, size: int, device: torch.device) -> torch.Tensor:
+    """[size, L]: rank r's positions (chunks r and 2 * size - 1 - r of 2 * size), padded with `length`."""
+    chunks = torch.arange(length, device=device).tensor_split(2 * size)
+    per_rank = [torch.cat([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)]
+    width = max(len(p) for p in per_rank)
+    return torch.stack([F.pad(p, (0, width - len(p)), value=length) for p in per_rank])
+
+
+class _GatherSum(torch.autograd.Function):
+    """All-gather along `dim` in rank order; backward: the gradients of all ranks summed, then this
+    rank's slice (a reduce-scatter, written as all-reduce + slice because gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size: int, rank: int, dim: int):
+        ctx.group, ctx.rank, ctx.dim, ctx.width = group, rank, dim, x.shape[dim]
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(ctx.dim, ctx.rank * ctx.width, ctx.width), None, None, None, None
+
+
+def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function (query [B, Hq, L, D], key/value [B, Hkv, L, D]): this rank's
+    queries against the whole group's keys and values."""
+    shard: SequenceShard | None = kwargs.get(SHARD_KWARG)
+    if shard is None:
+        raise RuntimeError(
+            "the model's attention is set up for context parallelism, but this call passed no shard "
+            f"('{SHARD_KWARG}' keyword): run it through the trainer's micro-batch path"
+        )
+    kv = _GatherSum.apply(torch.stack([key, value]), shard.group, shard.size, shard.rank, 3)
+    out = F.scaled_dot_product_attention(
+        query,
+        kv[0],
+        kv[1],
+        attn_mask=shard.mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def cp_attention_problem(model: torch.nn.Module) -> str | None:
+    """Why this model's attention cannot be split across ranks, or None when it can."""
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not take a pluggable attention function from transformers"
+    config = model.config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
+        config, "use_sliding_window", False
+    ):
+        return "it uses sliding-window attention, which the context-parallel mask does not implement"
+    return None
+
+
+def enable_cp_attention(model: torch.nn.Module) -> None:
+    """Route the model's attention layers through `cp_attention` (registered with transformers once)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, cp_attention)
+    model.set_attn_implementation(ATTENTION)

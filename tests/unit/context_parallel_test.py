@@ -1,0 +1,143 @@
+"""Context parallelism: a micro-batch's positions split across cp ranks (gloo, FSDP2) train exactly
+like one rank holding it all, alone and combined with data parallelism; bad layouts are one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from prime_rl.trainer.config import ModelConfig, TrainerConfig
+from prime_rl.trainer.context_parallel import shard_micro_batch
+from prime_rl.trainer.dist import World, WorldError, init_world
+from prime_rl.trainer.model import ModelLoadError, load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_grad_test import run_worker
+
+CPU = torch.device("cpu")
+
+
+def shards(sample_lens: list[int], cp: int):
+    return [shard_micro_batch(sample_lens, cp, r, None, CPU) for r in range(cp)]
+
+
+@pytest.mark.parametrize("length", [1, 7, 100, 1001])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_positions_and_owned_tokens_are_partitions(length, cp):
+    parts = shards([length], cp)
+    positions = torch.cat([s.index[s.index < length] for s in parts])
+    assert sorted(positions.tolist()) == list(range(length))  # every position on exactly one rank
+    sizes = [int((s.index < length).sum()) for s in parts]
+    assert max(sizes) - min(sizes) <= 2 and all(len(s.index) == len(parts[0].index) for s in parts)
+    owned = torch.stack([s.owned_tokens(CPU) for s in parts]).sum(0)
+    assert owned[0] == 0 and (owned[1:] == 1).all()  # token 0 has no prediction; the rest: one owner
+
+
+def test_the_split_balances_causal_attention():
+    """Rank r holds an early and a late chunk: the attended (query, key) pairs per rank are equal."""
+    for cp in (2, 4):
+        work = [int(s.mask.sum()) for s in shards([4000], cp)]
+        assert (
+            max(work) / min(work) < 1.01
+        )  # a contiguous split would give the last rank 2cp - 1 times the first's
+
+
+def test_the_masks_put_together_are_block_diagonal_causal():
+    lens = [3, 5, 1, 4]
+    n = sum(lens)
+    expected = torch.block_diag(*[torch.ones(k, k).tril() for k in lens]).bool()
+    for cp in (2, 3):
+        got = torch.zeros(n, n, dtype=torch.bool)
+        for s in shards(lens, cp):
+            keys = s.keys(CPU)
+            for i, q in enumerate(s.index.tolist()):
+                if q < n:
+                    real = keys < n
+                    got[q, keys[real]] = s.mask[i, real]
+                else:  # padding sees no real key, and at least itself
+                    assert not s.mask[i, keys < n].any() and s.mask[i].any()
+        assert torch.equal(got, expected), cp
+
+
+@pytest.fixture(scope="module")
+def one_rank_steps(tiny_model, tmp_path_factory):
+    return run_worker(tiny_model, tmp_path_factory.mktemp("cp") / "one.pt", 1, 0, "steps=3")
+
+
+def assert_same_training(one: dict, other: dict) -> None:
+    moved = max((one["after"][n] - one["before"][n]).abs().max().item() for n in one["after"])
+    assert moved > 1e-4  # the steps trained, so equal parameters mean equal updates
+    for name, p in one["after"].items():
+        torch.testing.assert_close(other["after"][name], p, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+    for a, b in zip(one["metrics"], other["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "loss_tokens", "entropy/all/mean", "mismatch_kl/b/max"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key
+
+
+def test_cp2_trains_like_one_rank(tiny_model, tmp_path, one_rank_steps):
+    two = run_worker(tiny_model, tmp_path / "cp2.pt", 2, 0, "steps=3", "cp=2")
+    assert_same_training(one_rank_steps, two)
+    # The group's tokens are counted once (dp would add filler micro-batches to this count).
+    assert [m["tokens"] for m in two["metrics"]] == [m["tokens"] for m in one_rank_steps["metrics"]]
+
+
+def test_dp2_by_cp2_trains_like_one_rank(tiny_model, tmp_path, one_rank_steps):
+    four = run_worker(tiny_model, tmp_path / "dp2cp2.pt", 4, 5, "steps=3", "cp=2")
+    assert_same_training(one_rank_steps, four)
+
+
+def test_critic_estimators_and_metrics_under_dp2_by_cp2(tiny_model, tmp_path):
+    """GAE with a critic, KL in the reward and whitening: the values, returns and moments of a
+    context-parallel group count each token once, so gradients and metrics equal one rank's."""
+    one = run_worker(tiny_model, tmp_path / "one.pt", 1, 0, "gae")
+    four = run_worker(tiny_model, tmp_path / "four.pt", 4, 7, "gae", "cp=2")
+    assert four["global_tokens"] == one["global_tokens"]
+    for name, g in one["grads"].items():
+        assert g.abs().max() > 0 or "critic" not in name, name
+        torch.testing.assert_close(four["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+    assert set(four["metrics"]) == set(one["metrics"])
+    for key, value in one["metrics"].items():
+        assert abs(four["metrics"][key] - value) <= 1e-5 * max(1.0, abs(value)), key
+
+
+def test_ranks_that_cp_does_not_divide_are_an_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(WorldError, match=r"trainer.parallel.cp = 2 does not divide the 3 trainer ranks"):
+        init_world(2)
+
+
+def test_cp_longer_than_the_micro_batch_is_a_config_error():
+    with pytest.raises(ValidationError, match=r"parallel.cp = 8 cuts each micro-batch into 16 chunks"):
+        TrainerConfig(seq_len=8, parallel={"cp": 8})
+
+
+def test_a_model_whose_attention_cannot_be_split_names_the_key(tiny_model, tmp_path):
+    folder = tmp_path / "sliding"
+    folder.mkdir()
+    for f in Path(tiny_model).iterdir():
+        (folder / f.name).symlink_to(f)
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    (folder / "config.json").unlink()
+    config.update(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention"] * 2)
+    (folder / "config.json").write_text(json.dumps(config))
+    world = World(rank=0, world_size=2, cp=2)  # checked before anything distributed happens
+    with pytest.raises(
+        ModelLoadError, match=r"trainer.parallel.cp = 2, but the attention of trainer.model.name"
+    ):
+        load_model(ModelConfig(name=str(folder)), world)
+
+
+def test_the_trainer_console_script_says_it_in_one_line(tiny_model):
+    trainer = str(Path(sys.executable).parent / "trainer")
+    proc = subprocess.run(
+        [trainer, "--model.name", str(tiny_model), "--parallel.cp", "2"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "trainer: error: trainer.parallel.cp = 2 does not divide the 1 trainer ranks: "
+        "the ranks must be data-parallel replicas of cp ranks each"
+    ]
