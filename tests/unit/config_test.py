@@ -273,6 +273,15 @@ def test_bad_deployments_are_named(deployment, message):
         RLConfig(deployment=deployment)
 
 
+def test_context_parallelism_gives_the_orchestrator_data_parallel_ranks():
+    cfg = RLConfig(deployment={"nodes": NODES, "node": 2, "trainer_ranks": 2}, trainer={"parallel": {"cp": 2}})
+    _, orch, trainer = cfg.resolved()
+    assert cfg.deployment.world_size == 4 and trainer.parallel.cp == 2
+    assert orch.trainer_ranks == 2  # two replicas of two context-parallel ranks each
+    with pytest.raises(ValueError, match=r"'trainer.parallel.cp' = 3 does not divide the 4 trainer ranks"):
+        RLConfig(deployment={"nodes": NODES, "trainer_ranks": 2}, trainer={"parallel": {"cp": 3}})
+
+
 def test_the_teacher_may_not_take_a_policy_servers_port():
     with pytest.raises(ValueError, match=r"'teacher\.server\.port' = 8001 is a policy server's port"):
         RLConfig(deployment={"inference_servers": 2}, teacher={"model": {"name": DEFAULT_MODEL}, "server": {"port": 8001}},

@@ -285,7 +285,7 @@ class RLConfig(RootConfig):
         orch = self.orchestrator.model_copy(
             update={
                 "client": self.orchestrator.client.model_copy(update={"base_urls": urls}),
-                "trainer_ranks": d.world_size,
+                "trainer_ranks": d.world_size // self.trainer.parallel.cp,  # data-parallel ranks
                 "transport": transport,
             }
         )
@@ -311,6 +311,16 @@ class RLConfig(RootConfig):
         trainer = self.trainer.model_copy(update={"transport": orch.transport, "ckpt": ckpt,
                                                   "weight_broadcast": broadcast})  # fmt: skip
         return self.policy_servers()[0], orch, trainer
+
+    @model_validator(mode="after")
+    def _cp_divides_the_trainer_ranks(self):
+        cp, ranks = self.trainer.parallel.cp, self.deployment.world_size
+        if ranks % cp:
+            raise ValueError(
+                f"'trainer.parallel.cp' = {cp} does not divide the {ranks} trainer ranks "
+                f"('deployment.trainer_ranks' x trainer nodes): each data-parallel replica is cp ranks"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sequences_fit_the_server(self):
