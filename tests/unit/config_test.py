@@ -274,7 +274,9 @@ def test_bad_deployments_are_named(deployment, message):
 
 
 def test_context_parallelism_gives_the_orchestrator_data_parallel_ranks():
-    cfg = RLConfig(deployment={"nodes": NODES, "node": 2, "trainer_ranks": 2}, trainer={"parallel": {"cp": 2}})
+    cfg = RLConfig(
+        deployment={"nodes": NODES, "node": 2, "trainer_ranks": 2}, trainer={"parallel": {"cp": 2}}
+    )
     _, orch, trainer = cfg.resolved()
     assert cfg.deployment.world_size == 4 and trainer.parallel.cp == 2
     assert orch.trainer_ranks == 2  # two replicas of two context-parallel ranks each

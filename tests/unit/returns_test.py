@@ -131,6 +131,7 @@ def test_adaptive_kl_controller_by_hand():
 def test_trainer_whitens_token_advantages_per_env_over_model_tokens():
     import numpy as np
 
+    from prime_rl.trainer.context_parallel import shard_micro_batch
     from prime_rl.trainer.dist import World
     from prime_rl.trainer.trainer import Prepared, whiten_advantages
     from prime_rl.transport.messages import TrainingSample
@@ -144,9 +145,9 @@ def test_trainer_whitens_token_advantages_per_env_over_model_tokens():
     for mb in pack(samples, 8, 1, "r", 0)[0]:  # several micro-batches
         a = mb.arrays()
         mask = torch.from_numpy(a["loss_mask"].astype(bool))
-        prepared.append(
-            Prepared(mb, {"loss_mask": mask, "advantages": torch.from_numpy(a["advantages"].copy()) * mask})
-        )
+        t = {"loss_mask": mask, "advantages": torch.from_numpy(a["advantages"].copy()) * mask}
+        shard = shard_micro_batch(mb.sample_lens, 1, 0, None, mask.device)
+        prepared.append(Prepared(mb, {**t, "owned": shard.owned_tokens(mask.device)}, shard))
     whiten_advantages(prepared, "env", World())
     got: dict[str, list[float]] = {"a": [], "b": []}
     for p in prepared:

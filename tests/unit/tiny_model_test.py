@@ -1,6 +1,7 @@
 """The project's own tiny model: deterministic, and loadable by transformers with a ChatML template."""
 
 import hashlib
+import json
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,3 +84,38 @@ def test_tools_calls_and_results_render_and_re_render_exactly(tiny_model):
         plain
         == "<|im_start|>system\nUse tools.<|im_end|>\n<|im_start|>user\n2 + 3<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_the_real_vocab_preset_has_qwen3s_vocabulary_and_every_id_decodes(tmp_path):
+    folder = make_tiny_model(
+        TinyModelConfig(
+            output=tmp_path / "rv",
+            preset="real-vocab",
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            num_kv_heads=1,
+            corpus_lines=300,
+        )
+    )
+    tok = AutoTokenizer.from_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == len(tok) == 151_936 and config["hidden_size"] == 32  # flags win
+    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+    assert None not in tokens and len(set(tokens)) == len(tokens)  # no hole, no duplicate
+    assert tok.convert_tokens_to_ids("<tool_call>") < 600  # added tokens keep their ids
+    text = "Reverse the text: abc <tool_call>"
+    ids = tok(text)["input_ids"]
+    assert max(ids) < 600 and tok.decode(ids) == text  # text never encodes to reserved tokens
+    assert tok.decode([151_935]) == "<|reserved_151935|>"
+
+
+def test_the_qwen3_0_6b_preset_has_its_shape():
+    config = TinyModelConfig(preset="qwen3-0.6b")
+    assert (config.model_vocab_size, config.hidden_size, config.num_layers, config.head_dim) == (
+        151_936,
+        1024,
+        28,
+        128,
+    )
+    assert config.tie_word_embeddings and config.num_kv_heads == 8
