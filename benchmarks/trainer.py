@@ -2,11 +2,13 @@
 
     uv run python benchmarks/trainer.py [--hidden 256 --layers 4 --seq-len 2048 --micro-batches 8]
 
-Both train the same freshly built model (make-tiny-model at the given size) on the same packed
+All train the same freshly built model (make-tiny-model at the given size) on the same packed
 micro-batches: the trainer through `Trainer.train_step` (validation, per-token loss with ratio and
-masks, global token normalization, metrics, clipping, AdamW); the bare loop through one forward,
-a policy-gradient loss and backward per micro-batch, then clipping and AdamW. Rounds alternate
-between the two, so machine noise hits both; the ratio of their median tokens/s is printed.
+masks, global token normalization, metrics, clipping, AdamW), with its chunked logprobs and once more
+with the full-logits logprobs it used before (`full_logits_logprobs`: the model's whole [tokens x
+vocab] logits, then log_softmax); the bare loop through one forward, a policy-gradient loss and
+backward per micro-batch, then clipping and AdamW. Rounds alternate between the three, so machine
+noise hits all; the ratios of their median tokens/s are printed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.dist import init_world
+from prime_rl.trainer.logprobs import full_logits_logprobs
 from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
@@ -71,27 +74,38 @@ def main() -> None:
         model={"name": str(folder)}, seq_len=args.seq_len, output_dir=str(folder.parent / "out")
     )
     trainer = Trainer(config, init_world())
+    full = Trainer(config, init_world())
+    # The path before chunking, on the same code otherwise.
+    full.model.prime_rl_position_logprobs = lambda ids, pos, targets, temperature=1.0, chunk_tokens=0, **kw: (
+        full_logits_logprobs(full.model, ids, pos, targets, temperature, **kw)
+    )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     tensors = [trainer._tensors(mb) for mb in mbs]
     tensors = [{**t, "loss_mask": t["loss_mask"].float()} for t in tensors]
 
-    trainer.train_step(mbs)  # warm-up, both sides
+    trainer.train_step(mbs)  # warm-up, all sides
+    full.train_step(mbs)
     bare_step(model, optimizer, tensors)
-    ours, bare = [], []
+    ours, before, bare = [], [], []
     for _ in range(args.rounds):
         t0 = time.perf_counter()
         trainer.train_step(mbs)
         ours.append(num_tokens / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        full.train_step(mbs)
+        before.append(num_tokens / (time.perf_counter() - t0))
         t0 = time.perf_counter()
         bare_step(model, optimizer, tensors)
         bare.append(num_tokens / (time.perf_counter() - t0))
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"model {params:.1f}M params, {len(mbs)} micro-batches, {num_tokens} tokens per step, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds")  # fmt: skip
-    print(f"trainer tokens/s (median) {statistics.median(ours):.0f}")
-    print(f"bare    tokens/s (median) {statistics.median(bare):.0f}")
-    print(f"ratio trainer / bare      {statistics.median(ours) / statistics.median(bare):.3f}")
+    print(f"trainer tokens/s (median)             {statistics.median(ours):.0f}")
+    print(f"trainer, full logits tokens/s (median) {statistics.median(before):.0f}")
+    print(f"bare    tokens/s (median)             {statistics.median(bare):.0f}")
+    print(f"ratio trainer / bare                   {statistics.median(ours) / statistics.median(bare):.3f}")
+    print(f"ratio trainer / full-logits trainer    {statistics.median(ours) / statistics.median(before):.3f}")
 
 
 if __name__ == "__main__":

@@ -141,3 +141,55 @@ def test_the_trainer_console_script_says_it_in_one_line(tiny_model):
         "trainer: error: trainer.parallel.cp = 2 does not divide the 1 trainer ranks: "
         "the ranks must be data-parallel replicas of cp ranks each"
     ]
+
+
+def test_cp2_checkpoints_and_resumes_like_an_uninterrupted_rank(tiny_model, tmp_path):
+    """Killed-and-resumed at a checkpoint under cp = 2 (the trainer as users run it: torchrun, the
+    filesystem transport, cp rank 0 reading and sharing), the weights after 3 steps equal those of one
+    rank trained 3 steps straight; the token export is one file per data-parallel rank."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from prime_rl.net import free_port
+    from prime_rl.transport.file_transport import FileSender
+    from prime_rl.transport.packing import pack
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trainer_test import samples
+
+    def run(name: str, ranks: int, cp: int, max_steps: int, feed: range) -> Path:
+        data, out = tmp_path / f"{name}-data", tmp_path / name
+        sender = FileSender(data)
+        for step in feed:
+            for mb in pack(samples(step, n=12), 128, 1, name, step)[0]:
+                sender.send(mb)
+        toml = tmp_path / f"{name}.toml"
+        toml.write_text(
+            f'output_dir = "{out}"\nmax_steps = {max_steps}\nseq_len = 128\n[model]\nname = "{tiny_model}"\n'
+            f"[parallel]\ncp = {cp}\n[optim]\nlr = 1e-3\neps = 1e-3\n[ckpt]\ninterval = 2\nresume_step = -1\n"
+            f'[export]\nenabled = true\n[transport]\ntype = "filesystem"\ndir = "{data}"\nrun_id = "{name}"\n'
+            "timeout_s = 60\n"
+        )
+        cmd = [sys.executable, "-m", "prime_rl.trainer.main", "@", str(toml)]
+        if ranks > 1:
+            cmd[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+                        "127.0.0.1", "--master-port", str(free_port()), "-m", "prime_rl.trainer.main"]  # fmt: skip
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    run("cp", 2, 2, 2, range(2))
+    resumed = run("cp", 2, 2, 3, range(2, 3))
+    straight = run("one", 1, 1, 3, range(3))
+    assert sorted(p.name for p in (resumed / "trainer" / "tokens" / "step_2").iterdir()) == [
+        "READY",
+        "rank_0.jsonl",
+    ]
+    base = load_file(Path(tiny_model) / "model.safetensors")
+    a, b = (load_file(o / "weights" / "step_3" / "model.safetensors") for o in (resumed, straight))
+    assert max((b[k] - base[k]).abs().max().item() for k in base) > 1e-3  # it trained
+    for name, w in b.items():
+        torch.testing.assert_close(a[name], w, rtol=1e-5, atol=1e-6, msg=f"{name} differs")

@@ -22,6 +22,7 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.main import NaNLossError, train
+from prime_rl.trainer.memory import OutOfMemory, advice
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
@@ -229,6 +230,35 @@ def test_nan_loss_skips_the_step_and_stops_after_n(tiny_model, tmp_path):
     start = load_file(Path(tiny_model) / "model.safetensors")
     after = load_file(tmp_path / "out" / "weights" / "step_1" / "model.safetensors")
     assert all(torch.equal(start[k], after[k]) for k in start)  # the NaN step did not update
+
+
+def test_a_step_that_runs_out_of_memory_names_the_knobs(tiny_model, tmp_path):
+    data = tmp_path / "data"
+    sender = FileSender(data)
+    for mb in micro_batches(0, "m"):
+        sender.send(mb)
+    config = TrainerConfig(
+        model={"name": str(tiny_model)}, output_dir=str(tmp_path / "out"), max_steps=1, seq_len=128,
+        transport={"type": "filesystem", "dir": str(data), "run_id": "m", "timeout_s": 30},
+    )  # fmt: skip
+
+    def greedy_loss(inputs):
+        torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the CPU allocator refuses
+        raise AssertionError("allocated 1 PiB")
+
+    with pytest.raises(OutOfMemory) as error:
+        train(config, loss_fn=greedy_loss)
+    message = str(error.value)
+    assert message.startswith("step 0 ran out of CPU memory on micro-batches of up to ")
+    assert "can't allocate memory" in message and "\n" not in message
+    assert "trainer.model.activation_checkpointing = true; " in message
+    assert "seq_len = 64 (the micro-batch token budget; now 128)" in message
+    assert 'trainer.model.dtype = "bfloat16"' in message
+    with_ac = config.model_copy(
+        update={"model": config.model.model_copy(update={"activation_checkpointing": True})}
+    )
+    assert "activation_checkpointing" not in "; ".join(advice(with_ac, ranks=1))
+    assert "trainer.parallel.cp = 2 (tokens per rank / 2)" in advice(config, ranks=2)
 
 
 def test_header_must_match_the_run(tmp_path):

