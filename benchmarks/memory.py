@@ -1,10 +1,11 @@
 """Trainer memory at a real vocabulary: a trainer step's peak against a bare forward and backward of
 the model body, and the longest micro-batch that fits one memory budget at cp = 1 and cp = 2.
 
-    uv run python benchmarks/memory.py [--tokens 2048 4096 8192] [--budget-gb B] [--ac]
+    uv run python benchmarks/memory.py [--tokens 2048 4096 8192] [--budget-gb B] [--ac] [--preset P]
 
 The model is `make-tiny-model --preset real-vocab` (Qwen3's vocabulary of 151,936, width 256, 2
-layers, random weights). Every measurement runs in a fresh process, so peaks do not mix, with glibc
+layers, random weights), or another preset (`qwen3-0.6b`: Qwen3-0.6B's shape; `--no-search` then
+saves the long bisection). Every measurement runs in a fresh process, so peaks do not mix, with glibc
 told to hand freed memory back (MALLOC_MMAP_THRESHOLD_), and reads how far the peak RSS (VmHWM, reset
 through /proc/self/clear_refs) rose above the RSS before the measured step:
 - body: forward and backward of the model's body (embeddings, decoder layers, final norm; loss = mean
@@ -12,8 +13,12 @@ through /proc/self/clear_refs) rose above the RSS before the measured step:
 - trainer: `Trainer.train_step` on one packed micro-batch (validation, chunked logprobs, loss,
   metrics, clipping, AdamW), its second step, when the optimizer state exists, as in a long run;
 - cp = 2: the same trainer step on two gloo ranks under torchrun; the larger rank's peak counts.
-The longest micro-batch that fits is bisected in steps of 512 tokens against the budget (default:
-what the trainer at cp = 1 needs for the middle --tokens length), once at cp = 1 and once at cp = 2.
+"trainer in all" is a rank's peak above the bare interpreter (torch and transformers imported): its
+share of the parameters, optimizer state and gradients, plus the step's own memory; with several
+ranks FSDP shards the first three, and gathers each unit's parameters while it computes. The
+longest micro-batch that fits is bisected in steps of 512 tokens against that per-rank figure
+(budget default: what the trainer at cp = 1 needs in all for the middle --tokens length), once at
+cp = 1 and once at cp = 2.
 """
 
 from __future__ import annotations
@@ -39,15 +44,15 @@ def status(key: str) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) / 2**20
 
 
-def measure(fn) -> tuple[float, float]:
-    """(peak RSS growth in GB, seconds) of one call."""
+def measure(fn) -> tuple[float, float, float]:
+    """(peak RSS growth in GB, peak RSS in GB, seconds) of one call."""
     gc.collect()
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak restarts from the current RSS
     t0 = time.perf_counter()
     fn()
-    return status("VmHWM") - before, time.perf_counter() - t0
+    return status("VmHWM") - before, status("VmHWM"), time.perf_counter() - t0
 
 
 def samples(tokens: int, vocab: int) -> list:
@@ -73,6 +78,7 @@ def probe(args) -> None:
     from prime_rl.transport.packing import pack
 
     world = init_world(args.cp)
+    base = status("VmRSS")  # the interpreter, torch and transformers, before any model
     config = TrainerConfig(model={"name": args.model, "activation_checkpointing": args.ac}, seq_len=args.tokens,
                            parallel={"cp": args.cp}, output_dir=tempfile.mkdtemp())  # fmt: skip
     trainer = Trainer(config, world)
@@ -94,8 +100,8 @@ def probe(args) -> None:
             trainer.train_step(mbs)
 
         step()  # the optimizer state now exists
-    gb, s = measure(step)
-    Path(f"{args.out}.{world.rank}").write_text(json.dumps({"gb": gb, "s": s}))
+    gb, peak, s = measure(step)
+    Path(f"{args.out}.{world.rank}").write_text(json.dumps({"gb": gb, "rank_gb": peak - base, "s": s}))
     close_world(world)
     exit_rank(world, 0)
 
@@ -114,16 +120,17 @@ def run_probe(model: Path, kind: str, tokens: int, cp: int = 1, ac: bool = False
     if proc.returncode:
         raise SystemExit(f"probe {kind} {tokens} cp={cp} failed:\n{proc.stderr[-3000:]}")
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(cp)]
-    return {"gb": max(r["gb"] for r in ranks), "s": max(r["s"] for r in ranks)}
+    return {k: max(r[k] for r in ranks) for k in ("gb", "rank_gb", "s")}
 
 
 def longest(model: Path, cp: int, budget: float, lo: int, hi: int) -> int:
-    """The longest micro-batch (a multiple of STEP in [lo, hi]) whose trainer step stays within budget."""
-    if run_probe(model, "trainer", lo, cp)["gb"] > budget:
+    """The longest micro-batch (a multiple of STEP in [lo, hi]) whose trainer step keeps each rank's
+    memory (model, optimizer state, gradients, activations) within budget."""
+    if run_probe(model, "trainer", lo, cp)["rank_gb"] > budget:
         return 0
     while hi - lo > STEP:
         mid = (lo + hi) // 2 // STEP * STEP
-        if run_probe(model, "trainer", mid, cp)["gb"] <= budget:
+        if run_probe(model, "trainer", mid, cp)["rank_gb"] <= budget:
             lo = mid
         else:
             hi = mid
@@ -142,6 +149,8 @@ def main() -> None:
     ap.add_argument(
         "--search-hi", type=int, default=None, help="upper end of the search (default 3x the middle length)"
     )
+    ap.add_argument("--preset", default="real-vocab", help="make-tiny-model preset")
+    ap.add_argument("--no-search", action="store_true", help="skip the longest-micro-batch search")
     args = ap.parse_args()
     if args.probe:
         args.tokens = args.tokens[0]
@@ -149,18 +158,18 @@ def main() -> None:
 
     from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 
-    model = make_tiny_model(
-        TinyModelConfig(output=Path(tempfile.mkdtemp()) / "real-vocab", preset="real-vocab")
-    )
-    print(f"real-vocab model (151,936 x 256, 2 layers), one packed micro-batch, peak RSS growth of one step"
+    model = make_tiny_model(TinyModelConfig(output=Path(tempfile.mkdtemp()) / "model", preset=args.preset))
+    print(f"{args.preset} model, one packed micro-batch, peak RSS growth of one step"
           f"{' (activation checkpointing)' if args.ac else ''}")  # fmt: skip
-    print(f"{'tokens':>7} | {'body':>8} | {'trainer':>8} | ratio | {'body s':>7} | {'trainer s':>9}")
+    print(
+        f"{'tokens':>7} | {'body':>8} | {'trainer':>8} | ratio | {'body s':>7} | {'trainer s':>9} | trainer in all"
+    )
     rows = {}
     for n in args.tokens:
         body, trainer = run_probe(model, "body", n), run_probe(model, "trainer", n, ac=args.ac)
         rows[n] = (body, trainer)
         print(f"{n:>7} | {body['gb']:>6.2f}GB | {trainer['gb']:>6.2f}GB | {trainer['gb'] / body['gb']:>5.2f} | "
-              f"{body['s']:>7.1f} | {trainer['s']:>9.1f}")  # fmt: skip
+              f"{body['s']:>7.1f} | {trainer['s']:>9.1f} | {trainer['rank_gb']:>6.2f}GB")  # fmt: skip
     ns = sorted(rows)
     if len(ns) >= 2:
         a, b = ns[-2], ns[-1]
@@ -170,7 +179,9 @@ def main() -> None:
     print(
         f"trainer / body at {middle} tokens = {rows[middle][1]['gb'] / rows[middle][0]['gb']:.2f} (target <= 3)"
     )
-    budget = args.budget_gb or rows[middle][1]["gb"]
+    if args.no_search:
+        return
+    budget = args.budget_gb or rows[middle][1]["rank_gb"]
     hi = args.search_hi or 3 * middle
     fit1 = longest(model, 1, budget, middle // 2, hi)
     fit2 = longest(model, 2, budget, middle // 2, hi)

@@ -30,9 +30,10 @@ class ModelConfig(BaseConfig):
     """Recompute each decoder layer's activations in backward: activation memory of one layer instead
     of all of them, for about a third more compute (figures in the README's Trainer section)."""
 
-    logprob_chunk_tokens: int = Field(default=256, ge=1)
+    logprob_chunk_tokens: int | None = Field(default=None, ge=1)
     """Tokens whose logits exist at once when computing logprobs and entropy, in forward and backward:
-    memory is about this x vocabulary x 8 bytes instead of micro-batch tokens x vocabulary x 16."""
+    memory is about this x vocabulary x 8 bytes instead of micro-batch tokens x vocabulary x 16.
+    Unset: as many as make 2^25 logits (220 tokens at a 151,936 vocabulary, 128 MB a copy)."""
 
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (less memory, one more all-gather in backward)."""

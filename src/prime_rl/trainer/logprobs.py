@@ -5,7 +5,8 @@ sample), from the logits at t - 1 divided by the sampling temperature; entry 0 o
 has no prediction and is 0 (it is always a prompt token, never in the loss). Samples do not attend
 to each other: position ids restart at 0 for each one, and attention is block-diagonal causal.
 
-Memory: the lm_head is applied to `chunk_tokens` hidden states at a time, in forward and again in
+Memory: the lm_head is applied to `chunk_tokens` hidden states at a time (default: CHUNK_LOGITS
+logits' worth), in forward and again in
 backward (`ChunkedTokenLogprobs` recomputes each chunk's logits instead of saving them), so the
 logits held at once are chunk_tokens x vocabulary, whatever the micro-batch's length. At a real
 vocabulary (151,936) the full [tokens x vocab] float logits of a 4k micro-batch are 2.5 GB, and
@@ -17,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CHUNK_TOKENS = 512
+CHUNK_LOGITS = 2**25
+"""Logits per chunk when the chunk's tokens are not configured: the chunk's tokens follow the
+vocabulary, so a small vocabulary runs a micro-batch in one chunk."""
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 """Config fields of models whose logits are not just lm_head(hidden): those take the full-logits path."""
@@ -94,11 +97,12 @@ def head_logprobs(
     head: torch.nn.Module,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(targets[i]), entropy) of the next-token distribution at each row i of hidden [N, H]."""
     bias = getattr(head, "bias", None)
-    return ChunkedTokenLogprobs.apply(hidden, head.weight, bias, targets, temperature, chunk_tokens)
+    chunk = chunk_tokens or max(1, CHUNK_LOGITS // head.weight.shape[0])
+    return ChunkedTokenLogprobs.apply(hidden, head.weight, bias, targets, temperature, chunk)
 
 
 def has_plain_head(model: torch.nn.Module) -> bool:
@@ -127,7 +131,7 @@ def forward_logprobs(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy), each of shape [T], for one packed micro-batch of shape [T]."""
     lp, entropy = position_logprobs(
@@ -142,7 +146,7 @@ def position_logprobs(
     position_ids: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
     **model_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(targets[i]), entropy) at each position i of a packed sequence of shape [T]: the
@@ -182,7 +186,7 @@ def attach_position_logprobs(model: torch.nn.Module) -> None:
     """Give `model` the method `prime_rl_position_logprobs`, so FSDP2 can run it with the hooks it runs
     around forward (gathering the root's parameters: embeddings, final norm, lm_head)."""
 
-    def method(input_ids, position_ids, targets, temperature=1.0, chunk_tokens=DEFAULT_CHUNK_TOKENS, **kw):
+    def method(input_ids, position_ids, targets, temperature=1.0, chunk_tokens=None, **kw):
         return _position_logprobs(model, input_ids, position_ids, targets, temperature, chunk_tokens, **kw)
 
     model.prime_rl_position_logprobs = method

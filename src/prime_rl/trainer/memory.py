@@ -31,8 +31,8 @@ def advice(config: TrainerConfig, ranks: int) -> list[str]:
     if ranks % (2 * cp) == 0 and config.seq_len >= 4 * cp:
         out.append(f"trainer.parallel.cp = {2 * cp} (tokens per rank / 2)")
     out.append(f"seq_len = {config.seq_len // 2} (the micro-batch token budget; now {config.seq_len})")
-    if model.logprob_chunk_tokens > 64:
-        out.append(f"trainer.model.logprob_chunk_tokens = {model.logprob_chunk_tokens // 4}")
+    if (model.logprob_chunk_tokens or 256) > 64:
+        out.append(f"trainer.model.logprob_chunk_tokens = {(model.logprob_chunk_tokens or 256) // 4}")
     if model.dtype == "float32":
         out.append('trainer.model.dtype = "bfloat16"')
     if ranks == 1 or ranks % (2 * cp):
