@@ -1,7 +1,9 @@
 """Metrics out of a process: a local JSONL always, W&B when configured, one console line per step.
 
-Invariant: logging never fails a run. W&B runs offline when no API key is set, so it never waits on
-the network; a W&B error is reported once and W&B is then skipped.
+Invariant: logging never fails a run, except a full disk: the local JSONL is the run's record, so a
+record that cannot be written stops the run with `DiskFull` (one line naming the file). W&B runs
+offline when no API key is set, so it never waits on the network; a W&B error is reported once and
+W&B is then skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.config import BaseConfig
+from prime_rl.disk import writing
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class MetricsLogger:
         """Append one record. `axis` names a separate step metric (e.g. 'eval/step') for records that
         arrive out of order with the training steps, which W&B's own step must never go back on."""
         record = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
+        with writing(self.path, f"the metrics of step {step}"), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             try:

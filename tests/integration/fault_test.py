@@ -7,8 +7,13 @@
   orchestrator is killed and restarted, while the trainer keeps running: it trains every step
   exactly once, the restarted server is put back on the current weights before it serves, and the
   orchestrator resumes at the step after the last one it saved.
+- Chaos under `rl` with `deployment.max_restarts`: six SIGKILLs of random processes at random
+  moments; `rl` restarts each, and the run finishes with every step trained once.
+- A full disk under `rl`: one line naming the path, no traceback; after space is freed, the same
+  command resumes.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -34,6 +39,7 @@ from prime_rl.orchestrator.progress import load_batch
 from prime_rl.rl.config import RLConfig
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.packing import pack
+from small_disk import small_disk
 
 pytestmark = pytest.mark.slow
 
@@ -214,3 +220,111 @@ def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs
     buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
     assert last["rollouts/all/dispatched_total"] == buckets + pending
     assert served["step"] == orch[-1]["policy_version"]
+
+
+def run_children(rl: subprocess.Popen) -> dict[str, int]:
+    """The process of each kind `rl` started (inference, trainer, orchestrator) -> its pid."""
+    out = {}
+    for c in psutil.Process(rl.pid).children():
+        with contextlib.suppress(psutil.Error):
+            cmdline = c.cmdline()  # [python, .../bin/<script>, ...] or [python, -m, <module>, ...]
+            names = [Path(a).name for a in cmdline[:2]]
+            for kind in ("inference", "trainer", "orchestrator"):
+                if kind in names:
+                    out[kind] = c.pid
+            if "prime_rl.trainer.torchrun" in cmdline:
+                out["trainer"] = c.pid
+            if "prime_rl.inference.vllm_server" in cmdline:
+                out["inference"] = c.pid
+    return out
+
+
+def max_step(path: Path) -> int:
+    return max((m["step"] for m in jsonl(path)), default=-1)
+
+
+def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_path):
+    """Chaos: SIGKILL a random process of the run (its whole process group) at random moments, 6
+    times, each kind at least twice. `rl` restarts each one and the run finishes: every step trained
+    once, each process's metrics one record per step, the accounting adds up, the restarts counted."""
+    seed = int(os.environ.get("PRIME_RL_FAULT_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    kinds = ["inference", "trainer", "orchestrator"] * 2
+    rng.shuffle(kinds)
+    why = f"(seed {seed}: PRIME_RL_FAULT_SEED={seed} repeats it; kills {kinds})"
+    steps = 60  # steps take ~0.5 s here: enough for the 6 kills, each after progress
+    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=steps, extra=(
+        "[trainer.ckpt]\ninterval = 2\n[deployment]\nmax_restarts = 4\nrestart_backoff_s = 0.5\n"
+    ))  # fmt: skip
+    run = tmp_path / "run"
+    trainer_m, orch_m = run / "trainer" / "metrics.jsonl", run / "orchestrator" / "metrics.jsonl"
+    out_path, err_path = tmp_path / "rl.out", tmp_path / "rl.err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen([BIN / "rl", "@", toml], stdout=out, stderr=err, text=True)
+    try:
+        for i, kind in enumerate(kinds):
+            # A moment at random: after the run made progress since the last restart, plus up to 1 s.
+            wait_until(lambda: max_step(trainer_m) >= 1 and max_step(orch_m) >= 1, "first steps", [proc])
+            time.sleep(rng.uniform(0.0, 1.0))
+            pids = run_children(proc)
+            assert kind in pids, (kind, pids, why)
+            at = (max_step(trainer_m), max_step(orch_m))
+            os.killpg(pids[kind], signal.SIGKILL)
+            wait_until(lambda i=i: len(restart_records(run)) > i, f"rl to restart the {kind}", [proc], 120)
+            # Progress after the restart, in both processes, before the next kill.
+            wait_until(lambda at=at: max_step(trainer_m) > at[0] and max_step(orch_m) > at[1],
+                       f"progress after the {kind} restart {why}", [proc])  # fmt: skip
+        assert proc.wait(timeout=900) == 0, err_path.read_text()[-3000:] + why
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    console = err_path.read_text()
+    assert console.count("restarting it") == 6, console[-3000:]
+    assert "rl: done" in out_path.read_text()
+    records = restart_records(run)
+    assert sorted(r["process"] for r in records) == sorted(kinds), (records, why)
+    assert [m["step"] for m in jsonl(trainer_m)] == list(range(steps)), why
+    orch = jsonl(orch_m)
+    assert [m["step"] for m in orch] == list(range(steps)), why
+    last = orch[-1]
+    pending = last["rollouts/all/inflight"] + last["rollouts/all/waiting"]
+    buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+    assert last["rollouts/all/dispatched_total"] == buckets + pending, why
+    assert sum(last.get(f"restarts/{k}", 0) for k in ("inference", "trainer", "orchestrator")) == 6, (
+        last,
+        why,
+    )
+    # Every step's batch trained once: the trainer's token counts per step match the batches the
+    # orchestrator logged for those steps (a step trained on two batches, or none, would not).
+    trainer = jsonl(trainer_m)
+    assert all(t["tokens"] == o["batch/tokens"] for t, o in zip(trainer, orch, strict=True)), why
+
+
+def restart_records(run: Path) -> list[dict]:
+    path = run / "restarts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_full_disk_under_rl_is_one_line_and_rerunning_after_freeing_space_resumes(tiny_model, tmp_path):
+    disk = tmp_path / "disk"
+    with small_disk(disk, "12M") as grow:  # fills during the first checkpoint
+        toml = write_config(disk, tiny_model, "reverse-text", steps=4, extra="[trainer.ckpt]\ninterval = 2\n")
+        full = subprocess.run([BIN / "rl", "@", toml], capture_output=True, text=True, timeout=900)
+        console = full.stdout + full.stderr
+        assert full.returncode == 2, console[-3000:]
+        assert "Traceback" not in console and "OSError" not in console, console[-3000:]
+        errors = [
+            line for line in console.splitlines() if ": error: no space left on the disk holding" in line
+        ]
+        assert errors and all(str(disk / "run") in line and "while writing" in line for line in errors), (
+            console
+        )
+        assert "exited with status 2; stopping the others" in console
+
+        grow("512M")
+        again = subprocess.run([BIN / "rl", "@", toml], capture_output=True, text=True, timeout=900)
+        assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+        assert [m["step"] for m in jsonl(disk / "run" / "trainer" / "metrics.jsonl")] == list(range(4))
+        orch = jsonl(disk / "run" / "orchestrator" / "metrics.jsonl")
+        assert [m["step"] for m in orch] == list(range(4))

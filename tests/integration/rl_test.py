@@ -207,3 +207,22 @@ advantage_weight = 0.0
     assert len(trainer) == 3 and all(
         m["token_advantage/all/std"] > 0.1 and m["grad_norm"] > 0 for m in trainer
     )
+
+
+def test_an_env_whose_every_rollout_fails_stops_rl_with_one_line_and_is_not_retried(tiny_model, tmp_path):
+    toml = write_config(
+        tmp_path, tiny_model, "failing-env", steps=5, extra="[deployment]\nmax_restarts = 3\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ENVS}
+    cmd = [RL, "@", str(toml), "--orchestrator.max-failed-groups", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 2, console[-3000:]
+    errors = [line for line in console.splitlines() if "orchestrator: error:" in line]
+    assert len(errors) == 1, console[-3000:]
+    assert "env 'failing-env': the last 4 groups failed entirely" in errors[0]
+    assert "broken_reward has a bug" in errors[0] or "ValueError" in errors[0], errors[0]
+    assert "orchestrator.max_failed_groups = 4" in errors[0]
+    assert "rl: orchestrator exited with status 2; stopping the others" in console
+    assert "restarting it" not in console  # an env error is never retried
+    assert "Traceback" not in console

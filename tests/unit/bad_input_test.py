@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fake_server import FakeServer
+from fake_server import FakeServer, Reply
 from prime_rl.net import free_port
 from prime_rl.transport.messages import Header, MicroBatch
 from prime_rl.transport.zmq_transport import ZmqSender
@@ -143,7 +143,25 @@ def test_bad_custom_advantage_is_named(tmp_path, import_path, phrases):
             "--client.base-urls", f'["{server.base_url}"]', "--transport.type", "filesystem",
             cwd=tmp_path,
         )  # fmt: skip
-    assert_clear_error(out, 1, *phrases)
+    assert_clear_error(out, 2, *phrases)
+
+
+def test_an_env_whose_every_rollout_fails_stops_the_orchestrator_with_one_line(tmp_path):
+    # Every request is refused with HTTP 500, as a server rejecting the env's requests would: the
+    # orchestrator stops once 3 groups in a row failed entirely, instead of retrying forever.
+    with FakeServer(lambda req, i: Reply(status=500)) as server:
+        t0 = time.monotonic()
+        out = run(
+            "orchestrator", "--output-dir", "out", "--max-steps", "5", "--batch-size", "8",
+            "--max-failed-groups", "3", "--envs", '[{id = "reverse-text", group_size = 4}]',
+            "--client.base-urls", f'["{server.base_url}"]', "--transport.type", "filesystem",
+            cwd=tmp_path,
+        )  # fmt: skip
+        requests = len(server.requests)
+    assert_clear_error(out, 2, "env 'reverse-text': the last 3 groups failed entirely",
+                       "most common reason: ", "InternalServerError", "orchestrator.max_failed_groups = 3")  # fmt: skip
+    assert len([line for line in out.stderr.splitlines() if line.startswith("orchestrator: error:")]) == 1
+    assert time.monotonic() - t0 < 60 and requests < 200, requests  # bounded: no spinning
 
 
 def test_an_inference_url_that_never_answers_is_named(tmp_path):
@@ -194,7 +212,7 @@ def test_a_reward_model_url_that_never_answers_is_named(tmp_path):
         url = f"http://127.0.0.1:{hole.getsockname()[1]}"
         envs = f'[{{id = "reverse-text", reward_model = {{url = "{url}", connect_timeout_s = 1}}}}]'
         out = run("orchestrator", "--output-dir", "out", "--envs", envs, cwd=tmp_path)
-    assert_clear_error(out, 1, f"envs[0].reward_model.url: {url} did not answer within 1s")
+    assert_clear_error(out, 2, f"envs[0].reward_model.url: {url} did not answer within 1s")
 
 
 def test_a_teacher_whose_tokenizer_differs_from_the_students_is_named(tmp_path):

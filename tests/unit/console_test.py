@@ -2,11 +2,11 @@
 
 import io
 import logging
-from types import SimpleNamespace
+from pathlib import Path
 
 from prime_rl.logging_setup import adopt_verifiers_logging, setup_logging
 from prime_rl.orchestrator.rollout import Rollout, failure_reason, most_common_failure
-from prime_rl.rl.launcher import Child, _pump
+from prime_rl.rl.launcher import _pump
 
 OUTPUT = """\
 14:35:41 orchestrator step 12 | reward 0.399 | trained 128 filtered 0 failed 1 stale 0
@@ -18,11 +18,20 @@ some vLLM progress line
 
 
 def test_console_has_step_lines_and_warnings_but_not_per_rollout_failures(tmp_path, capsys):
-    child = Child("orchestrator", SimpleNamespace(stdout=io.StringIO(OUTPUT)), tmp_path / "o.log")
-    _pump(child, (tmp_path / "o.log").open("w"), console=True)
+    _pump("orchestrator", io.StringIO(OUTPUT), tmp_path / "o.log", console=True)
     shown = capsys.readouterr().out.splitlines()
     assert shown == [f"[orchestrator] {line}" for line in OUTPUT.splitlines() if "step 1" in line]
     assert (tmp_path / "o.log").read_text() == OUTPUT  # the log keeps everything
+
+
+def test_a_log_that_cannot_be_written_is_said_once_and_the_output_still_drained(capsys):
+    # /dev/full fails every write with ENOSPC, as a full disk does: no thread traceback, one line,
+    # the child's output is read to its end (it never blocks on a full pipe), its error line shown.
+    output = "".join(f"14:35:4{i} vllm progress {i}\n" for i in range(5)) + "inference: error: boom\n"
+    _pump("inference", io.StringIO(output), Path("/dev/full"), console=False)
+    captured = capsys.readouterr()
+    assert captured.err.count("rl: cannot write /dev/full (No space left on device)") == 1, captured.err
+    assert captured.out.splitlines() == ["[inference] inference: error: boom"]
 
 
 def test_verifiers_abort_line_is_left_out_of_the_log(capsys):

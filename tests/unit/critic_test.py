@@ -102,7 +102,7 @@ def test_a_critic_that_does_not_load_names_the_key(tiny_model, tmp_path):
          "--critic.path", str(broken)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 1 and "trainer.critic.path" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "trainer.critic.path" in proc.stderr and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip() and "Loading weights" not in line]
     assert len(errors) == 1 and errors[0].startswith("trainer: error: trainer.critic.path"), proc.stderr
 

@@ -15,6 +15,7 @@ from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.advantage import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError
+from prime_rl.orchestrator.failures import RolloutsFailing
 from prime_rl.orchestrator.orchestrator import BatchSender, Orchestrator
 from prime_rl.transport.file_transport import FileReceiver
 from prime_rl.transport.messages import MicroBatch
@@ -512,3 +513,47 @@ def test_difficulty_filter_skips_always_solved_examples_and_resumes_with_its_mem
         later = [r["example_id"] for s in (6, 7) for r in rollouts(config, s)]
         assert not easy & set(later) and later
     assert more[-1]["difficulty/remembered/reverse-text"] >= len(easy)
+
+
+def test_a_server_that_never_finishes_a_request_fails_rollouts_by_timeout_then_stops_the_run(tmp_path):
+    # The server takes every request and never answers in time: each rollout fails at the client's
+    # timeout, and the run stops at the failure bound rather than waiting forever.
+    with FakeServer(lambda req, i: Reply(delay_s=4)) as server:
+        config = make_config(tmp_path, server, max_failed_groups=2,
+                             client={"base_urls": [server.base_url], "timeout_s": 0.5, "health_timeout_s": 10})  # fmt: skip
+        t0 = time.monotonic()
+        with pytest.raises(RolloutsFailing, match="the last 2 groups failed entirely") as e:
+            run(config)
+    assert "APITimeoutError" in str(e.value) and time.monotonic() - t0 < 30
+
+
+def test_an_eval_env_whose_rollouts_all_fail_stops_the_run(tmp_path):
+    # Training answers; evaluation (greedy requests) always gets HTTP 500.
+    with FakeServer(lambda req, i: Reply(status=500) if req.get("temperature") == 0.0 else Reply()) as server:
+        config = make_config(
+            tmp_path, server, max_steps=50, max_failed_groups=3,
+            eval={"interval": 1, "at_start": True, "envs": [{"id": "reverse-text", "name": "rt-eval", "num_examples": 8}]},
+        )  # fmt: skip
+        t0 = time.monotonic()
+        with pytest.raises(RolloutsFailing, match="eval env 'rt-eval': the last 3 groups failed entirely"):
+            run(config)
+    assert time.monotonic() - t0 < 60  # the eval runs in the background: the step loop stops for it
+
+
+def test_partial_failures_and_unreachable_servers_do_not_count_toward_the_failure_bound():
+    from prime_rl.orchestrator.failures import FailureStreak
+    from prime_rl.orchestrator.rollout import Rollout
+
+    def group(*errors):
+        return [Rollout("e", 0, 0, error=err) for err in errors]
+
+    streak = FailureStreak(limit=2)
+    down = "env error: ModelError() -> APIConnectionError('Connection error.') -> ConnectError('refused')"
+    for _ in range(5):  # a restarting server fails whole groups: its health check owns those
+        streak.record("e", group(down, down))
+    streak.record("e", group("reward error: ValueError('x')", None))  # a survivor resets the count
+    streak.record("e", group("reward error: ValueError('x')"))
+    streak.record("e", group(None, None))
+    streak.record("e", group("env error: APITimeoutError('Request timed out.')"))
+    with pytest.raises(RolloutsFailing, match="most common reason: APITimeoutError"):
+        streak.record("e", group("env error: APITimeoutError('Request timed out.')"))

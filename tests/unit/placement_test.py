@@ -60,7 +60,7 @@ def test_the_trainer_command_on_one_machine_and_on_each_trainer_node(tmp_path):
         )
         cmd = trainer_command(config, cfg, "run-7")
         args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
-        assert cmd[1:3] == ["-m", "torch.distributed.run"]
+        assert cmd[1:3] == ["-m", "prime_rl.trainer.torchrun"]
         assert args["--nproc-per-node"] == "4" and args["--nnodes"] == "2"
         assert args["--rdzv-backend"] == "c10d" and args["--rdzv-endpoint"] == "10.0.0.2:29411"
         assert args["--rdzv-id"] == "run-7" and args["--rdzv-conf"] == f"is_host={is_host}"

@@ -13,14 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.failures import FailureStreak, RolloutsFailing
 from prime_rl.orchestrator.rollout import Rollout, Turn
 from prime_rl.orchestrator.samples import rollout_to_samples
 from prime_rl.orchestrator.teacher import (
     Teacher,
     TeacherConfig,
     TeacherError,
-    TeacherUnavailable,
     parse_prompt_logprobs,
     tokenizer_mismatch,
 )
@@ -136,24 +137,29 @@ def test_a_group_is_one_request_and_a_teacher_that_keeps_failing_fails_its_rollo
         assert out[0].failed and out[2].failed and "failed 2 time(s), last: HTTP 503" in out[0].error
 
 
-def test_a_teacher_failing_group_after_group_stops_the_run(teacher_url):
+@pytest.mark.parametrize("down", [False, True])
+def test_a_teacher_failing_group_after_group_stops_the_run(teacher_url, down):
+    # A teacher that answers 503, or whose server is gone (connection refused: no health check
+    # watches the teacher, so unlike a policy server's, these failures count).
     FlakyTeacher.fail, FlakyTeacher.posts = 100, 0
     group = [Rollout("env", 0, 0, turns=[Turn([1, 2], [10, 11], [1, 1], [-0.5, -1.0])])]
+    url = f"http://127.0.0.1:{free_port()}/v1" if down else teacher_url
+    streak = FailureStreak(limit=2)
 
     async def go():
-        teacher = Teacher(
-            TeacherConfig(base_url=teacher_url, model="teacher", retries=0, max_failed_groups=2)
-        )
+        teacher = Teacher(TeacherConfig(base_url=url, model="teacher", retries=0))
         try:
             first = await teacher.score_group(group)
-            with pytest.raises(TeacherUnavailable, match="failed 2 groups in a row"):
-                await teacher.score_group(group)
-            return first
+            streak.record("env", first)
+            with pytest.raises(RolloutsFailing, match="env 'env': the last 2 groups failed entirely") as e:
+                streak.record("env", await teacher.score_group(group))
+            return first, str(e.value)
         finally:
             await teacher.aclose()
 
-    first = asyncio.run(go())
-    assert first[0].failed  # the first failed group fails its rollouts; the second stops the run
+    first, message = asyncio.run(go())
+    assert first[0].failed and "TeacherError" in first[0].error  # the first group fails its rollouts
+    assert "most common reason: TeacherError" in message and "orchestrator.max_failed_groups = 2" in message
 
 
 def test_a_teacher_with_another_tokenizer_is_named(tmp_path):

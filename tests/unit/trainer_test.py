@@ -185,6 +185,86 @@ def test_killed_trainer_resumes_to_the_same_parameters(tiny_model, tmp_path):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
 
 
+def test_a_truncated_shard_in_the_newest_checkpoint_resumes_from_the_one_before(tiny_model, tmp_path):
+    # Storage cut a shard of the newest checkpoint short, its DONE marker present. Resume verifies
+    # it against its manifest, warns naming both checkpoints, and resumes from the one before: the
+    # final parameters equal those of a run never interrupted.
+    data = tmp_path / "data"
+    sender = FileSender(data)
+    for step in range(6):
+        for mb in micro_batches(step, "t"):
+            sender.send(mb)
+
+    def trainer(name: str, max_steps: int, resume: str = "-1") -> subprocess.CompletedProcess:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(
+            f'output_dir = "{tmp_path / name}"\nmax_steps = {max_steps}\nseq_len = 128\n[model]\nname = "{tiny_model}"\n'
+            f"[optim]\nlr = 1e-3\n[ckpt]\ninterval = 2\nkeep = 3\nresume_step = {resume}\n"
+            f'[transport]\ntype = "filesystem"\ndir = "{data}"\nrun_id = "t"\ntimeout_s = 120\n'
+        )
+        return subprocess.run([TRAINER, "@", str(path)], capture_output=True, text=True, timeout=300)
+
+    first = trainer("run", 4)
+    assert first.returncode == 0, first.stderr[-3000:]
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "step_4" / "MANIFEST.json").read_text())
+    shard = max(manifest["files"], key=lambda f: manifest["files"][f]["size"])  # the model/optimizer shard
+    path = tmp_path / "run" / "checkpoints" / "step_4" / shard
+    path.write_bytes(path.read_bytes()[: manifest["files"][shard]["size"] // 2])
+
+    explicit = trainer("run", 6, resume="4")
+    assert explicit.returncode == 2 and "Traceback" not in explicit.stderr, explicit.stderr[-3000:]
+    assert "trainer: error: ckpt.resume_step = 4: the checkpoint is unreadable" in explicit.stderr
+    assert f"{shard} is " in explicit.stderr and "its manifest says" in explicit.stderr
+
+    resumed = trainer("run", 6)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    warnings = [line for line in resumed.stderr.splitlines() if "unreadable" in line]
+    assert len(warnings) == 1 and "checkpoint step 4 is unreadable" in warnings[0], resumed.stderr[-3000:]
+    assert (
+        "resuming from step 2 instead" in warnings[0] and "resumed from checkpoint step 2" in resumed.stderr
+    )
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "trainer" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == list(range(6))  # steps 2, 3 trained again, logged once
+
+    straight = trainer("straight", 6, resume="-1")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a = load_file(tmp_path / "run" / "weights" / "step_6" / "model.safetensors")
+    b = load_file(tmp_path / "straight" / "weights" / "step_6" / "model.safetensors")
+    moved = max(
+        (a[k] - load_file(tmp_path / "run" / "weights" / "step_5" / "model.safetensors")[k]).abs().max()
+        for k in a
+    )
+    assert moved > 0
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_step_with_no_samples_says_so_and_leaves_the_parameters_alone(tiny_model, tmp_path):
+    # Step 1's groups were all filtered: the orchestrator sends only masked filler.
+    data = tmp_path / "data"
+    sender = FileSender(data)
+    for step in range(3):
+        for mb in micro_batches(step, "e") if step != 1 else pack([], 128, 1, "e", 1)[0]:
+            sender.send(mb)
+    toml = tmp_path / "t.toml"
+    toml.write_text(
+        f'output_dir = "{tmp_path / "out"}"\nmax_steps = 3\nseq_len = 128\n[model]\nname = "{tiny_model}"\n'
+        f"[optim]\nlr = 1e-3\n[publish]\nkeep = 4\n"
+        f'[transport]\ntype = "filesystem"\ndir = "{data}"\nrun_id = "e"\ntimeout_s = 120\n'
+    )
+    proc = subprocess.run([TRAINER, "@", str(toml)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if " step " in line]
+    assert "step 1 | no samples" in lines[1] and not any("nan" in line for line in lines), lines
+    records = [json.loads(line) for line in (tmp_path / "out" / "trainer" / "metrics.jsonl").open()]
+    assert records[1]["loss_tokens"] == 0 and None not in records[1].values(), records[1]
+    weights = {
+        s: load_file(tmp_path / "out" / "weights" / f"step_{s}" / "model.safetensors") for s in (1, 2, 3)
+    }
+    assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])  # step 1 changed nothing
+    assert any(not torch.equal(weights[2][k], weights[3][k]) for k in weights[2])  # step 2 trained
+
+
 def test_inconsistent_and_overlong_micro_batches_are_rejected(tmp_path):
     sender = FileSender(tmp_path)
     good = micro_batches(0, "b")[0]
@@ -207,7 +287,7 @@ def test_model_folder_that_does_not_load_is_a_clear_error(tmp_path):
         train(config)
     proc = subprocess.run([TRAINER, "--model.name", str(broken), "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 1 and "trainer: error: model" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "trainer: error: model" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_nan_loss_skips_the_step_and_stops_after_n(tiny_model, tmp_path):

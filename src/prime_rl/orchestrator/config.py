@@ -305,6 +305,13 @@ class OrchestratorConfig(RootConfig):
     """Warn once per step, naming the most common reason, when more than this fraction of
     batch_size failed in the step (each failure is in the orchestrator log and the rollouts file)."""
 
+    max_failed_groups: int = Field(default=16, ge=1)
+    """Stop the run (one line, exit status 2) once an env's groups failed entirely this many times in
+    a row: every rollout of each failed (env exception, reward or teacher that could not score,
+    timeout, untrainable reply). A group with one surviving rollout resets the count. Applies to
+    training and to eval, per env. Failures to reach a server at all are bounded by
+    `client.health_timeout_s` instead."""
+
     min_group_size: int = Field(default=1, ge=1)
     """Groups with fewer surviving rollouts than this are dropped (counted as filtered)."""
 

@@ -2,7 +2,8 @@
 
 Invariant: an evaluation runs as a background task that shares the inference servers with training
 and never holds up a training step; at most one evaluation runs at a time (a new one waits for the
-previous to finish), and the last one is awaited before the orchestrator exits.
+previous to finish), and the last one is awaited before the orchestrator exits. An eval env whose
+groups keep failing (`max_failed_groups` in a row) stops the run, as a training env does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prime_rl.monitor import MetricsLogger, stats
 from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EvalEnv, load_eval_env, rollout_input
+from prime_rl.orchestrator.failures import FailureStreak
 from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
 from prime_rl.orchestrator.rewards import RewardRunner
 from prime_rl.orchestrator.rollout import Rollout
@@ -36,6 +38,7 @@ class Evaluator:
         self._task: asyncio.Task | None = None
         # Evaluation uses at most half the in-flight budget, counted in examples of n rollouts.
         self._budget = max(1, config.max_inflight_rollouts // 2)
+        self.streak = FailureStreak(config.max_failed_groups, what="eval env")
 
     def start(self, step: int, policy_version: int) -> None:
         previous = self._task
@@ -44,6 +47,12 @@ class Evaluator:
     async def finish(self) -> None:
         if self._task is not None:
             await self._task
+
+    def raise_if_failed(self) -> None:
+        """Raise what stopped the running evaluation (e.g. its rollouts kept failing), if anything."""
+        task = self._task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
 
     def cancel(self) -> None:
         if self._task is not None:
@@ -85,7 +94,10 @@ class Evaluator:
             async with limit:
                 server = await self.pool.pick_when_up()
                 lease(server, job)
-                return await run_group(job, server, self.pool, model)
+                rollouts = await run_group(job, server, self.pool, model)
+            self.streak.record(env.name, rollouts, group_failed=any(r.failed for r in rollouts)
+                               if job.group_scoring else None)  # fmt: skip
+            return rollouts
 
         results = await asyncio.gather(*(example(env.dataset[i]) for i in range(len(env.dataset))))
         return [r for rs in results for r in rs]

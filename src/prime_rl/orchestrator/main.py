@@ -7,21 +7,22 @@ import signal
 import sys
 
 from prime_rl.config import parse_config
+from prime_rl.disk import DiskFull
 from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.advantage import AdvantageError
 from prime_rl.orchestrator.client import InferenceUnavailable
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvError
+from prime_rl.orchestrator.failures import RolloutsFailing
 from prime_rl.orchestrator.orchestrator import Orchestrator, RunDirError
-from prime_rl.orchestrator.teacher import TeacherUnavailable
 from prime_rl.orchestrator.weights import WeightSyncError
 from prime_rl.preflight import check_orchestrator
 from prime_rl.transport import TransportError
 
-# Failures whose message says all the user needs: shown without a traceback.
-USER_ERRORS = (
-    EnvError, AdvantageError, InferenceUnavailable, TransportError, WeightSyncError, RunDirError, TeacherUnavailable,
-)  # fmt: skip
+# Failures whose message says all the user needs: one line, no traceback. Exit status 2 for those
+# that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest.
+NEEDS_USER = (EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull)
+USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(orchestrator.run())
     except USER_ERRORS as e:
         sys.stderr.write(f"orchestrator: error: {e}\n")
-        raise SystemExit(1) from None
+        raise SystemExit(2 if isinstance(e, NEEDS_USER) else 1) from None
     except (KeyboardInterrupt, asyncio.CancelledError):
         # A signal during setup, before the orchestrator takes SIGINT/SIGTERM, is a KeyboardInterrupt.
         sig = orchestrator.stopped_by or signal.SIGINT

@@ -24,8 +24,9 @@ from typing import Any
 
 import msgspec
 
+from prime_rl.disk import writing
 from prime_rl.environments import EnvError
-from prime_rl.layout import checkpoint_root, complete_steps, weights_root
+from prime_rl.layout import checkpoint_root, complete_steps, restart_counts, weights_root
 from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
 from prime_rl.orchestrator.advantage import Advantage
@@ -152,9 +153,10 @@ def turn_records(r: Rollout) -> list[dict[str, int]]:
 _JSONL = msgspec.json.Encoder(enc_hook=str)  # several times json.dumps; NaN is written as null
 
 
-def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(_JSONL.encode_lines(records))
+def write_jsonl(path: Path, records: list[dict[str, Any]], what: str = "rollouts") -> None:
+    with writing(path, what):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_JSONL.encode_lines(records))
 
 
 @dataclass
@@ -347,21 +349,22 @@ class Orchestrator:
         await self.sender.close(deliver=True)
         self.metrics.close()
 
-    def _trainer_resume_step(self) -> int:
-        """The earliest step a restarted trainer may need: its newest checkpoint (0 if none).
+    def _oldest_checkpoint(self) -> int:
+        """The earliest step a restarted trainer may resume from: its oldest kept checkpoint (it
+        falls back to an older one when the newest is damaged), 0 if none.
 
         Batches from there on are kept and re-sent; a trainer that is further along skips them.
         """
         steps = complete_steps(checkpoint_root(self.output_dir))
-        return min(steps[-1] if steps else 0, self.weights.version)
+        return min(steps[0] if steps else 0, self.weights.version)
 
     async def _resend(self, next_step: int) -> None:
         """After a restart: send again the saved batches a (restarted) trainer may still need.
 
-        Those are the steps from the trainer's newest checkpoint up to the last built one; the
+        Those are the steps from the trainer's oldest kept checkpoint up to the last built one; the
         trainer skips any step it already has.
         """
-        trained = self._trainer_resume_step()
+        trained = self._oldest_checkpoint()
         for step in range(trained, next_step):
             batch = await asyncio.to_thread(load_batch, self.output_dir, step)
             if batch is None:
@@ -433,6 +436,8 @@ class Orchestrator:
             t_wait = time.perf_counter()
             await sched.wait(timeout=c.weights_poll_s)
             self.health.raise_if_failed()
+            if self.evaluator:
+                self.evaluator.raise_if_failed()
             if blocked:
                 t_blocked += time.perf_counter() - t_wait
         t_collect = time.perf_counter() - t_start
@@ -475,8 +480,9 @@ class Orchestrator:
 
     def _save(self, batch: TrainingBatch, progress: Progress) -> None:
         """The step's commit point: its batch, then the progress that says it is built."""
-        save_batch(self.output_dir, batch, keep_from=self._trainer_resume_step())
-        save_progress(self.output_dir, progress)
+        with writing(self.output_dir / "orchestrator", f"the batch and progress of step {batch.header.step}"):
+            save_batch(self.output_dir, batch, keep_from=self._oldest_checkpoint())
+            save_progress(self.output_dir, progress)
 
     def _write_rollouts(
         self, step: int, built: StepBuild, failures: list[Rollout], uniform: list[FinishedGroup]
@@ -548,16 +554,23 @@ class Orchestrator:
         m["batch/tokens"] = tokens
         m["batch/packing_efficiency"] = tokens / (c.seq_len * len(per_rank) * max(1, len(per_rank[0])))
         m["policy_version"] = self.weights.version
+        # Processes `rl` restarted so far (deployment.max_restarts): a small file, read once a step.
+        m.update({f"restarts/{kind}": n for kind, n in restart_counts(self.output_dir).items()})
         m.update(times)
         m["throughput/tokens_per_s"] = tokens / max(times["time/step"], 1e-9)
         self.metrics.log(step, m)
         trained, filtered = m["rollouts/all/trained"], m["rollouts/all/filtered"]
         failed, stale = m["rollouts/all/failed"], m["rollouts/all/stale"]
-        per_env = " ".join(f"{e}={m.get(f'reward/{e}/mean', float('nan')):.3f}" for e in env_names[1:])
+
+        def reward(env: str) -> str:
+            mean = m.get(f"reward/{env}/mean")
+            return "no samples" if mean is None else f"{mean:.3f}"
+
+        per_env = " ".join(f"{e}={reward(e)}" for e in env_names[1:])
         log.info(
-            "step %d | reward %.3f (%s) | trained %d filtered %d failed %d stale %d | lag %.2f | "
+            "step %d | reward %s (%s) | trained %d filtered %d failed %d stale %d | lag %.2f | "
             "%.1fs (generate %.1fs, wait trainer %.1fs, reload %.2fs) | %.0f tok/s",
-            step, m.get("reward/all/mean", float("nan")), per_env, trained, filtered, failed, stale,
+            step, reward("all"), per_env, trained, filtered, failed, stale,
             m.get("off_policy_lag/all/mean", 0.0), m["time/step"], m["time/generate"],
             m["time/wait_trainer"], m["time/reload"], m["throughput/tokens_per_s"],
         )  # fmt: skip

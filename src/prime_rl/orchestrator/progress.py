@@ -5,7 +5,7 @@ env's dataset cursor, the RNG state and the difficulty filter's memory; `batches
 steps the trainer may not have finished. Invariant: progress is saved (atomically) after a step's
 batch, rollouts and metrics record are written and before the batch is sent; that save is the step's
 commit point. After a crash the restarted orchestrator drops the metrics of uncommitted steps, re-sends exactly
-the saved batches from the newest published weights on (the trainer ignores a step it already has)
+the saved batches from the trainer's oldest kept checkpoint on (the trainer ignores a step it already has)
 and continues with the next step: no step is skipped, and no step is trained on two different
 batches. Examples that were in flight at the crash are not drawn again (they count as stale).
 """
@@ -23,7 +23,8 @@ from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import TrainingBatch, decode, encode
 
 KEEP_BATCHES = 4
-"""Saved batches kept before the newest published weights (for a trainer resuming from a checkpoint)."""
+"""Saved batches kept before the oldest kept trainer checkpoint (a margin: that checkpoint is only
+deleted once a newer one is complete)."""
 
 
 @dataclass

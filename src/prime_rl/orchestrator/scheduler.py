@@ -13,7 +13,8 @@ trains); in-flight groups are cancelled only once they are past it.
 When every rollout of a group is back:
 - individual scoring: failed rollouts are dropped, the survivors form a (partial) group;
 - group scoring: any failure drops the whole group;
-- no survivors: dropped;
+- no survivors: dropped; `max_failed_groups` such groups of one env in a row stop the run
+  (`failures.py`), so an env that fails every rollout never spins;
 - with dynamic sampling, survivors whose rewards are all equal: dropped as filtered at once, so the
   step's count of ready rollouts does not include them and `fill` samples a replacement. Past
   `max_backfill` such groups since the last batch, the next batch is taken with what is ready.
@@ -38,6 +39,7 @@ from prime_rl.orchestrator.client import Server, ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.difficulty import DifficultyMemory
 from prime_rl.orchestrator.envs import Env, rollout_input
+from prime_rl.orchestrator.failures import FailureStreak
 from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
 from prime_rl.orchestrator.pipeline import FinishedGroup
 from prime_rl.orchestrator.rollout import Rollout
@@ -136,6 +138,7 @@ class Scheduler:
         self.teacher = teacher
         self.skipped: Counter = Counter()
         """Examples the difficulty filter skipped, per env, since the start of this process."""
+        self.streak = FailureStreak(config.max_failed_groups)
 
     # ---------------------------------------------------------------- counts
 
@@ -239,7 +242,9 @@ class Scheduler:
             log.info("%s %s example %s: %s", ROLLOUT_FAILED, name, r.example_id, (r.error or "")[:500])
         if failures and group.env.group_scoring:
             self.acc.add("failed", name, len(rollouts))
+            self.streak.record(name, rollouts, group_failed=True)
             return
+        self.streak.record(name, rollouts)
         self.acc.add("failed", name, len(failures))
         group.rollouts = [r for r in rollouts if not r.failed]
         self.difficulty.record(name, group.example_id, [r.reward for r in group.rollouts])

@@ -8,7 +8,8 @@ signal of on-policy distillation, added to the env's advantage scaled by `advant
 
 Invariant: a rollout trains with teacher logprobs for every one of its sampled tokens or not at all:
 a teacher that fails (after its retries) or answers with the wrong number of logprobs fails the
-rollout with the reason.
+rollout with the reason; a teacher that keeps failing stops the run through the general bound on
+failing groups (`orchestrator.max_failed_groups`, `failures.py`).
 """
 
 from __future__ import annotations
@@ -53,17 +54,9 @@ class TeacherConfig(BaseConfig):
     concurrency: int = Field(default=32, ge=1)
     """Teacher requests in flight at once."""
 
-    max_failed_groups: int = Field(default=3, ge=1)
-    """Groups in a row the teacher fails to score (each after its retries) before the run stops with
-    an error: a dead teacher would otherwise fail every rollout forever."""
-
 
 class TeacherError(RuntimeError):
     """The teacher could not score a sequence; the message says why."""
-
-
-class TeacherUnavailable(TeacherError):
-    """The teacher failed `max_failed_groups` groups in a row: the run cannot go on."""
 
 
 def tokenizer_mismatch(student: str, teacher: str) -> str | None:
@@ -96,7 +89,6 @@ class Teacher:
         self.base = config.base_url.rstrip("/")
         self._client = httpx.AsyncClient(timeout=config.timeout_s)
         self._slots = asyncio.Semaphore(config.concurrency)
-        self.failed_in_a_row = 0
 
     async def check(self) -> None:
         """Fail fast when the server does not serve `model`."""
@@ -139,19 +131,12 @@ class Teacher:
         try:
             values = await self.logprobs(sequences)
         except TeacherError as e:
-            self.failed_in_a_row += 1
-            if self.failed_in_a_row >= self.config.max_failed_groups:
-                raise TeacherUnavailable(
-                    f"the teacher failed {self.failed_in_a_row} groups in a row (teacher.max_failed_groups), "
-                    f"last: {e}; is its server running?"
-                ) from None
             return [
                 r
                 if r.failed
                 else failed_rollout(r.env_name, r.example_id, r.policy_version, f"TeacherError: {e}")
                 for r in rollouts
             ]
-        self.failed_in_a_row = 0
         turns: dict[int, list[Turn]] = {}
         for (i, j), lp in zip(where, values, strict=True):
             turn = rollouts[i].turns[j]

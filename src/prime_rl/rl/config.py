@@ -133,6 +133,16 @@ class DeploymentConfig(BaseConfig):
     server gets its own slice of the inference cores; when there are fewer inference cores than
     servers, the servers take all cores, one slice each, and the trainer shares them."""
 
+    max_restarts: int = Field(default=0, ge=0)
+    """Restart a process that dies (inference server, trainer, orchestrator) up to this many times
+    each, with back-off; the run goes on from its checkpoints and progress. A trainer restart also
+    restarts the orchestrator, which re-sends the batches the trainer needs. Exit status 2 (a config,
+    env or disk error: a restart would fail the same way) is never retried. 0: the first death stops
+    the run (rerunning the same command resumes it)."""
+
+    restart_backoff_s: float = Field(default=2.0, ge=0)
+    """Wait before a restart: this, doubled with each restart of the same process (at most 60 s)."""
+
     nodes: list[NodeConfig] = []
     """Multi-node: every machine of the run and its roles, the same list on all of them; each runs
     `rl` with this config and its own `deployment.node`. Empty: everything runs on this machine.

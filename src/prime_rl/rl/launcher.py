@@ -2,25 +2,34 @@
 
 Invariant: `rl` never leaves a process behind. Each child runs in its own process group; when one
 fails, or on Ctrl-C / SIGTERM, every group gets SIGTERM and, after a grace period, SIGKILL. The run
-succeeds when the orchestrator and the trainer both exit 0.
+succeeds when the orchestrator and the trainer both exit 0. With `deployment.max_restarts` a child
+that dies is started again instead (up to that many times each, with back-off; never one that
+exited with status 2, an error a restart cannot fix): a server comes back on its port and the
+orchestrator loads it with the current weights; a trainer resumes from its checkpoint, and the
+orchestrator is restarted with it so that it re-sends the batches from there. Each restart is one
+console line and one record in `restarts.jsonl`, which the orchestrator's metrics count.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from prime_rl.config.cli import to_toml
+from prime_rl.disk import DiskFull, writing
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.server import is_cpu_build, server_command, server_env, wait_until_healthy
+from prime_rl.layout import restarts_path
 from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.net import free_port
 from prime_rl.rl.config import DeploymentConfig, RLConfig
@@ -28,6 +37,11 @@ from prime_rl.rl.config import DeploymentConfig, RLConfig
 GRACE_S = 15.0
 # Console view: the lines that say what each process is doing; everything is in the log files.
 CONSOLE_MARKERS = (" step ", "error", "Error", "resum", "waiting", "eval at", "saved", "Traceback")
+
+
+NEEDS_USER = 2
+"""Exit status of an error that a restart would repeat (config, env, disk full): never retried."""
+MAX_BACKOFF_S = 60.0
 
 
 @dataclass
@@ -38,9 +52,17 @@ class Child:
     group: str = ""
     """Servers of one group stand in for each other: the run goes on while one of them lives
     (default: the child's name, a group of its own)."""
+    spawn: Callable[[], subprocess.Popen] | None = None
+    """Starts the child again (same command, environment and cores), for restarts."""
+    restarts: int = 0
 
     def __post_init__(self):
         self.group = self.group or self.name
+
+    @property
+    def kind(self) -> str:
+        """inference, teacher, trainer or orchestrator (servers `inference-<i>` are one kind)."""
+        return self.name.split("-")[0]
 
 
 @dataclass
@@ -104,7 +126,7 @@ def trainer_command(config: RLConfig, config_path: Path, run_id: str) -> list[st
     micro-batches)."""
     d = config.deployment
     module = ["-m", "prime_rl.trainer.main", "@", str(config_path)]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(d.trainer_ranks)]
+    torchrun = [sys.executable, "-m", "prime_rl.trainer.torchrun", "--nproc-per-node", str(d.trainer_ranks)]
     if d.trainer_nodes > 1:
         hosts = d.hosts("trainer")
         me = d.nodes[d.node].host
@@ -123,16 +145,40 @@ def _affinity(cpus: list[int] | None):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-def _pump(child: Child, log: IO[str], console: bool) -> None:
-    """Copy a child's output to its log file and the interesting lines to the console."""
-    assert child.proc.stdout is not None
-    for line in child.proc.stdout:
-        log.write(line)
-        log.flush()
-        if console and any(m in line for m in CONSOLE_MARKERS) and ROLLOUT_FAILED not in line:
-            sys.stdout.write(f"[{child.name}] {line}" if not line.startswith(("[", " ")) else line)
+def _pump(name: str, stdout: IO[str], log_path: Path, console: bool) -> None:
+    """Copy a child's output to its log file and the interesting lines to the console. A log file
+    that cannot be written (a full disk) is said once; the output is still drained, so the child
+    never blocks on a full pipe, and its console lines (its own error line among them) still show."""
+    log: IO[str] | None = None
+    try:
+        log = log_path.open("a")
+    except OSError as e:
+        _log_lost(log_path, e)
+    for line in stdout:
+        if log is not None:
+            try:
+                log.write(line)
+                log.flush()
+            except OSError as e:
+                _log_lost(log_path, e)
+                with contextlib.suppress(OSError):
+                    log.close()
+                log = None
+        if (
+            (console or ": error: " in line)
+            and any(m in line for m in CONSOLE_MARKERS)
+            and ROLLOUT_FAILED not in line
+        ):
+            sys.stdout.write(f"[{name}] {line}" if not line.startswith(("[", " ")) else line)
             sys.stdout.flush()
-    log.close()
+    if log is not None:
+        with contextlib.suppress(OSError):
+            log.close()
+
+
+def _log_lost(path: Path, e: OSError) -> None:
+    print(f"rl: cannot write {path} ({e.strerror or e}); that process's output is not logged from here on",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 class Launcher:
@@ -149,11 +195,12 @@ class Launcher:
     def _write_configs(self) -> dict[str, Path]:
         inference, orchestrator, trainer = self.config.resolved()
         folder = self.out / "configs" / self.node_dir
-        folder.mkdir(parents=True, exist_ok=True)
         paths = {}
-        for name, cfg in (("inference", inference), ("orchestrator", orchestrator), ("trainer", trainer)):
-            paths[name] = folder / f"{name}.toml"
-            paths[name].write_text(to_toml(cfg))
+        with writing(folder, "the process configs"):
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, cfg in (("inference", inference), ("orchestrator", orchestrator), ("trainer", trainer)):
+                paths[name] = folder / f"{name}.toml"
+                paths[name].write_text(to_toml(cfg))
         self.resolved = (inference, orchestrator, trainer)
         return paths
 
@@ -167,18 +214,23 @@ class Launcher:
         group: str = "",
     ) -> Child:
         log_path = self.out / "logs" / self.node_dir / f"{name}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,  # its own process group: we stop it and everything it started
-            preexec_fn=_affinity(cpus),
-        )
-        child = Child(name, proc, log_path, group)
-        threading.Thread(target=_pump, args=(child, log_path.open("a"), console), daemon=True).start()
+        with writing(log_path, "the logs"):
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+
+        def spawn() -> subprocess.Popen:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                start_new_session=True,  # its own process group: we stop it and everything it started
+                preexec_fn=_affinity(cpus),
+            )
+            threading.Thread(target=_pump, args=(name, proc.stdout, log_path, console), daemon=True).start()
+            return proc
+
+        child = Child(name, spawn(), log_path, group, spawn)
         self.children.append(child)
         return child
 
@@ -229,12 +281,15 @@ class Launcher:
         self.stopping = True
         if announce:
             print(announce, file=sys.stderr, flush=True)
-        for child in self.children:
+        self._stop(self.children)
+
+    def _stop(self, children: list[Child]) -> None:
+        for child in children:
             if child.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        for child in self.children:
+        for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             with contextlib.suppress(ProcessLookupError):
@@ -243,6 +298,34 @@ class Launcher:
             # outlast the grace period, waiting on a weight reload whose engine already stopped).
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=10)
+
+    def _may_restart(self, child: Child, code: int) -> bool:
+        d = self.config.deployment
+        if code == NEEDS_USER or child.restarts >= d.max_restarts or child.spawn is None:
+            return False
+        # A trainer restart needs its orchestrator restarted (to re-send the batches from the
+        # trainer's checkpoint): only possible where both run on this machine.
+        return child.kind != "trainer" or any(c.kind == "orchestrator" for c in self.children)
+
+    def _restart(self, child: Child, code: int, workers: list[Child]) -> None:
+        """Start `child` again after its back-off (with the trainer, the orchestrator too)."""
+        d = self.config.deployment
+        child.restarts += 1
+        wait_s = min(MAX_BACKOFF_S, d.restart_backoff_s * 2 ** (child.restarts - 1))
+        also = [w for w in workers if w.kind == "orchestrator"] if child.kind == "trainer" else []
+        print(f"rl: {child.name} exited with status {code}; restarting it ({child.restarts} of "
+              f"{d.max_restarts}) in {wait_s:.0f} s{', with the orchestrator' if also else ''} "
+              f"(see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
+        self._stop([child, *also])  # what is left of its process group, and the orchestrator
+        record = {"time": time.time(), "process": child.kind, "name": child.name, "status": code,
+                  "restart": child.restarts}  # fmt: skip
+        with writing(restarts_path(self.out), "the restart record"):
+            self.out.mkdir(parents=True, exist_ok=True)
+            with restarts_path(self.out).open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        time.sleep(wait_s)
+        for c in (child, *also):
+            c.proc = c.spawn()
 
     def run(self) -> int:
         paths = self._write_configs()
@@ -283,7 +366,13 @@ class Launcher:
         while True:
             for child in servers + workers:
                 code = child.proc.poll()
-                if code is None or child.name in done:
+                if code is None or (child.name in done and code == 0):
+                    continue
+                if code != 0 and not self.stopping and self._may_restart(child, code):
+                    self._restart(child, code, workers)
+                    done -= {child.name, "orchestrator"} if child.kind == "trainer" else {child.name}
+                    continue
+                if child.name in done:
                     continue
                 if child in servers:
                     done.add(child.name)
@@ -331,5 +420,8 @@ def launch(config: RLConfig) -> int:
     install_signal_handlers(launcher)
     try:
         return launcher.run()
+    except DiskFull as e:
+        print(f"rl: error: {e}", file=sys.stderr, flush=True)
+        return NEEDS_USER
     finally:
         launcher.stop_all()

@@ -3,8 +3,11 @@ and the KL controller, when configured), to resume a killed trainer.
 
 Layout: `<output_dir>/checkpoints/step_<N>/` (the state after N optimizer steps) with the sharded
 model and optimizer state (torch.distributed.checkpoint, one shard per rank), `rank_<r>.pt` with the
-scheduler, step and RNG states, and `DONE`, written last. Invariant: only a folder with `DONE` is
-ever resumed from, so a trainer killed while saving resumes from the previous checkpoint.
+scheduler, step and RNG states, `MANIFEST.json` (every file's size and CRC-32) and `DONE`, written
+last. Invariants: only a folder with `DONE` is ever resumed from, so a trainer killed while saving
+resumes from the previous checkpoint; a resume verifies the checkpoint against its manifest first,
+and `choose_checkpoint` falls back from a damaged newest one to the newest intact one (an explicit
+step that is damaged is an error). The newest `ckpt.keep` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -18,10 +21,41 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from prime_rl.layout import DONE, checkpoint_root, complete_steps
+from prime_rl.disk import writing
+from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
 from prime_rl.trainer.dist import World
 
-__all__ = ["checkpoint_root", "complete_steps", "load_checkpoint", "save_checkpoint"]
+__all__ = ["checkpoint_root", "choose_checkpoint", "complete_steps", "load_checkpoint", "save_checkpoint"]
+
+
+class CheckpointError(RuntimeError):
+    """The requested checkpoint does not exist, is damaged, or does not load."""
+
+
+def choose_checkpoint(root: Path, wanted: int | None) -> tuple[int, list[str]]:
+    """The step to resume from (0: start fresh) and the warnings to show. `wanted`: None starts
+    fresh, -1 takes the newest checkpoint that verifies (skipping damaged newer ones, each named in
+    a warning), a step takes exactly that one (`CheckpointError` if it is missing or damaged)."""
+    if wanted is None:
+        return 0, []
+    steps = complete_steps(root)
+    if wanted != -1:
+        if wanted not in steps:
+            raise CheckpointError(f"ckpt.resume_step = {wanted}, but the complete checkpoints in {root} are {steps or 'none'}")  # fmt: skip
+        problem = verify_checkpoint(root / f"step_{wanted}")
+        if problem:
+            raise CheckpointError(f"ckpt.resume_step = {wanted}: the checkpoint is unreadable: {problem}")
+        return wanted, []
+    damaged = []
+    for step in reversed(steps):
+        problem = verify_checkpoint(root / f"step_{step}")
+        if problem is None:
+            return step, [
+                f"checkpoint step {bad} is unreadable ({why}); resuming from step {step} instead"
+                for bad, why in damaged
+            ]
+        damaged.append((step, problem))
+    return 0, [f"checkpoint step {bad} is unreadable ({why}); starting from step 0" for bad, why in damaged]
 
 
 def _barrier(world: World) -> None:
@@ -43,25 +77,27 @@ def save_checkpoint(
     """`critic`: (value model, its optimizer), saved beside the policy; `extra`: small picklable
     state that every rank holds the same (e.g. the KL controller), returned by `load_checkpoint`."""
     path = root / f"step_{step}"
-    if world.is_main and path.exists():
-        shutil.rmtree(path)
-    _barrier(world)
-    dcp.save(_sharded_state(model, optimizer, critic), checkpoint_id=str(path))
-    torch.save(
-        {
-            "step": step,
-            "scheduler": scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            "extra": extra or {},
-        },
-        path / f"rank_{world.rank}.pt",
-    )
-    _barrier(world)
-    if world.is_main:
-        (path / DONE).touch()
-        for old in complete_steps(root)[:-keep]:
-            shutil.rmtree(root / f"step_{old}", ignore_errors=True)
-    _barrier(world)
+    with writing(path, f"the checkpoint of step {step}"):
+        if world.is_main and path.exists():
+            shutil.rmtree(path)
+        _barrier(world)
+        dcp.save(_sharded_state(model, optimizer, critic), checkpoint_id=str(path))
+        torch.save(
+            {
+                "step": step,
+                "scheduler": scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "extra": extra or {},
+            },
+            path / f"rank_{world.rank}.pt",
+        )
+        _barrier(world)
+        if world.is_main:
+            write_manifest(path)
+            (path / DONE).touch()
+            for old in complete_steps(root)[:-keep]:
+                shutil.rmtree(root / f"step_{old}", ignore_errors=True)
+        _barrier(world)
     return path
 
 
@@ -69,13 +105,19 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
     """Restore everything `save_checkpoint` wrote; returns its `extra`."""
     path = root / f"step_{step}"
     if not (path / DONE).exists():
-        raise FileNotFoundError(f"no complete checkpoint at {path} (complete ones: {complete_steps(root)})")
+        raise CheckpointError(f"no complete checkpoint at {path} (complete ones: {complete_steps(root)})")
     state = _sharded_state(model, optimizer, critic)
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if critic is not None:
-        set_state_dict(*critic, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
-    saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if critic is not None:
+            set_state_dict(*critic, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+        saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
+    except Exception as e:  # e.g. another model's checkpoint
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(
+            f"the checkpoint {path} does not load into this trainer: {type(e).__name__}: {first}"
+        ) from None
     scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"]["torch"])
     random.setstate(saved["rng"]["python"])

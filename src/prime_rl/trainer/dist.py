@@ -111,16 +111,21 @@ def all_reduce_max(value: torch.Tensor, world: World) -> torch.Tensor:
 
 
 def run_rank(
-    world: World, prog: str, fn: Callable[[], object], user_errors: tuple[type[BaseException], ...]
+    world: World,
+    prog: str,
+    fn: Callable[[], object],
+    user_errors: tuple[type[BaseException], ...],
+    needs_user: tuple[type[BaseException], ...] = (),
 ) -> None:
-    """Run a rank's work and end the process: a user error is one line on stderr and exit 1; the
-    process group is destroyed in any case; a distributed rank always leaves through `exit_rank`."""
+    """Run a rank's work and end the process: a user error is one line on stderr and exit status 2
+    if it is one of `needs_user` (a restart would fail the same way), else 1; the process group is
+    destroyed in any case; a distributed rank always leaves through `exit_rank`."""
     code = 0
     try:
         fn()
     except user_errors as e:
         sys.stderr.write(f"{prog}: error: {e}\n")
-        code = 1
+        code = 2 if isinstance(e, needs_user) else 1
     except Exception:
         if not world.distributed:
             raise

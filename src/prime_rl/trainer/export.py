@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from prime_rl.disk import writing
 from prime_rl.trainer.dist import World
 from prime_rl.trainer.trainer import MicroBatchResult
 
@@ -27,7 +28,8 @@ def export_tokens(output_dir: Path, step: int, results: list[MicroBatchResult], 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank_{world.dp_rank}.jsonl"
     if world.cp_rank == 0:
-        _write(path, step, results, world.dp_rank)
+        with writing(path, f"the token export of step {step}"):
+            _write(path, step, results, world.dp_rank)
     if world.distributed:
         dist.barrier()
     if world.is_main:

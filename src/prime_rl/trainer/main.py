@@ -14,10 +14,17 @@ from pathlib import Path
 import torch
 
 from prime_rl.config import parse_config
+from prime_rl.disk import DiskFull
 from prime_rl.logging_setup import setup_logging
 from prime_rl.plugins import PluginError, load_function
 from prime_rl.preflight import check_trainer
-from prime_rl.trainer.checkpoint import checkpoint_root, complete_steps, load_checkpoint, save_checkpoint
+from prime_rl.trainer.checkpoint import (
+    CheckpointError,
+    checkpoint_root,
+    choose_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import StepReceiver, share_with_cp_group
 from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
@@ -36,24 +43,22 @@ class NaNLossError(RuntimeError):
     """Too many consecutive steps had a non-finite loss."""
 
 
-class CheckpointError(RuntimeError):
-    """The requested checkpoint does not exist."""
-
-
-def resume_step(config: TrainerConfig) -> int:
-    """The checkpoint step to resume from (0 = start fresh)."""
-    wanted = config.ckpt.resume_step
-    if wanted is None:
-        return 0
-    steps = complete_steps(checkpoint_root(config.output_dir))
-    if wanted == -1:
-        return steps[-1] if steps else 0
-    if wanted not in steps:
-        raise CheckpointError(
-            f"ckpt.resume_step = {wanted}, but the complete checkpoints in "
-            f"{checkpoint_root(config.output_dir)} are {steps or 'none'}"
-        )
-    return wanted
+def resume_step(config: TrainerConfig, world: World) -> int:
+    """The checkpoint step to resume from (0 = start fresh): rank 0 verifies, every rank takes its word."""
+    choice: list = [None]
+    if world.is_main:
+        try:
+            step, warnings = choose_checkpoint(checkpoint_root(config.output_dir), config.ckpt.resume_step)
+            for w in warnings:
+                log.warning(w)
+            choice = [step]
+        except CheckpointError as e:
+            choice = [e]
+    if world.distributed:
+        torch.distributed.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], BaseException):
+        raise CheckpointError(str(choice[0]))
+    return choice[0]
 
 
 def load_custom_loss(config: TrainerConfig) -> LossFn | None:
@@ -80,7 +85,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     world = world or init_world(config.parallel.cp)
     output_dir = Path(config.output_dir)
     trainer = Trainer(config, world, loss_fn or load_custom_loss(config))
-    start = resume_step(config)
+    start = resume_step(config, world)
     critic = (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None
     if start:
         extra = load_checkpoint(checkpoint_root(output_dir), start, trainer.model, trainer.optimizer,
@@ -145,6 +150,12 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             metrics["time/step"] = time.perf_counter() - t0
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
+            if metrics_log is not None and not metrics["loss_tokens"]:
+                log.info(
+                    "step %d | no samples: every rollout of the step was filtered or failed, nothing trained | "
+                    "%.1fs (wait for data %.1fs)", step, metrics["time/step"], t_wait,
+                )  # fmt: skip
+            elif metrics_log is not None:
                 log.info(
                     "step %d | loss %.4f | entropy %.3f | mismatch_kl %.2e | grad_norm %.3f | %.0f tok/s | "
                     "%.1fs (wait for data %.1fs, train %.1fs)%s",
@@ -169,22 +180,24 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             receiver.receiver.close()
 
 
-USER_ERRORS = (
+# One line, no traceback; NEEDS_USER exit with status 2 (`rl` never retries them), the rest with 1.
+NEEDS_USER = (
     OutOfMemory,
     ModelLoadError,
-    TransportError,
     NaNLossError,
     CheckpointError,
     PluginError,
     TokenAdvantageError,
+    DiskFull,
 )
+USER_ERRORS = (*NEEDS_USER, TransportError)
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer)
     world = init_world_or_exit(config.parallel.cp, "trainer")
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
-    run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS)
+    run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS, NEEDS_USER)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from prime_rl.disk import writing
 from prime_rl.layout import BROADCAST, READY, marked_steps, step_dir, weights_root
 from prime_rl.trainer.broadcast import Broadcaster, BroadcastError
 from prime_rl.trainer.dist import World
@@ -80,13 +81,14 @@ class Publisher:
         return state
 
     def _write_folder(self, path: Path, state: dict[str, torch.Tensor], config) -> None:
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        config.save_pretrained(path)
-        self._tokenizer.save_pretrained(path)
-        (path / READY).touch()
+        with writing(path, "the weights for inference"):
+            if path.exists():
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+            save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+            config.save_pretrained(path)
+            self._tokenizer.save_pretrained(path)
+            (path / READY).touch()
 
     def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:
         t0 = time.perf_counter()

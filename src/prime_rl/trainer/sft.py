@@ -22,7 +22,7 @@ from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_c
 from prime_rl.trainer.config import SFTConfig, SFTDataConfig
 from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.loss import sft_loss
-from prime_rl.trainer.main import USER_ERRORS, resume_step
+from prime_rl.trainer.main import NEEDS_USER, USER_ERRORS, resume_step
 from prime_rl.trainer.publish import Publisher
 from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
@@ -151,7 +151,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
             raise SFTDataError(f"{ex.where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
         samples.append(s)
     trainer = Trainer(config, world, loss_fn=sft_loss)
-    start = resume_step(config)
+    start = resume_step(config, world)
     if start:
         load_checkpoint(
             checkpoint_root(output_dir), start, trainer.model, trainer.optimizer, trainer.scheduler, world
@@ -190,7 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv, prog="sft")
     world = init_world_or_exit(config.parallel.cp, "sft")
     setup_logging("sft")
-    run_rank(world, "sft", lambda: run_sft(config, world), (*USER_ERRORS, SFTDataError))
+    run_rank(
+        world,
+        "sft",
+        lambda: run_sft(config, world),
+        (*USER_ERRORS, SFTDataError),
+        (*NEEDS_USER, SFTDataError),
+    )
 
 
 if __name__ == "__main__":

@@ -363,7 +363,15 @@ class Trainer:
         loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64), self.world).item() / max(
             global_tokens, 1
         )
-        if not math.isfinite(loss):
+        if global_tokens == 0:
+            # No sample to learn from (every one filtered or failed): the parameters stay as they
+            # are (an AdamW step on zero gradients would still move them); the schedule goes on.
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
+            if train_policy:
+                self.scheduler.step()
+        elif not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             if self.critic_optimizer is not None:
                 self.critic_optimizer.zero_grad(set_to_none=True)

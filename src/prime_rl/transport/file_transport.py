@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from prime_rl.disk import writing
 from prime_rl.transport.base import TransportError, TransportTimeout, check_run
 from prime_rl.transport.messages import Message, MicroBatch, TrainingBatch, decode, encode
 
@@ -27,11 +28,15 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` so that `path` is either absent or complete, never partial."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave no partial file taking space
+        raise
 
 
 class FileSender:
@@ -42,7 +47,9 @@ class FileSender:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def send(self, message: Message) -> None:
-        write_atomic(message_path(self.root, message), encode(message))
+        path = message_path(self.root, message)
+        with writing(path, "a micro-batch for the trainer"):
+            write_atomic(path, encode(message))
 
     def close(self) -> None:
         pass
