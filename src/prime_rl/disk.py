@@ -3,7 +3,8 @@
 Invariant: the writers of a run's output (weights, checkpoints, batches, progress, rollouts,
 metrics, logs) write inside `writing(path, what)`; a failure there that is a full disk (errno
 ENOSPC or EDQUOT anywhere in the exception's chain, or, for libraries that hide the errno such as
-torch's checkpoint writers, less than `LOW_BYTES` left where `path` lives) becomes `DiskFull`.
+torch's checkpoint writers, an I/O failure while less than `LOW_BYTES` are left where `path`
+lives) becomes `DiskFull`.
 Everything else passes through unchanged. Writers mark a file or folder complete last (atomic
 rename, `DONE`, `READY`), so what a full disk cut short is never taken for complete: once space is
 freed, the same command resumes.
@@ -46,12 +47,25 @@ def _chain(e: BaseException) -> Iterator[BaseException]:
         e = e.__cause__ or e.__context__
 
 
+def _a_write(x: BaseException) -> bool:
+    """An I/O failure, possibly wrapped: an OSError, torch's CheckpointException (which carries the
+    ranks' errors as text), or a writer's RuntimeError about a write."""
+    return (
+        isinstance(x, OSError)
+        or type(x).__name__ == "CheckpointException"
+        or (isinstance(x, RuntimeError) and "writ" in str(x).lower())
+    )
+
+
 def is_disk_full(e: BaseException, path: Path) -> bool:
-    for x in _chain(e):
+    chain = list(_chain(e))
+    for x in chain:
         if isinstance(x, OSError) and x.errno in _FULL:
             return True
         if "No space left on device" in str(x) or "Disk quota exceeded" in str(x):
             return True
+    if not any(_a_write(x) for x in chain):
+        return False  # e.g. a peer rank's crash inside a checkpoint save: not a full disk
     free = free_bytes(path)
     return free is not None and free < LOW_BYTES
 

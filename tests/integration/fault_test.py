@@ -252,7 +252,7 @@ def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_pat
     kinds = ["inference", "trainer", "orchestrator"] * 2
     rng.shuffle(kinds)
     why = f"(seed {seed}: PRIME_RL_FAULT_SEED={seed} repeats it; kills {kinds})"
-    steps = 60  # steps take ~0.5 s here: enough for the 6 kills, each after progress
+    steps = 80  # steps take ~0.5 s here: ample for the 6 kills, each after progress
     toml = write_config(tmp_path, tiny_model, "reverse-text", steps=steps, extra=(
         "[trainer.ckpt]\ninterval = 2\n[deployment]\nmax_restarts = 4\nrestart_backoff_s = 0.5\n"
     ))  # fmt: skip
@@ -270,7 +270,13 @@ def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_pat
             assert kind in pids, (kind, pids, why)
             at = (max_step(trainer_m), max_step(orch_m))
             os.killpg(pids[kind], signal.SIGKILL)
-            wait_until(lambda i=i: len(restart_records(run)) > i, f"rl to restart the {kind}", [proc], 120)
+            killed = sum(k == kind for k in kinds[: i + 1])
+            wait_until(
+                lambda kind=kind, n=killed: restarted(run, kind) >= n,
+                f"rl to restart the {kind}",
+                [proc],
+                120,
+            )
             # Progress after the restart, in both processes, before the next kill.
             wait_until(lambda at=at: max_step(trainer_m) > at[0] and max_step(orch_m) > at[1],
                        f"progress after the {kind} restart {why}", [proc])  # fmt: skip
@@ -280,10 +286,12 @@ def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_pat
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
     console = err_path.read_text()
-    assert console.count("restarting it") == 6, console[-3000:]
-    assert "rl: done" in out_path.read_text()
     records = restart_records(run)
-    assert sorted(r["process"] for r in records) == sorted(kinds), (records, why)
+    # Each kill was restarted; a kill may also make another process fail and be restarted (e.g. the
+    # orchestrator giving up on a weight reload while the server is down): counted the same way.
+    assert all(restarted(run, k) >= kinds.count(k) for k in set(kinds)), (records, why)
+    assert console.count("restarting it") == len(records), console[-3000:]
+    assert "rl: done" in out_path.read_text()
     assert [m["step"] for m in jsonl(trainer_m)] == list(range(steps)), why
     orch = jsonl(orch_m)
     assert [m["step"] for m in orch] == list(range(steps)), why
@@ -291,10 +299,7 @@ def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_pat
     pending = last["rollouts/all/inflight"] + last["rollouts/all/waiting"]
     buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
     assert last["rollouts/all/dispatched_total"] == buckets + pending, why
-    assert sum(last.get(f"restarts/{k}", 0) for k in ("inference", "trainer", "orchestrator")) == 6, (
-        last,
-        why,
-    )
+    assert sum(v for k, v in last.items() if k.startswith("restarts/")) == len(records), (last, why)
     # Every step's batch trained once: the trainer's token counts per step match the batches the
     # orchestrator logged for those steps (a step trained on two batches, or none, would not).
     trainer = jsonl(trainer_m)
@@ -303,7 +308,12 @@ def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_pat
 
 def restart_records(run: Path) -> list[dict]:
     path = run / "restarts.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]  # whole lines
+
+
+def restarted(run: Path, kind: str) -> int:
+    return sum(r["process"] == kind for r in restart_records(run))
 
 
 def test_a_full_disk_under_rl_is_one_line_and_rerunning_after_freeing_space_resumes(tiny_model, tmp_path):

@@ -146,20 +146,29 @@ def test_bad_custom_advantage_is_named(tmp_path, import_path, phrases):
     assert_clear_error(out, 2, *phrases)
 
 
-def test_an_env_whose_every_rollout_fails_stops_the_orchestrator_with_one_line(tmp_path):
-    # Every request is refused with HTTP 500, as a server rejecting the env's requests would: the
-    # orchestrator stops once 3 groups in a row failed entirely, instead of retrying forever.
-    with FakeServer(lambda req, i: Reply(status=500)) as server:
+@pytest.mark.parametrize(
+    ("env", "reply", "code", "reason"),
+    [
+        ("failing-env", Reply(), 2, "ValueError"),  # an env bug: its reward raises
+        ("reverse-text", Reply(status=500), 1, "InternalServerError"),  # the server refuses everything
+    ],
+)
+def test_an_env_whose_every_rollout_fails_stops_the_orchestrator_with_one_line(
+    tmp_path, env, reply, code, reason
+):
+    # The orchestrator stops once 3 groups in a row failed entirely, instead of retrying forever;
+    # exit status 2 (never retried) for the env's own error, 1 for a server's.
+    with FakeServer(lambda req, i: reply) as server:
         t0 = time.monotonic()
         out = run(
             "orchestrator", "--output-dir", "out", "--max-steps", "5", "--batch-size", "8",
-            "--max-failed-groups", "3", "--envs", '[{id = "reverse-text", group_size = 4}]',
+            "--max-failed-groups", "3", "--envs", f'[{{id = "{env}", group_size = 4}}]',
             "--client.base-urls", f'["{server.base_url}"]', "--transport.type", "filesystem",
             cwd=tmp_path,
         )  # fmt: skip
         requests = len(server.requests)
-    assert_clear_error(out, 2, "env 'reverse-text': the last 3 groups failed entirely",
-                       "most common reason: ", "InternalServerError", "orchestrator.max_failed_groups = 3")  # fmt: skip
+    assert_clear_error(out, code, f"env '{env}': the last 3 groups failed entirely",
+                       "most common reason: ", reason, "orchestrator.max_failed_groups = 3")  # fmt: skip
     assert len([line for line in out.stderr.splitlines() if line.startswith("orchestrator: error:")]) == 1
     assert time.monotonic() - t0 < 60 and requests < 200, requests  # bounded: no spinning
 

@@ -540,20 +540,29 @@ def test_an_eval_env_whose_rollouts_all_fail_stops_the_run(tmp_path):
     assert time.monotonic() - t0 < 60  # the eval runs in the background: the step loop stops for it
 
 
-def test_partial_failures_and_unreachable_servers_do_not_count_toward_the_failure_bound():
+def test_partial_failures_reset_the_failure_bound_and_unreachable_servers_are_bounded_by_time():
     from prime_rl.orchestrator.failures import FailureStreak
     from prime_rl.orchestrator.rollout import Rollout
 
     def group(*errors):
         return [Rollout("e", 0, 0, error=err) for err in errors]
 
-    streak = FailureStreak(limit=2)
+    streak = FailureStreak(limit=2, unreachable_s=3600)
     down = "env error: ModelError() -> APIConnectionError('Connection error.') -> ConnectError('refused')"
-    for _ in range(5):  # a restarting server fails whole groups: its health check owns those
+    for _ in range(5):  # a restarting server fails whole groups: bounded by time, not by count
         streak.record("e", group(down, down))
     streak.record("e", group("reward error: ValueError('x')", None))  # a survivor resets the count
     streak.record("e", group("reward error: ValueError('x')"))
     streak.record("e", group(None, None))
     streak.record("e", group("env error: APITimeoutError('Request timed out.')"))
-    with pytest.raises(RolloutsFailing, match="most common reason: APITimeoutError"):
+    with pytest.raises(RolloutsFailing, match="most common reason: APITimeoutError") as e:
         streak.record("e", group("env error: APITimeoutError('Request timed out.')"))
+    assert e.value.retryable  # a server's timeouts: a restart may help
+    bug = FailureStreak(limit=1)
+    with pytest.raises(RolloutsFailing) as e:
+        bug.record("e", group("reward error: ValueError('bug')", "reward error: ValueError('bug')"))
+    assert not e.value.retryable  # the env's own exception: never retried
+    gone = FailureStreak(limit=2, unreachable_s=0.0)
+    gone.record("e", group(down))
+    with pytest.raises(RolloutsFailing, match=r"no server could be reached .* client.health_timeout_s = 0"):
+        gone.record("e", group(down))

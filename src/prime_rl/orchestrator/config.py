@@ -306,10 +306,11 @@ class OrchestratorConfig(RootConfig):
     batch_size failed in the step (each failure is in the orchestrator log and the rollouts file)."""
 
     max_failed_groups: int = Field(default=16, ge=1)
-    """Stop the run (one line, exit status 2) once an env's groups failed entirely this many times in
-    a row: every rollout of each failed (env exception, reward or teacher that could not score,
-    timeout, untrainable reply). A group with one surviving rollout resets the count. Applies to
-    training and to eval, per env. Failures to reach a server at all are bounded by
+    """Stop the run (one line) once an env's groups failed entirely this many times in a row: every
+    rollout of each failed (env exception, reward or teacher that could not score, timeout,
+    untrainable reply). A group with one surviving rollout resets the count. Applies to training and
+    to eval, per env. Exit status 2 when the most common reason is the env's own, 1 when it is a
+    server's. Groups that failed only for want of a reachable server are bounded by
     `client.health_timeout_s` instead."""
 
     min_group_size: int = Field(default=1, ge=1)

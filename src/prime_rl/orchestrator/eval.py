@@ -38,7 +38,7 @@ class Evaluator:
         self._task: asyncio.Task | None = None
         # Evaluation uses at most half the in-flight budget, counted in examples of n rollouts.
         self._budget = max(1, config.max_inflight_rollouts // 2)
-        self.streak = FailureStreak(config.max_failed_groups, what="eval env")
+        self.streak = FailureStreak(config.max_failed_groups, config.client.health_timeout_s, what="eval env")
 
     def start(self, step: int, policy_version: int) -> None:
         previous = self._task
@@ -95,8 +95,7 @@ class Evaluator:
                 server = await self.pool.pick_when_up()
                 lease(server, job)
                 rollouts = await run_group(job, server, self.pool, model)
-            self.streak.record(env.name, rollouts, group_failed=any(r.failed for r in rollouts)
-                               if job.group_scoring else None)  # fmt: skip
+            self.streak.record(env.name, rollouts)
             return rollouts
 
         results = await asyncio.gather(*(example(env.dataset[i]) for i in range(len(env.dataset))))

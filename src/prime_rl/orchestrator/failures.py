@@ -1,16 +1,21 @@
 """Stop a run whose rollouts keep failing, with one line, instead of spinning on failures forever.
 
-Invariant: per env (training and evaluation each), once `limit` groups in a row finished with no
-rollout that could train because every one failed (an env exception, a reward or teacher that could
-not score, a request that timed out or was refused, an untrainable reply), `FailureStreak.record`
-raises `RolloutsFailing`, naming the env, the most common reason and the key that bounds it. A group
-with any surviving rollout resets the env's count. Failures to reach a server at all (connection
-refused or dropped) do not count: they are the server health check's (`client.health_timeout_s`),
-and a server that restarts fails every group that was in flight on it at once.
+Invariant: per env (training and evaluation each), a group counts as failed when every one of its
+rollouts failed (an env exception, a reward, teacher or reward model that could not score, a
+request that timed out or was refused, an untrainable reply); a group with any surviving rollout
+resets the env's count. `FailureStreak.record` raises `RolloutsFailing`, naming the env, the most
+common reason and the key that bounds it, once
+- `limit` groups in a row failed with at least one failure that reached a server or the env, or
+- every group failed for `unreachable_s` seconds only because no server could be reached
+  (connection refused or dropped): a server restarting fails every group in flight on it at once,
+  so those failures are bounded by time, as an absent server is (`client.health_timeout_s`).
+`RolloutsFailing.retryable` says whether the most common reason is on a server's side (HTTP 5xx,
+timeouts, unreachable: a restart may help, exit status 1) or the env's (exit status 2, never retried).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,48 +25,67 @@ UNREACHABLE = ("APIConnectionError", "ConnectError", "ConnectionRefusedError", "
                "ReadError", "ConnectionResetError")  # fmt: skip
 """Exception names of a request that never reached a live server (timeouts are not among them)."""
 
+SERVER_SIDE = (*UNREACHABLE, "InternalServerError", "APIStatusError", "ServiceUnavailableError",
+               "APITimeoutError", "TimeoutError", "ReadTimeout", "TeacherError", "RewardModelError")  # fmt: skip
+"""Exception names of failures a server caused (a restart of it may cure them)."""
+
 
 class RolloutsFailing(RuntimeError):
     """An env's groups kept failing entirely: the run cannot train on it."""
 
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
 
-SCORERS = ("TeacherError", "RewardModelError")
-"""Failures of the teacher's or a reward model's server: no health check watches those, so they count."""
+
+def _names(error: str) -> list[str]:
+    return failure_reason(error).split(" -> ")
 
 
 def unreachable(error: str) -> bool:
-    """The failure is a policy request that never reached a live server (not a timeout, not an
-    answer, not the teacher or a reward model)."""
-    names = failure_reason(error).split(" -> ")
-    return (
-        any(n in UNREACHABLE for n in names)
-        and not any("Timeout" in n for n in names)
-        and not any(n in SCORERS for n in names)
-    )
+    """The failure is a request that never reached a live server (not a timeout, not an answer)."""
+    names = _names(error)
+    return any(n in UNREACHABLE for n in names) and not any("Timeout" in n for n in names)
+
+
+def server_side(reason: str) -> bool:
+    return any(n in SERVER_SIDE for n in reason.split(" -> "))
 
 
 @dataclass
 class FailureStreak:
-    """Groups in a row, per env, whose every rollout failed (see the module's invariant)."""
+    """Failed groups in a row, per env (see the module's invariant)."""
 
     limit: int
+    unreachable_s: float = 600.0
     key: str = "orchestrator.max_failed_groups"
     what: str = "env"
     groups: Counter = field(default_factory=Counter)
     reasons: dict[str, Counter] = field(default_factory=dict)
     example: dict[str, str] = field(default_factory=dict)
     """Per env, the first line of the most recent counted failure, to show with its reason."""
+    unreachable_since: dict[str, float] = field(default_factory=dict)
+    """Per env, since when every group failed only for want of a reachable server."""
 
-    def record(self, env: str, rollouts: list[Rollout], group_failed: bool | None = None) -> None:
-        """Count one finished group; `group_failed` overrides "every rollout failed" (group scoring
-        drops a group on any failure). Raises `RolloutsFailing` at the limit."""
-        failed = all(r.failed for r in rollouts) if group_failed is None else group_failed
-        if not failed:
+    def record(self, env: str, rollouts: list[Rollout]) -> None:
+        """Count one finished group; raises `RolloutsFailing` at a bound."""
+        if not all(r.failed for r in rollouts):
             self.groups[env] = 0
             self.reasons.pop(env, None)
+            self.unreachable_since.pop(env, None)
             return
-        errors = [r.error or "" for r in rollouts if r.failed]
-        if errors and all(unreachable(e) for e in errors):
+        errors = [r.error or "" for r in rollouts]
+        if all(unreachable(e) for e in errors):
+            now = time.monotonic()
+            since = self.unreachable_since.setdefault(env, now)
+            if since < now and now - since >= self.unreachable_s:
+                reason, _ = Counter(failure_reason(e) for e in errors).most_common(1)[0]
+                raise RolloutsFailing(
+                    f"{self.what} '{env}': no server could be reached for any of its groups for "
+                    f"{now - since:.0f} s (most common reason: {reason}); stopping at "
+                    f"client.health_timeout_s = {self.unreachable_s:g}",
+                    retryable=True,
+                )
             return
         self.groups[env] += 1
         reasons = self.reasons.setdefault(env, Counter())
@@ -69,7 +93,8 @@ class FailureStreak:
             reasons[failure_reason(e)] += 1
             self.example[env] = e.splitlines()[0][:200] if e else ""
         if self.groups[env] >= self.limit:
-            raise RolloutsFailing(self.message(env))
+            reason = reasons.most_common(1)[0][0]
+            raise RolloutsFailing(self.message(env), retryable=server_side(reason))
 
     def message(self, env: str) -> str:
         reasons = self.reasons.get(env, Counter())

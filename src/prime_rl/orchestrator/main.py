@@ -20,7 +20,8 @@ from prime_rl.preflight import check_orchestrator
 from prime_rl.transport import TransportError
 
 # Failures whose message says all the user needs: one line, no traceback. Exit status 2 for those
-# that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest.
+# that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
+# (failing rollouts whose most common reason is a server's are `retryable`).
 NEEDS_USER = (EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull)
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError)
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(orchestrator.run())
     except USER_ERRORS as e:
         sys.stderr.write(f"orchestrator: error: {e}\n")
-        raise SystemExit(2 if isinstance(e, NEEDS_USER) else 1) from None
+        needs_user = isinstance(e, NEEDS_USER) and not getattr(e, "retryable", False)
+        raise SystemExit(2 if needs_user else 1) from None
     except (KeyboardInterrupt, asyncio.CancelledError):
         # A signal during setup, before the orchestrator takes SIGINT/SIGTERM, is a KeyboardInterrupt.
         sig = orchestrator.stopped_by or signal.SIGINT

@@ -138,7 +138,7 @@ class Scheduler:
         self.teacher = teacher
         self.skipped: Counter = Counter()
         """Examples the difficulty filter skipped, per env, since the start of this process."""
-        self.streak = FailureStreak(config.max_failed_groups)
+        self.streak = FailureStreak(config.max_failed_groups, config.client.health_timeout_s)
 
     # ---------------------------------------------------------------- counts
 
@@ -240,11 +240,10 @@ class Scheduler:
         self._failures.extend(failures)
         for r in failures:
             log.info("%s %s example %s: %s", ROLLOUT_FAILED, name, r.example_id, (r.error or "")[:500])
+        self.streak.record(name, rollouts)
         if failures and group.env.group_scoring:
             self.acc.add("failed", name, len(rollouts))
-            self.streak.record(name, rollouts, group_failed=True)
             return
-        self.streak.record(name, rollouts)
         self.acc.add("failed", name, len(failures))
         group.rollouts = [r for r in rollouts if not r.failed]
         self.difficulty.record(name, group.example_id, [r.reward for r in group.rollouts])

@@ -53,7 +53,7 @@ class Child:
     """Servers of one group stand in for each other: the run goes on while one of them lives
     (default: the child's name, a group of its own)."""
     spawn: Callable[[], subprocess.Popen] | None = None
-    """Starts the child again (same command, environment and cores), for restarts."""
+    """Starts the child again (same command, environment and cores, plus `again`), for restarts."""
     restarts: int = 0
 
     def __post_init__(self):
@@ -212,14 +212,17 @@ class Launcher:
         cpus: list[int] | None,
         console: bool,
         group: str = "",
+        again: tuple[str, ...] = (),
     ) -> Child:
+        """Start a child; `again`: arguments added when it is restarted (resume where it stopped)."""
         log_path = self.out / "logs" / self.node_dir / f"{name}.log"
         with writing(log_path, "the logs"):
             log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = []
 
         def spawn() -> subprocess.Popen:
             proc = subprocess.Popen(
-                cmd,
+                [*cmd, *again] if started else cmd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -228,6 +231,7 @@ class Launcher:
                 preexec_fn=_affinity(cpus),
             )
             threading.Thread(target=_pump, args=(name, proc.stdout, log_path, console), daemon=True).start()
+            started.append(proc.pid)
             return proc
 
         child = Child(name, spawn(), log_path, group, spawn)
@@ -304,8 +308,11 @@ class Launcher:
         if code == NEEDS_USER or child.restarts >= d.max_restarts or child.spawn is None:
             return False
         # A trainer restart needs its orchestrator restarted (to re-send the batches from the
-        # trainer's checkpoint): only possible where both run on this machine.
-        return child.kind != "trainer" or any(c.kind == "orchestrator" for c in self.children)
+        # trainer's checkpoint), and all of its ranks: only possible where the orchestrator and
+        # the whole trainer run on this machine.
+        if child.kind == "trainer":
+            return d.trainer_nodes == 1 and any(c.kind == "orchestrator" for c in self.children)
+        return True
 
     def _restart(self, child: Child, code: int, workers: list[Child]) -> None:
         """Start `child` again after its back-off (with the trainer, the orchestrator too)."""
@@ -316,16 +323,30 @@ class Launcher:
         print(f"rl: {child.name} exited with status {code}; restarting it ({child.restarts} of "
               f"{d.max_restarts}) in {wait_s:.0f} s{', with the orchestrator' if also else ''} "
               f"(see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
+        for other in also:  # an orchestrator that had died on its own is a restart of its own too
+            if other.proc.poll() not in (None, 0):
+                other.restarts += 1
+                self._record(other, other.proc.returncode)
         self._stop([child, *also])  # what is left of its process group, and the orchestrator
+        self._record(child, code)
+        time.sleep(wait_s)
+        # A signal between starting a child and holding it would leave that child behind: rl's
+        # handlers (stop everything, exit) wait until the new process is in `c.proc`.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for c in (child, *also):
+                if not self.stopping:
+                    c.proc = c.spawn()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+    def _record(self, child: Child, code: int) -> None:
         record = {"time": time.time(), "process": child.kind, "name": child.name, "status": code,
                   "restart": child.restarts}  # fmt: skip
         with writing(restarts_path(self.out), "the restart record"):
             self.out.mkdir(parents=True, exist_ok=True)
             with restarts_path(self.out).open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        time.sleep(wait_s)
-        for c in (child, *also):
-            c.proc = c.spawn()
 
     def run(self) -> int:
         paths = self._write_configs()
@@ -350,10 +371,13 @@ class Launcher:
         if "trainer" in roles:
             trainer_env = {**base_env, "OMP_NUM_THREADS": str(place.trainer_threads)}
             cmd = trainer_command(self.config, paths["trainer"], orchestrator.transport.run_id)
-            workers.append(self._start("trainer", cmd, trainer_env, place.trainer_cpus, True))
+            # A restarted trainer resumes from its newest intact checkpoint, whatever resume_step says.
+            again = ("--ckpt.resume-step", "-1")
+            workers.append(self._start("trainer", cmd, trainer_env, place.trainer_cpus, True, again=again))
         if "orchestrator" in roles:
             cmd = [str(Path(sys.executable).parent / "orchestrator"), "@", str(paths["orchestrator"])]
-            workers.append(self._start("orchestrator", cmd, base_env, place.orchestrator_cpus, True))
+            workers.append(self._start("orchestrator", cmd, base_env, place.orchestrator_cpus, True,
+                                       again=("--resume", "true")))  # fmt: skip
         return self.watch(servers, workers)
 
     def watch(self, servers: list[Child], workers: list[Child], poll_s: float = 0.5) -> int:
@@ -368,7 +392,8 @@ class Launcher:
                 code = child.proc.poll()
                 if code is None or (child.name in done and code == 0):
                     continue
-                if code != 0 and not self.stopping and self._may_restart(child, code):
+                # (A server that exits at all has failed: vLLM's API server exits 0 when its engine dies.)
+                if (code != 0 or child in servers) and not self.stopping and self._may_restart(child, code):
                     self._restart(child, code, workers)
                     done -= {child.name, "orchestrator"} if child.kind == "trainer" else {child.name}
                     continue

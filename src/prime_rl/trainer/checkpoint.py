@@ -12,6 +12,7 @@ step that is damaged is an error). The newest `ckpt.keep` complete checkpoints a
 
 from __future__ import annotations
 
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -55,7 +56,12 @@ def choose_checkpoint(root: Path, wanted: int | None) -> tuple[int, list[str]]:
                 for bad, why in damaged
             ]
         damaged.append((step, problem))
-    return 0, [f"checkpoint step {bad} is unreadable ({why}); starting from step 0" for bad, why in damaged]
+    if damaged:  # starting over would need batches long deleted: the user must decide
+        raise CheckpointError(
+            f"no checkpoint in {root} is readable ({'; '.join(f'step {s}: {why}' for s, why in damaged)}); "
+            "set ckpt.resume_step to start over elsewhere, or restore one"
+        )
+    return 0, []
 
 
 def _barrier(world: World) -> None:
@@ -113,7 +119,15 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
         if critic is not None:
             set_state_dict(*critic, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
         saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
-    except Exception as e:  # e.g. another model's checkpoint
+    except torch.OutOfMemoryError:
+        raise
+    except (
+        RuntimeError,
+        KeyError,
+        ValueError,
+        EOFError,
+        pickle.UnpicklingError,
+    ) as e:  # another model's, say
         first = " ".join(str(e).split())[:300]
         raise CheckpointError(
             f"the checkpoint {path} does not load into this trainer: {type(e).__name__}: {first}"
