@@ -72,23 +72,20 @@ def stop_server(proc) -> None:
 
 async def time_path(env, rows, base_url: str, model: str, sampling, group_requests: bool, rounds: int):
     """Median seconds per round of 16 concurrent groups through the group runner, and the rollouts."""
-    from prime_rl.orchestrator.client import ServerPool
     from prime_rl.orchestrator.config import ClientConfig
-    from prime_rl.orchestrator.envs import rollout_input
-    from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+    from prime_rl.orchestrator.envs.client import Clients
+    from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
+    from prime_rl.orchestrator.loop.examples import rollout_input
 
-    pool = ServerPool(ClientConfig(base_urls=[base_url], group_requests=group_requests, timeout_s=120))
-    server = pool.servers[0]
+    client = Clients(ClientConfig(base_urls=[base_url], group_requests=group_requests)).get(base_url)
     times, rollouts = [], []
     for i in range(rounds + 1):
         jobs = [
-            GroupJob(env.name, env.vf_env, rollout_input(r), r["example_id"], GROUP, 0, sampling)
+            GroupRun(env.name, env.vf_env, rollout_input(r), r["example_id"], GROUP, 0, sampling)
             for r in rows
         ]
         t0 = time.perf_counter()
-        for job in jobs:
-            lease(server, job)
-        groups = await asyncio.gather(*(run_group(job, server, pool, model) for job in jobs))
+        groups = await asyncio.gather(*(run_group(job, client, base_url, model, 120.0) for job in jobs))
         if i:
             times.append(time.perf_counter() - t0)
         rollouts = [r for g in groups for r in g]
@@ -132,7 +129,8 @@ def main() -> None:
 
     from prime_rl.logging_setup import adopt_verifiers_logging
     from prime_rl.orchestrator.config import EnvConfig, SamplingConfig
-    from prime_rl.orchestrator.envs import load_env
+    from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.loop.examples import ExampleSource
 
     adopt_verifiers_logging()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -140,10 +138,9 @@ def main() -> None:
     for name in args.workloads:
         w = WORKLOADS[name]
         sampling = SamplingConfig(temperature=w["temperature"], max_tokens=w["max_tokens"])
-        env = load_env(
-            EnvConfig(id="reverse-text", args=w["args"], group_size=GROUP, sampling=sampling), seed=0
-        )
-        rows = [env.examples.next() for _ in range(EXAMPLES)]
+        env = load_env(EnvConfig(id="reverse-text", args=w["args"], group_size=GROUP, sampling=sampling))
+        examples = ExampleSource(env.dataset, 0)
+        rows = [examples.next() for _ in range(EXAMPLES)]
         with tempfile.TemporaryDirectory() as tmp:
             proc, url = start_server(args.model, args.max_model_len, Path(tmp))
             try:

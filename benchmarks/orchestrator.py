@@ -1,22 +1,28 @@
 """Orchestrator overhead: rollouts/s through scheduling, advantages, packing and sending, with
-instant rollouts and a null trainer sink, on one core; and event-loop lag with 1,000 in flight.
+instant rollouts and a null trainer sink; event-loop lag with 1,000 in flight; and the CPU each
+process spends per rollout on the real rollout path, in process and with env workers.
 
-    uv run python benchmarks/orchestrator.py [--steps 6] [--batch-size 1024]
+    uv run python benchmarks/orchestrator.py [--steps 6] [--batch-size 1024] [--workers 2]
 
-Three runs of the real orchestrator (reverse-text dataset, groups of 8, zmq to a sink subprocess on
-another core that drops what it receives; this process pinned to one core):
+Part 1, the loop alone (this process pinned to one core, zmq to a sink subprocess that drops what it
+receives):
 1. Orchestrator alone: the env's `run_rollout` returns a verifiers-shaped output at once (64 prompt
    and 32 completion tokens, half right, half wrong, so every rollout is packed and sent).
 2. Event-loop lag: the same, but each rollout takes 0.5-1.5 s, with `max_inflight_rollouts` = 1000.
    A probe task sleeps 10 ms in a loop and records how late it wakes up (from step 1 on).
-3. The real path: verifiers' `run_rollout` and the OpenAI client against an instant fake server
-   (an in-process httpx2 mock transport, openai's own HTTP library: no sockets, each distinct reply built once), so the ratio
-   to run 1 shows what the env library costs per rollout next to the orchestrator.
-4. The same with the multi-turn env digit-sum-feedback: the fake server's replies are never in the
-   answer format, so every rollout takes three model turns and two env turns (one sample each).
-5. The real path (reverse-text) with a second reward function that burns 50 ms of CPU per rollout,
+3. The real path (reverse-text) with a second reward function that burns 50 ms of CPU per rollout,
    run by the reward runner's worker threads (`orchestrator.rewards`), `--slow-batch-size` rollouts
    per step: rollouts/s is then the reward's bound, and the loop lag is what the rest sees.
+
+Part 2, CPU per rollout by process (not pinned: CPU time is what counts): the real orchestrator,
+verifiers and the OpenAI client against a fake vLLM server in its own process (HTTP on loopback,
+each distinct reply built once, its CPU not counted), single-turn (reverse-text) and 3-turn
+(digit-sum-feedback, whose replies are never in the answer format), each:
+- before: in process, with verifiers' per-rollout costs as they come (`PRIME_RL_VERIFIERS_SPEEDUPS=0`);
+- in process (`env_workers = 0`);
+- with `--workers` env workers.
+CPU is counted over steps 1.. (step 0 includes start-up): this process's `process_time` (the loop,
+and in process also the envs) and each worker's utime + stime from /proc, per rollout finished.
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ import httpx2
 
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
-from prime_rl.orchestrator import client as client_module
-from prime_rl.orchestrator import orchestrator as orchestrator_module
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.orchestrator.envs import client as client_module
+from prime_rl.orchestrator.envs import local as local_module
+from prime_rl.orchestrator.envs.local import LocalEnvs
+from prime_rl.orchestrator.loop import servers as servers_module
+from prime_rl.orchestrator.loop.orchestrator import Orchestrator
+from prime_rl.orchestrator.loop.workers import WorkerPool
 
 SINK = """
 import sys, zmq
@@ -99,8 +108,9 @@ class InstantServer:
 
 
 def make_config(
-    out: Path, port: int, batch_size: int, steps: int, inflight: int, env: str = "reverse-text"
-) -> OrchestratorConfig:
+    out: Path, port: int, batch_size: int, steps: int, inflight: int, env: str = "reverse-text",
+    base_url: str = "http://fake/v1", env_workers: int = 0,
+) -> OrchestratorConfig:  # fmt: skip
     return OrchestratorConfig(
         output_dir=str(out),
         max_steps=steps,
@@ -108,8 +118,9 @@ def make_config(
         max_async_level=1000,  # no trainer publishes weights: never wait for them
         max_inflight_rollouts=inflight,
         seq_len=2048,
+        env_workers=env_workers,
         envs=[{"id": env, "group_size": 8, "sampling": {"max_tokens": 64}}],
-        client={"base_urls": ["http://fake/v1"], "health_interval_s": 3600},
+        client={"base_urls": [base_url], "health_interval_s": 3600},
         transport={"type": "zmq", "port": port, "run_id": "bench"},
         filters=[],
     )
@@ -144,12 +155,12 @@ def burn_50ms(completion, **kwargs) -> float:
 
 
 def use_env(env_factory, extra_reward=None) -> None:
-    """Make the orchestrator's envs run rollouts with `env_factory()` (None: the real env), or give
+    """Make the in-process env side run rollouts with `env_factory()` (None: the real env), or give
     the real env one more (zero-weight) reward function, run by the orchestrator's reward runner."""
-    real = orchestrator_module.__dict__.setdefault("_real_load_env", orchestrator_module.load_env)
+    real = local_module.__dict__.setdefault("_real_load_env", local_module.load_env)
 
-    def load(config, seed, cursor=None, rewards=None):
-        env = real(config, seed, cursor, rewards)
+    def load(config, rewards=None, *rest, **kw):
+        env = real(config, rewards, *rest, **kw)
         if env_factory is not None:
             env.vf_env = env_factory()
         if extra_reward is not None:
@@ -157,7 +168,92 @@ def use_env(env_factory, extra_reward=None) -> None:
             rewards.install(env.vf_env)
         return env
 
-    orchestrator_module.load_env = load
+    local_module.load_env = load
+
+
+FAKE_VLLM = r"""
+import json, sys
+import uvicorn
+
+cache, count = {}, [0]
+
+
+def answer(body):
+    n = body.get("n", 1)
+    user = body["messages"][-1]["content"]
+    prompt = "".join(str(m.get("content")) for m in body["messages"])
+    choices = []
+    for i in range(n):
+        count[0] += 1
+        right = count[0] % 2 == 0
+        key = (user, right)
+        if key not in cache:
+            text = user[::-1] if right else user[: len(user) // 2]
+            ids = list(text.encode())
+            lps = [{"token": chr(t), "logprob": -0.5, "bytes": [t], "top_logprobs": []} for t in ids]
+            cache[key] = {"message": {"role": "assistant", "content": text}, "finish_reason": "stop",
+                          "token_ids": ids, "logprobs": {"content": lps}}
+        choices.append({"index": i, **cache[key]})
+    ids = list(prompt.encode())
+    usage = {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
+    return {"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": choices, "prompt_token_ids": ids, "usage": usage}
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    reply = json.dumps(answer(json.loads(body))).encode() if scope["path"].endswith("/completions") else b"{}"
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": reply})
+
+
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", timeout_keep_alive=75)
+"""
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class MeasuredOrchestrator(Orchestrator):
+    """Takes each process's CPU time at the start of step 1 and at the end of the last step."""
+
+    cpu: dict[str, tuple[float, float]]
+
+    def _snapshot(self) -> dict[str, float]:
+        pids = self.env_side.pids() if isinstance(self.env_side, WorkerPool) else []
+        return {"loop": time.process_time(), **{f"worker {i}": proc_cpu_s(p) for i, p in enumerate(pids)}}
+
+    async def _step(self, step: int) -> None:
+        if step == 1:
+            self._t0 = self._snapshot()
+        await super()._step(step)
+        if step == self.config.max_steps - 1:
+            t1 = self._snapshot()
+            self.cpu = {k: t1[k] - self._t0[k] for k in t1 if k in self._t0}
+
+
+def cpu_per_rollout(config: OrchestratorConfig) -> dict[str, float]:
+    """Per process, ms of CPU per rollout finished over steps 1.."""
+    side = (
+        LocalEnvs(config)
+        if config.env_workers == 0
+        else WorkerPool(config, LocalEnvs(config, rollouts=False))
+    )
+    orch = MeasuredOrchestrator(config, side)
+    asyncio.run(orch.run())
+    metrics = read_metrics(Path(config.output_dir) / "orchestrator" / "metrics.jsonl")[1:]
+    n = sum(m[f"rollouts/all/{b}"] for m in metrics for b in ("trained", "filtered", "failed"))
+    return {k: v / n * 1e3 for k, v in orch.cpu.items()}
 
 
 class ProbedOrchestrator(Orchestrator):
@@ -186,7 +282,7 @@ class ProbedOrchestrator(Orchestrator):
 
 def run(config: OrchestratorConfig) -> tuple[float, list[float]]:
     """Rollouts/s over steps 1.. (step 0 includes start-up), and the event-loop lags."""
-    orch = ProbedOrchestrator(config)
+    orch = ProbedOrchestrator(config, LocalEnvs(config))
     asyncio.run(orch.run())
     metrics = read_metrics(Path(config.output_dir) / "orchestrator" / "metrics.jsonl")[1:]
     rollouts = sum(m["rollouts/all/trained"] + m["rollouts/all/filtered"] for m in metrics)
@@ -198,14 +294,85 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def loop_alone(args, port: int, tmp: str) -> None:
+    """Part 1: the loop's own rate and lag, against the in-process fake (httpx2 mock transport)."""
+    server = InstantServer()
+    real_client, real_wait = client_module.make_vf_client, servers_module.ServerPool.wait_healthy
+    client_module.make_vf_client = server.client  # every server of the pool is the fake
+    servers_module.ServerPool.wait_healthy = lambda self: asyncio.sleep(0)
+    try:
+        bs, steps = args.batch_size, args.steps
+        use_env(InstantEnv)
+        alone, alone_lags = run(make_config(Path(tmp) / "alone", port, bs, steps, inflight=bs))
+        use_env(lambda: InstantEnv(delay_s=(0.5, 1.5)))
+        slow, lags = run(make_config(Path(tmp) / "lag", port, 1000, steps, inflight=1000))
+        sbs = args.slow_batch_size
+        use_env(None, extra_reward=burn_50ms)
+        burn, burn_lags = run(make_config(Path(tmp) / "burn", port, sbs, steps, inflight=sbs))
+        use_env(None)
+    finally:
+        client_module.make_vf_client, servers_module.ServerPool.wait_healthy = real_client, real_wait
+
+    def ms(values, q):
+        return f"{percentile(values, q) * 1e3:.1f}"
+
+    print(f"Part 1: the loop on 1 core, reverse-text, groups of 8, {steps} steps (rates over steps 1..)\n")
+    print(
+        "| run | rollouts per step | in flight | rollouts/s | ratio to alone | loop lag p50 / p99 / max ms |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, rate, n, ls in (
+        ("orchestrator alone (instant rollouts)", alone, bs, alone_lags),
+        ("rollouts take 0.5-1.5 s", slow, 1000, lags),
+        ("real path, single-turn, + a reward burning 50 ms CPU", burn, sbs, burn_lags),
+    ):
+        print(f"| {name} | {n} | up to {n} | {rate:,.0f} | {rate / alone:.3f} | "
+              f"{ms(ls, 0.5)} / {ms(ls, 0.99)} / {max(ls) * 1e3:.1f} |")  # fmt: skip
+
+
+def cpu_by_process(args, port: int, tmp: str) -> None:
+    """Part 2: CPU per rollout of each process, before, in process and with env workers."""
+    http_port = free_port()
+    fake = subprocess.Popen([sys.executable, "-c", FAKE_VLLM, str(http_port)])
+    base_url = f"http://127.0.0.1:{http_port}/v1"
+    try:
+        asyncio.run(servers_module.wait_healthy(base_url.removesuffix("/v1"), 60))
+        rows = []
+        for env, label in (("reverse-text", "single-turn"), ("digit-sum-feedback", "3-turn")):
+            results = {}
+            for mode, workers, speedups in (("before", 0, "0"), ("in process", 0, "1"),
+                                            (f"{args.workers} env workers", args.workers, "1")):  # fmt: skip
+                os.environ["PRIME_RL_VERIFIERS_SPEEDUPS"] = speedups
+                out = Path(tmp) / f"cpu-{env}-{workers}-{speedups}"
+                config = make_config(out, port, args.batch_size, args.steps, inflight=args.batch_size, env=env,
+                                     base_url=base_url, env_workers=workers)  # fmt: skip
+                results[mode] = cpu_per_rollout(config)
+            before = sum(results["before"].values())
+            for mode, cpu in results.items():
+                workers = " / ".join(f"{v:.2f}" for k, v in cpu.items() if k != "loop") or "-"
+                total = sum(cpu.values())
+                rows.append(
+                    f"| {label} | {mode} | {cpu['loop']:.2f} | {workers} | {total:.2f} | {total / before:.2f} |"
+                )
+        os.environ.pop("PRIME_RL_VERIFIERS_SPEEDUPS")
+    finally:
+        fake.kill()
+    print(f"\nPart 2: CPU per rollout by process (ms), groups of 8, {args.batch_size} rollouts per step, "
+          f"{args.steps} steps (CPU over steps 1..)\n")  # fmt: skip
+    print("| env | mode | orchestrator process | each env worker | all processes | ratio to before |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--slow-batch-size", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--parts", nargs="+", type=int, default=[1, 2])
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cores[:1])
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -214,43 +381,15 @@ def main() -> None:
     sink = subprocess.Popen([sys.executable, "-c", SINK, f"tcp://127.0.0.1:{port}"], env=sink_env,
                             preexec_fn=lambda: os.sched_setaffinity(0, cores[-1:]))  # fmt: skip
     try:
-        server = InstantServer()
-        client_module.make_vf_client = server.client  # every server of the pool is the fake
-        client_module.ServerPool.wait_healthy = lambda self: asyncio.sleep(0)
         with tempfile.TemporaryDirectory() as tmp:
-            bs, steps = args.batch_size, args.steps
-            use_env(InstantEnv)
-            alone, alone_lags = run(make_config(Path(tmp) / "alone", port, bs, steps, inflight=bs))
-            use_env(lambda: InstantEnv(delay_s=(0.5, 1.5)))
-            slow, lags = run(make_config(Path(tmp) / "lag", port, 1000, steps, inflight=1000))
-            use_env(None)
-            real, real_lags = run(make_config(Path(tmp) / "real", port, bs, steps, inflight=bs))
-            multi, multi_lags = run(
-                make_config(Path(tmp) / "multi", port, bs, steps, inflight=bs, env="digit-sum-feedback")
-            )
-            sbs = args.slow_batch_size
-            use_env(None, extra_reward=burn_50ms)
-            burn, burn_lags = run(make_config(Path(tmp) / "burn", port, sbs, steps, inflight=sbs))
+            if 1 in args.parts:
+                os.sched_setaffinity(0, cores[:1])
+                loop_alone(args, port, tmp)
+                os.sched_setaffinity(0, cores)
+            if 2 in args.parts:
+                cpu_by_process(args, port, tmp)
     finally:
         sink.kill()
-
-    def ms(values, q):
-        return f"{percentile(values, q) * 1e3:.1f}"
-
-    print(f"1 core (this process), reverse-text dataset, groups of 8, {steps} steps (rates over steps 1..)\n")
-    print(
-        "| run | rollouts per step | in flight | rollouts/s | ratio to alone | loop lag p50 / p99 / max ms |"
-    )
-    print("|---|---|---|---|---|---|")
-    for name, rate, n, ls in (
-        ("orchestrator alone (instant rollouts)", alone, bs, alone_lags),
-        ("rollouts take 0.5-1.5 s", slow, 1000, lags),
-        ("verifiers + OpenAI client, instant server", real, bs, real_lags),
-        ("the same, multi-turn env (3 model turns per rollout)", multi, bs, multi_lags),
-        ("the same, single-turn, + a reward burning 50 ms CPU", burn, sbs, burn_lags),
-    ):
-        print(f"| {name} | {n} | up to {n} | {rate:,.0f} | {rate / alone:.3f} | "
-              f"{ms(ls, 0.5)} / {ms(ls, 0.99)} / {max(ls) * 1e3:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from sum_digits import preference_pairs
 
 from prime_rl.model.reward import load_reward_model
-from prime_rl.orchestrator.reward_model import RewardModelConfig, RewardModels, reward_function
+from prime_rl.orchestrator.envs.reward_model import RewardModelConfig, RewardModels, reward_function
 
 MODEL = "models/sum_digits-rm"
 

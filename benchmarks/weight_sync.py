@@ -34,9 +34,9 @@ from transformers import AutoModelForCausalLM
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 from prime_rl.net import free_port
-from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import ClientConfig
-from prime_rl.orchestrator.weights import WeightSync
+from prime_rl.orchestrator.loop.servers import ServerPool
+from prime_rl.orchestrator.loop.weights import WeightSync
 from prime_rl.trainer.broadcast import Broadcaster
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.dist import init_world

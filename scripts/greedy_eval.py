@@ -14,7 +14,7 @@ import torch
 import verifiers as vf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.orchestrator.rewards import rubrics
+from prime_rl.orchestrator.envs.rewards import rubrics
 
 
 def main() -> None:

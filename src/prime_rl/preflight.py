@@ -109,7 +109,7 @@ def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[
 
 def teacher_problem(key: str, teacher: str, student: str) -> str | None:
     """Why a teacher cannot score the student's token ids: a tokenizer that is not the student's."""
-    from prime_rl.orchestrator.teacher import tokenizer_mismatch
+    from prime_rl.orchestrator.envs.teacher import tokenizer_mismatch
 
     why = tokenizer_mismatch(student, teacher)
     return (

@@ -35,7 +35,7 @@ from prime_rl.config.cli import to_toml
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.layout import checkpoint_root, complete_steps
 from prime_rl.monitor import read_metrics
-from prime_rl.orchestrator.progress import load_batch
+from prime_rl.orchestrator.loop.progress import load_batch
 from prime_rl.rl.config import RLConfig
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.packing import pack

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.model.tiny import CHAT_TEMPLATE
 from prime_rl.orchestrator.config import SamplingConfig
-from prime_rl.orchestrator.samples import turn_stats
+from prime_rl.orchestrator.loop.samples import turn_stats
 
 pytestmark = pytest.mark.slow
 

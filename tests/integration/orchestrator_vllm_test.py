@@ -97,18 +97,19 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
 
     import httpx2
 
-    from prime_rl.orchestrator.client import ServerPool
     from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
-    from prime_rl.orchestrator.envs import load_env, rollout_input
-    from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+    from prime_rl.orchestrator.envs.client import Clients
+    from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
+    from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
 
     base, model, _ = server
     sampling = SamplingConfig(temperature=2.0, max_tokens=8, extra_body={"min_tokens": 2})
-    env = load_env(EnvConfig(id="reverse-text", group_size=8, sampling=sampling), seed=0)
-    row = env.examples.next()
-    pool = ServerPool(ClientConfig(base_urls=[f"{base}/v1"], timeout_s=60))
-    lessee = pool.servers[0]
-    transport = lessee.client.client._client._transport
+    env = load_env(EnvConfig(id="reverse-text", group_size=8, sampling=sampling))
+    row = ExampleSource(env.dataset, 0).next()
+    url = f"{base}/v1"
+    client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
+    transport = client.client._client._transport
     sent = []
 
     class Counting(httpx2.AsyncBaseTransport):
@@ -117,11 +118,10 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
             return await inner.handle_async_request(request)
 
     inner, transport.inner = transport.inner, Counting()
-    job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], 8, 0, sampling)
+    job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], 8, 0, sampling)
 
     async def go():
-        lease(lessee, job)
-        return await run_group(job, lessee, pool, model)
+        return await run_group(job, client, url, model, 60.0)
 
     rollouts = asyncio.run(go())
     assert sent == [8]
@@ -144,23 +144,24 @@ def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(s
     sampling logprobs (float32), so any misalignment of positions would show as a large KL."""
     import asyncio
 
-    from prime_rl.orchestrator.client import ServerPool
     from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
-    from prime_rl.orchestrator.envs import load_env, rollout_input
-    from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
-    from prime_rl.orchestrator.samples import rollout_to_samples
-    from prime_rl.orchestrator.teacher import Teacher, TeacherConfig
+    from prime_rl.orchestrator.envs.client import Clients
+    from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
+    from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.envs.teacher import Teacher, TeacherConfig
+    from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+    from prime_rl.orchestrator.loop.samples import rollout_to_samples
 
     base, model, _ = server
     sampling = SamplingConfig(temperature=1.0, max_tokens=12)
-    env = load_env(EnvConfig(id="reverse-text", group_size=4, sampling=sampling), seed=0)
-    row = env.examples.next()
+    env = load_env(EnvConfig(id="reverse-text", group_size=4, sampling=sampling))
+    row = ExampleSource(env.dataset, 0).next()
 
     async def go():
-        pool = ServerPool(ClientConfig(base_urls=[f"{base}/v1"], timeout_s=60))
-        job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], 4, 0, sampling)
-        lease(pool.servers[0], job)
-        rollouts = await run_group(job, pool.servers[0], pool, model)
+        url = f"{base}/v1"
+        client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
+        job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], 4, 0, sampling)
+        rollouts = await run_group(job, client, url, model, 60.0)
         teacher = Teacher(TeacherConfig(base_url=f"{base}/v1", model=model))
         await teacher.check()
         try:

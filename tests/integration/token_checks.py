@@ -8,12 +8,13 @@ import json
 import httpx2
 import torch
 
-from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
-from prime_rl.orchestrator.envs import load_env, rollout_input
-from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
-from prime_rl.orchestrator.samples import rollout_to_samples, segments
-from prime_rl.orchestrator.v1_env import V1Env
+from prime_rl.orchestrator.envs.client import Clients
+from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
+from prime_rl.orchestrator.envs.load import load_env
+from prime_rl.orchestrator.envs.v1_env import V1Env
+from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+from prime_rl.orchestrator.loop.samples import rollout_to_samples, segments
 from prime_rl.trainer.logprobs import forward_logprobs
 
 
@@ -36,10 +37,11 @@ class Wire(httpx2.AsyncBaseTransport):
 
 def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, until=None, size: int = 8):
     """Up to `groups` groups of `size` rollouts (fewer once `until(rollouts)` holds), and the wire."""
-    env = load_env(EnvConfig(id=env_id, group_size=size, sampling=sampling), seed=0)
-    pool = ServerPool(ClientConfig(base_urls=[f"{served.base}/v1"], timeout_s=60))
-    server = pool.servers[0]
-    transport = server.client.client._client._transport
+    env = load_env(EnvConfig(id=env_id, group_size=size, sampling=sampling))
+    examples = ExampleSource(env.dataset, 0)
+    url = f"{served.base}/v1"
+    client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
+    transport = client.client._client._transport
     wire = Wire(transport.inner)
     transport.inner = wire
 
@@ -47,10 +49,9 @@ def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, unti
         out = []
         try:
             for _ in range(groups):
-                row = env.examples.next()
-                job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
-                lease(server, job)
-                out += await run_group(job, server, pool, served.model)
+                row = examples.next()
+                job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
+                out += await run_group(job, client, url, served.model, 60.0)
                 if until is not None and until(out):
                     break
         finally:

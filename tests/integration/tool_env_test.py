@@ -11,7 +11,7 @@ from token_checks import check_exact, rollouts_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.orchestrator.config import SamplingConfig
-from prime_rl.orchestrator.samples import turn_stats
+from prime_rl.orchestrator.loop.samples import turn_stats
 
 pytestmark = pytest.mark.slow
 

@@ -4,18 +4,18 @@ import math
 
 import pytest
 
-from prime_rl.orchestrator.advantage import (
-    Advantage,
-    AdvantageError,
-    AdvantageInputs,
-    AdvantageOutputs,
-    batch_whiten,
-)
 from prime_rl.orchestrator.config import (
     CustomAdvantage,
     GRPOAdvantage,
     ReinforceBaselineAdvantage,
     RLOOAdvantage,
+)
+from prime_rl.orchestrator.loop.advantage import (
+    Advantage,
+    AdvantageError,
+    AdvantageInputs,
+    AdvantageOutputs,
+    batch_whiten,
 )
 from prime_rl.orchestrator.rollout import Rollout
 

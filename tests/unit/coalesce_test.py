@@ -8,22 +8,29 @@ import httpx2
 import pytest
 
 from fake_server import FakeServer, Reply, user_text
-from prime_rl.orchestrator import coalesce
-from prime_rl.orchestrator.client import ServerPool
-from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
-from prime_rl.orchestrator.envs import load_env, rollout_input
-from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
+from prime_rl.orchestrator.config import ClientConfig, EnvConfig, OrchestratorConfig
+from prime_rl.orchestrator.envs import coalesce
+from prime_rl.orchestrator.envs.local import LocalEnvs
+from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+from prime_rl.orchestrator.loop.scheduler import run_on
+from prime_rl.orchestrator.loop.servers import ServerPool
+from prime_rl.orchestrator.messages import GroupJob
 
 
 def run(env_id: str, server: FakeServer, size: int = 4, group_requests: bool = True):
-    env = load_env(EnvConfig(id=env_id, group_size=size), seed=0)
-    row = env.examples.next()
-    pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=10, group_requests=group_requests))
-    job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 3, SamplingConfig())
+    """One group through the loop's `run_on` and the in-process env side: (rollouts, its server)."""
+    client = ClientConfig(base_urls=[server.base_url], timeout_s=10, group_requests=group_requests)
+    config = OrchestratorConfig(envs=[EnvConfig(id=env_id, group_size=size)], client=client)
+    envs, pool = LocalEnvs(config), ServerPool(client)
 
     async def go():
-        lease(pool.servers[0], job)
-        return await run_group(job, pool.servers[0], pool, "m"), pool.servers[0]
+        (env,), _ = await envs.start()
+        row = ExampleSource(env.dataset, 0).next()
+        job = GroupJob(0, env.name, row["example_id"], rollout_input(row), size, 3, server.base_url)
+        try:
+            return await run_on(envs, pool, pool.servers[0], job), pool.servers[0]
+        finally:
+            await envs.close()
 
     return asyncio.run(go())
 

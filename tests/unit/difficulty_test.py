@@ -3,7 +3,7 @@
 import pytest
 
 from prime_rl.orchestrator.config import DifficultyFilterConfig
-from prime_rl.orchestrator.difficulty import DifficultyMemory
+from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 
 
 def test_it_remembers_the_extremes_only_and_forgets_an_example_that_moved():

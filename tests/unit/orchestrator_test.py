@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from fake_server import FakeServer, Reply, user_text
+from prime_rl.environments import EnvError
 from prime_rl.monitor import read_metrics
-from prime_rl.orchestrator.advantage import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.envs import EnvError
-from prime_rl.orchestrator.failures import RolloutsFailing
-from prime_rl.orchestrator.orchestrator import BatchSender, Orchestrator
+from prime_rl.orchestrator.loop.advantage import AdvantageError
+from prime_rl.orchestrator.loop.failures import RolloutsFailing
+from prime_rl.orchestrator.loop.orchestrator import Orchestrator
+from prime_rl.orchestrator.loop.sender import BatchSender
+from prime_rl.orchestrator.main import make_orchestrator
 from prime_rl.transport.file_transport import FileReceiver
 from prime_rl.transport.messages import MicroBatch
 
@@ -36,8 +38,14 @@ def make_config(tmp_path: Path, server: FakeServer, **overrides) -> Orchestrator
     return OrchestratorConfig(**{**base, **overrides})
 
 
+@pytest.fixture(params=[0, 1], ids=["in-process", "env-workers"])
+def env_workers(request) -> int:
+    """Tests that take it run twice: envs in this process, and in one env worker process."""
+    return request.param
+
+
 def run(config: OrchestratorConfig) -> list[dict]:
-    asyncio.run(Orchestrator(config).run())
+    asyncio.run(make_orchestrator(config).run())
     return read_metrics(Path(config.output_dir) / "orchestrator" / "metrics.jsonl")
 
 
@@ -63,9 +71,9 @@ def received(config: OrchestratorConfig, steps: int, rank: int = 0) -> list[Micr
             return out
 
 
-def test_steps_stream_micro_batches_and_log(tmp_path):
+def test_steps_stream_micro_batches_and_log(tmp_path, env_workers):
     with FakeServer() as server:
-        config = make_config(tmp_path, server, envs=[
+        config = make_config(tmp_path, server, env_workers=env_workers, envs=[
             {"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16}, "state_columns": ["answer"]}
         ])  # fmt: skip
         metrics = run(config)
@@ -88,7 +96,7 @@ def test_steps_stream_micro_batches_and_log(tmp_path):
     )
 
 
-def test_partial_groups_train_on_survivors(tmp_path):
+def test_partial_groups_train_on_survivors(tmp_path, env_workers):
     def script(req, i):
         # For every example, the 1st and 3rd request fail: each group of 4 loses 2.
         return Reply(status=500) if i % 4 in (0, 2) else Reply(text="wrong" if i % 8 == 1 else None)
@@ -96,7 +104,7 @@ def test_partial_groups_train_on_survivors(tmp_path):
     with FakeServer(script) as server:
         # One request per rollout, so that the failures hit single rollouts (a merged request
         # fails or succeeds for the whole group).
-        config = make_config(tmp_path, server, max_inflight_rollouts=4, max_steps=2, client={
+        config = make_config(tmp_path, server, env_workers=env_workers, max_inflight_rollouts=4, max_steps=2, client={
             "base_urls": [server.base_url], "timeout_s": 10, "health_timeout_s": 10, "group_requests": False,
         })  # fmt: skip
         metrics = run(config)
@@ -114,13 +122,17 @@ def test_partial_groups_train_on_survivors(tmp_path):
         assert math.isclose(sum(r["advantage"] for r in g), 0.0, abs_tol=1e-9)
 
 
-def test_group_scoring_drops_the_whole_group_on_any_failure(tmp_path):
+def test_group_scoring_drops_the_whole_group_on_any_failure(tmp_path, env_workers):
     def script(req, i):
         return Reply(status=500) if int(user_text(req).split()[1]) % 3 == 0 else Reply()
 
     with FakeServer(script) as server:
         config = make_config(
-            tmp_path, server, max_steps=4, envs=[{"id": "group-scored-env", "group_size": 3}]
+            tmp_path,
+            server,
+            env_workers=env_workers,
+            max_steps=4,
+            envs=[{"id": "group-scored-env", "group_size": 3}],
         )
         metrics = run(config)
     assert_accounting(metrics)
@@ -188,13 +200,13 @@ def test_monitor_only_filter_counts_but_trains(tmp_path):
     assert m["time/generate"] > 0 and parts == pytest.approx(m["time/collect"], abs=1e-6)
 
 
-def test_custom_advantage_plugin_is_called_with_kwargs(tmp_path):
+def test_custom_advantage_plugin_is_called_with_kwargs(tmp_path, env_workers):
     def script(req, i):
         return Reply(text=user_text(req)[::-1][: 1 + i % 4])  # prefixes of the answer: distinct rewards
 
     with FakeServer(script) as server:
         config = make_config(
-            tmp_path, server, max_steps=1, max_inflight_rollouts=4,
+            tmp_path, server, env_workers=env_workers, max_steps=1, max_inflight_rollouts=4,
             advantage={"type": "custom", "import_path": "custom_advantages:scaled_rank", "kwargs": {"scale": 2.0}},
         )  # fmt: skip
         run(config)
@@ -239,7 +251,7 @@ def test_bad_env_id_and_bad_dataset_are_clear_errors(tmp_path):
 
 
 def test_unreachable_inference_is_a_clear_error_after_backoff(tmp_path):
-    from prime_rl.orchestrator.client import InferenceUnavailable
+    from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 
     config = OrchestratorConfig(
         output_dir=str(tmp_path),
@@ -326,10 +338,10 @@ def test_a_start_killed_before_its_first_commit_runs_and_logs_the_first_eval_onc
     assert records == [(0, False), (0, True), (1, False)]
 
 
-def test_eval_runs_beside_training_with_its_own_sampling(tmp_path):
+def test_eval_runs_beside_training_with_its_own_sampling(tmp_path, env_workers):
     with FakeServer() as server:
         config = make_config(
-            tmp_path, server, max_steps=2,
+            tmp_path, server, env_workers=env_workers, max_steps=2,
             eval={"interval": 1, "at_start": True, "envs": [{"id": "reverse-text", "name": "rt-eval", "num_examples": 5}]},
         )  # fmt: skip
         metrics = run(config)
@@ -350,7 +362,7 @@ def test_zero_advantage_filter_sees_through_float_noise(tmp_path):
 
 
 def test_fresh_start_refuses_a_used_output_dir(tmp_path):
-    from prime_rl.orchestrator.orchestrator import RunDirError
+    from prime_rl.orchestrator.loop.orchestrator import RunDirError
 
     with FakeServer() as server:
         run(make_config(tmp_path, server, max_steps=1))
@@ -404,11 +416,15 @@ def test_a_fifth_of_rollouts_failing_still_trains_every_step(tmp_path, caplog):
     assert all(math.isclose(sum(g), 0.0, abs_tol=1e-9) for g in groups.values())
 
 
-def test_a_multi_turn_env_trains_merged_samples_and_logs_its_turns(tmp_path):
+def test_a_multi_turn_env_trains_merged_samples_and_logs_its_turns(tmp_path, env_workers):
     # The fake server reverses the user's text, never an `<answer>`: every game takes all 3 turns.
     with FakeServer() as server:
         config = make_config(
-            tmp_path, server, max_steps=2, envs=[{"id": "digit-sum-feedback", "group_size": 4}]
+            tmp_path,
+            server,
+            env_workers=env_workers,
+            max_steps=2,
+            envs=[{"id": "digit-sum-feedback", "group_size": 4}],
         )
         metrics = run(config)
         mbs = received(config, steps=2)
@@ -449,11 +465,11 @@ def uniform_or_mixed(req, i):
     return Reply() if i % 2 else Reply(text="zz")
 
 
-def test_dynamic_sampling_replaces_uniform_groups_so_every_step_is_full(tmp_path):
+def test_dynamic_sampling_replaces_uniform_groups_so_every_step_is_full(tmp_path, env_workers):
     with FakeServer(uniform_or_mixed) as server:
         client = {"base_urls": [server.base_url], "timeout_s": 10, "group_requests": False}
         config = make_config(
-            tmp_path, server, max_steps=3, client=client, dynamic_sampling={"enabled": True},
+            tmp_path, server, env_workers=env_workers, max_steps=3, client=client, dynamic_sampling={"enabled": True},
             filters=[{"type": "zero_advantage"}],
         )  # fmt: skip
         metrics = run(config)
@@ -515,11 +531,13 @@ def test_difficulty_filter_skips_always_solved_examples_and_resumes_with_its_mem
     assert more[-1]["difficulty/remembered/reverse-text"] >= len(easy)
 
 
-def test_a_server_that_never_finishes_a_request_fails_rollouts_by_timeout_then_stops_the_run(tmp_path):
+def test_a_server_that_never_finishes_a_request_fails_rollouts_by_timeout_then_stops_the_run(
+    tmp_path, env_workers
+):
     # The server takes every request and never answers in time: each rollout fails at the client's
     # timeout, and the run stops at the failure bound rather than waiting forever.
     with FakeServer(lambda req, i: Reply(delay_s=4)) as server:
-        config = make_config(tmp_path, server, max_failed_groups=2,
+        config = make_config(tmp_path, server, env_workers=env_workers, max_failed_groups=2,
                              client={"base_urls": [server.base_url], "timeout_s": 0.5, "health_timeout_s": 10})  # fmt: skip
         t0 = time.monotonic()
         with pytest.raises(RolloutsFailing, match="the last 2 groups failed entirely") as e:
@@ -527,11 +545,11 @@ def test_a_server_that_never_finishes_a_request_fails_rollouts_by_timeout_then_s
     assert "APITimeoutError" in str(e.value) and time.monotonic() - t0 < 30
 
 
-def test_an_eval_env_whose_rollouts_all_fail_stops_the_run(tmp_path):
+def test_an_eval_env_whose_rollouts_all_fail_stops_the_run(tmp_path, env_workers):
     # Training answers; evaluation (greedy requests) always gets HTTP 500.
     with FakeServer(lambda req, i: Reply(status=500) if req.get("temperature") == 0.0 else Reply()) as server:
         config = make_config(
-            tmp_path, server, max_steps=50, max_failed_groups=3,
+            tmp_path, server, env_workers=env_workers, max_steps=50, max_failed_groups=3,
             eval={"interval": 1, "at_start": True, "envs": [{"id": "reverse-text", "name": "rt-eval", "num_examples": 8}]},
         )  # fmt: skip
         t0 = time.monotonic()
@@ -541,7 +559,7 @@ def test_an_eval_env_whose_rollouts_all_fail_stops_the_run(tmp_path):
 
 
 def test_partial_failures_reset_the_failure_bound_and_unreachable_servers_are_bounded_by_time():
-    from prime_rl.orchestrator.failures import FailureStreak
+    from prime_rl.orchestrator.loop.failures import FailureStreak
     from prime_rl.orchestrator.rollout import Rollout
 
     def group(*errors):

@@ -2,9 +2,9 @@
 
 import math
 
-from prime_rl.orchestrator.advantage import Advantage
 from prime_rl.orchestrator.config import GRPOAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage
-from prime_rl.orchestrator.pipeline import (
+from prime_rl.orchestrator.loop.advantage import Advantage
+from prime_rl.orchestrator.loop.pipeline import (
     FinishedGroup,
     PipelineConfig,
     batch_normalize,

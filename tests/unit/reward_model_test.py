@@ -13,8 +13,8 @@ from orchestrator_test import make_config, rollouts, run
 from fake_server import FakeServer
 from prime_rl.inference.reward_server import RewardServerConfig, make_server
 from prime_rl.model.reward import RewardModelError, init_reward_model, load_reward_model
-from prime_rl.orchestrator.reward_model import Batcher, RemoteScorer, RewardModelConfig, reward_function
-from prime_rl.orchestrator.rewards import REWARD_ERROR, RewardRunner, RewardsConfig
+from prime_rl.orchestrator.envs.reward_model import Batcher, RemoteScorer, RewardModelConfig, reward_function
+from prime_rl.orchestrator.envs.rewards import REWARD_ERROR, RewardRunner, RewardsConfig
 from prime_rl.trainer.reward_model import RewardModelTrainConfig, train
 
 BASE = str(Path(__file__).parents[2] / "models" / "reverse_text-tiny")
@@ -141,12 +141,13 @@ def test_a_failing_reward_server_fails_the_rollout_with_the_reason_after_its_ret
     assert "failed 2 time(s), last: HTTP 503" in state[REWARD_ERROR]
 
 
+@pytest.mark.parametrize("env_workers", [0, 1], ids=["in-process", "env-workers"])
 def test_orchestrator_trains_on_the_reward_models_score_and_keeps_the_envs_as_metrics(
-    tmp_path, reward_model_dir
+    tmp_path, reward_model_dir, env_workers
 ):
     rm = {"path": reward_model_dir, "weight": 2.0, "env_reward_weight": 0.0}
     with FakeServer() as server:
-        config = make_config(tmp_path, server, max_steps=1, envs=[
+        config = make_config(tmp_path, server, env_workers=env_workers, max_steps=1, envs=[
             {"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16}, "reward_model": rm}
         ])  # fmt: skip
         metrics = run(config)

@@ -7,11 +7,12 @@ import time
 import pytest
 
 from fake_server import FakeServer
-from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
-from prime_rl.orchestrator.envs import load_env, rollout_input
-from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
-from prime_rl.orchestrator.rewards import RewardRunner, RewardsConfig
+from prime_rl.orchestrator.envs.client import Clients
+from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
+from prime_rl.orchestrator.envs.load import load_env
+from prime_rl.orchestrator.envs.rewards import RewardRunner, RewardsConfig
+from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
 
 
 async def lag_probe(lags: list[float], stop: asyncio.Event, period: float = 0.005) -> None:
@@ -23,21 +24,20 @@ async def lag_probe(lags: list[float], stop: asyncio.Event, period: float = 0.00
 
 def run_groups(server: FakeServer, env_args: dict, groups: int, size: int, runner: RewardRunner | None):
     """`groups` groups of `size` rollouts at once; returns their rollouts and the loop lags meanwhile."""
-    env = load_env(EnvConfig(id="slow_reward_env", args=env_args, group_size=size), seed=0, rewards=runner)
-    pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=30))
+    env = load_env(EnvConfig(id="slow_reward_env", args=env_args, group_size=size), rewards=runner)
+    examples = ExampleSource(env.dataset, 0)
     jobs = []
     for _ in range(groups):
-        row = env.examples.next()
+        row = examples.next()
         jobs.append(
-            GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, SamplingConfig())
+            GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, SamplingConfig())
         )
 
     async def go():
         lags, stop = [], asyncio.Event()
         probe = asyncio.create_task(lag_probe(lags, stop))
-        for job in jobs:
-            lease(pool.servers[0], job)
-        out = await asyncio.gather(*(run_group(job, pool.servers[0], pool, "m") for job in jobs))
+        client = Clients(ClientConfig(base_urls=[server.base_url])).get(server.base_url)
+        out = await asyncio.gather(*(run_group(job, client, server.base_url, "m", 30.0) for job in jobs))
         stop.set()
         await probe
         return [r for group in out for r in group], lags

@@ -1,7 +1,7 @@
 """Rollouts to training samples: exact tokens, multi-turn merging with masked env tokens."""
 
+from prime_rl.orchestrator.loop.samples import rollout_to_samples, sample_lengths
 from prime_rl.orchestrator.rollout import Rollout, Turn
-from prime_rl.orchestrator.samples import rollout_to_samples, sample_lengths
 
 
 def rollout(*turns: Turn) -> Rollout:
@@ -35,7 +35,7 @@ def test_non_extending_turn_starts_a_new_sample():
 
 
 def test_turn_stats_count_turns_samples_and_env_tokens():
-    from prime_rl.orchestrator.samples import turn_stats
+    from prime_rl.orchestrator.loop.samples import turn_stats
 
     merged = rollout(
         Turn([1, 2], [3, 4], [1, 1], [-0.1, -0.2]),

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from prime_rl.monitor import read_metrics
-from prime_rl.orchestrator.client import InferenceUnavailable
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.orchestrator.loop.orchestrator import Orchestrator
+from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 
 FAKE_SERVER = Path(__file__).parents[1] / "fake_server.py"
 

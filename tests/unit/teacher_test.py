@@ -15,16 +15,16 @@ import pytest
 
 from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.failures import FailureStreak, RolloutsFailing
-from prime_rl.orchestrator.rollout import Rollout, Turn
-from prime_rl.orchestrator.samples import rollout_to_samples
-from prime_rl.orchestrator.teacher import (
+from prime_rl.orchestrator.envs.teacher import (
     Teacher,
     TeacherConfig,
     TeacherError,
     parse_prompt_logprobs,
     tokenizer_mismatch,
 )
+from prime_rl.orchestrator.loop.failures import FailureStreak, RolloutsFailing
+from prime_rl.orchestrator.loop.samples import rollout_to_samples
+from prime_rl.orchestrator.rollout import Rollout, Turn
 from prime_rl.transport.packing import pack
 
 MODELS = Path(__file__).parents[2] / "models"

@@ -5,11 +5,12 @@ failures (a raising reward, a server error) as failed rollouts that say why."""
 import asyncio
 
 from fake_server import FakeServer, Reply, encode
-from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
-from prime_rl.orchestrator.envs import load_env, rollout_input
-from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
-from prime_rl.orchestrator.v1_env import V1Env
+from prime_rl.orchestrator.envs.client import Clients
+from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
+from prime_rl.orchestrator.envs.load import load_env
+from prime_rl.orchestrator.envs.v1_env import V1Env
+from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
 
 
 def run(
@@ -21,16 +22,15 @@ def run(
     state_columns: tuple[str, ...] = ("word",),
 ):
     """One group of the env on the fake server, the env torn down after: (env, row, rollouts)."""
-    env = load_env(EnvConfig(id=env_id, args=args or {}, group_size=size), seed=0)
-    pool = ServerPool(ClientConfig(base_urls=[server.base_url], timeout_s=timeout_s))
-    row = env.examples.next()
-    job = GroupJob(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 2,
+    env = load_env(EnvConfig(id=env_id, args=args or {}, group_size=size))
+    client = Clients(ClientConfig(base_urls=[server.base_url])).get(server.base_url)
+    row = ExampleSource(env.dataset, 0).next()
+    job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 2,
                    SamplingConfig(max_tokens=16), state_columns)  # fmt: skip
 
     async def go():
-        lease(pool.servers[0], job)
         try:
-            return await run_group(job, pool.servers[0], pool, "m")
+            return await run_group(job, client, server.base_url, "m", timeout_s)
         finally:
             await env.vf_env._teardown()
 
@@ -76,7 +76,7 @@ def test_a_v1_episode_past_the_client_timeout_fails():
 
 def test_a_multi_turn_v1_env_plays_its_turns_and_merges_them_into_one_sample():
     # digit-sum-feedback-v1's own Env drives the turns; the fake server never answers in the format.
-    from prime_rl.orchestrator.samples import turn_stats
+    from prime_rl.orchestrator.loop.samples import turn_stats
 
     with FakeServer() as server:
         _, row, rollouts = run(

@@ -3,8 +3,8 @@ reward failures and untrainable outputs as failed rollouts with the reason."""
 
 import json
 
-from prime_rl.orchestrator.rewards import REWARD_ERROR
-from prime_rl.orchestrator.verifiers_adapter import from_verifiers
+from prime_rl.orchestrator.envs.rewards import REWARD_ERROR
+from prime_rl.orchestrator.envs.verifiers_adapter import from_verifiers
 
 
 def output(**fields) -> dict:

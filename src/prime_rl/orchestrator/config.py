@@ -15,9 +15,9 @@ from prime_rl.defaults import (
 )
 from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
-from prime_rl.orchestrator.reward_model import RewardModelConfig
-from prime_rl.orchestrator.rewards import RewardsConfig
-from prime_rl.orchestrator.teacher import TeacherConfig
+from prime_rl.orchestrator.envs.reward_model import RewardModelConfig
+from prime_rl.orchestrator.envs.rewards import RewardsConfig
+from prime_rl.orchestrator.envs.teacher import TeacherConfig
 from prime_rl.transport.config import TransportConfig
 
 
@@ -300,6 +300,13 @@ class OrchestratorConfig(RootConfig):
 
     trainer_ranks: int = Field(default=1, ge=1)
     """Data-parallel trainer ranks to balance micro-batches across."""
+
+    env_workers: int = Field(default=0, ge=0)
+    """Processes that run the envs' rollouts (verifiers, the OpenAI client, rewards, reward models,
+    the teacher), each on its own core, while this process keeps the loop: scheduling, accounting,
+    advantages, packing and sending. 0 runs the envs in this process. A worker that dies fails the
+    groups it was running (counted as failed) and is started again. Worth it once the loop's
+    process is CPU-bound: about 500 single-turn rollouts/s per core (docs/scaling.md)."""
 
     failure_warning_fraction: float = Field(default=0.05, ge=0)
     """Warn once per step, naming the most common reason, when more than this fraction of

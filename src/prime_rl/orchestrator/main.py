@@ -8,14 +8,16 @@ import sys
 
 from prime_rl.config import parse_config
 from prime_rl.disk import DiskFull
+from prime_rl.environments import EnvError
 from prime_rl.logging_setup import setup_logging
-from prime_rl.orchestrator.advantage import AdvantageError
-from prime_rl.orchestrator.client import InferenceUnavailable
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.envs import EnvError
-from prime_rl.orchestrator.failures import RolloutsFailing
-from prime_rl.orchestrator.orchestrator import Orchestrator, RunDirError
-from prime_rl.orchestrator.weights import WeightSyncError
+from prime_rl.orchestrator.envs.local import LocalEnvs
+from prime_rl.orchestrator.loop.advantage import AdvantageError
+from prime_rl.orchestrator.loop.failures import RolloutsFailing
+from prime_rl.orchestrator.loop.orchestrator import Orchestrator, RunDirError
+from prime_rl.orchestrator.loop.servers import InferenceUnavailable
+from prime_rl.orchestrator.loop.weights import WeightSyncError
+from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing
 from prime_rl.preflight import check_orchestrator
 from prime_rl.transport import TransportError
 
@@ -23,14 +25,21 @@ from prime_rl.transport import TransportError
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
 # (failing rollouts whose most common reason is a server's are `retryable`).
 NEEDS_USER = (EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull)
-USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError)
+USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)
+
+
+def make_orchestrator(config: OrchestratorConfig) -> Orchestrator:
+    """The loop, with the env side in this process or in `env_workers` worker processes."""
+    if config.env_workers == 0:
+        return Orchestrator(config, LocalEnvs(config))
+    return Orchestrator(config, WorkerPool(config, datasets=LocalEnvs(config, rollouts=False)))
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(OrchestratorConfig, argv, prog="orchestrator", check=check_orchestrator)
     setup_logging("orchestrator")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    orchestrator = Orchestrator(config)
+    orchestrator = make_orchestrator(config)
     try:
         asyncio.run(orchestrator.run())
     except USER_ERRORS as e:

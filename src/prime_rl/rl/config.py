@@ -23,7 +23,7 @@ from prime_rl.inference.config import InferenceConfig
 from prime_rl.model.local import check_model_name
 from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.teacher import TeacherConfig
+from prime_rl.orchestrator.envs.teacher import TeacherConfig
 from prime_rl.trainer.config import TrainerConfig
 
 SHARED: dict[str, list[tuple[str, ...]]] = {

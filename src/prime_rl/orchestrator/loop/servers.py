@@ -1,8 +1,9 @@
-"""The inference servers as the orchestrator sees them: health, load, and the verifiers clients.
+"""The inference servers as the loop sees them: health and load.
 
 Invariant: a group's rollouts all go to one server (they share a prompt, so its prefix cache helps),
 and each new group goes to the server with the fewest rollouts in flight among those that are `up`
-(see `health.py` for who sets `up`).
+(see `health.py` for who sets `up`). A group holds its server's in-flight count from dispatch to
+return (`scheduler.run_on`), so that the next dispatch sees its load.
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
-from prime_rl.orchestrator.coalesce import CoalescingTransport
 from prime_rl.orchestrator.config import ClientConfig
 
 log = logging.getLogger(__name__)
@@ -29,8 +28,6 @@ class InferenceUnavailable(RuntimeError):
 class Server:
     base_url: str
     """OpenAI base URL, e.g. http://127.0.0.1:8000/v1."""
-    client: Any
-    """The verifiers client for this server."""
     inflight: int = 0
     up: bool = True
     """Whether new work may go to it: False from a suspected failure until it is back on the
@@ -41,42 +38,10 @@ class Server:
         return self.base_url.removesuffix("/").removesuffix("/v1")
 
 
-KEEPALIVE_EXPIRY_S = 2.0
-"""Idle seconds after which a pooled connection is closed instead of reused. A server closes idle
-connections on its own timer (uvicorn's and vLLM's default: 5 s; 75 s for servers `inference`
-starts); reusing one at the moment it closes fails the request with a connection error, so the
-client must always give up first, with a margin for a busy event loop."""
-
-
-def make_vf_client(base_url: str, config: ClientConfig):
-    import httpx2
-    import verifiers as vf
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
-    # openai's own HTTP client (httpx2), without a connection limit. A plain `httpx.AsyncClient` is
-    # accepted too, but it made 128 concurrent rollouts 3x slower: its connection pool is rescanned
-    # for every request and response (measured; see docs/benchmarks.md).
-    transport: httpx2.AsyncBaseTransport = httpx2.AsyncHTTPTransport(
-        limits=httpx2.Limits(
-            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
-        )
-    )
-    if config.group_requests:
-        transport = CoalescingTransport(transport)
-    openai = AsyncOpenAI(
-        base_url=base_url,
-        api_key="prime-rl",
-        max_retries=config.max_retries,
-        timeout=config.timeout_s,
-        http_client=DefaultAsyncHttpxClient(transport=transport),
-    )
-    return vf.OpenAIChatCompletionsClient(openai)
-
-
 class ServerPool:
     def __init__(self, config: ClientConfig):
         self.config = config
-        self.servers = [Server(url, make_vf_client(url, config)) for url in config.base_urls]
+        self.servers = [Server(url) for url in config.base_urls]
         self.suspected = asyncio.Event()
         """Set when a server is suspected to be down: wakes the health monitor."""
 

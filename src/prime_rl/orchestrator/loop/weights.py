@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
-from prime_rl.orchestrator.client import Server, ServerPool
+from prime_rl.orchestrator.loop.servers import Server, ServerPool
 
 log = logging.getLogger(__name__)
 

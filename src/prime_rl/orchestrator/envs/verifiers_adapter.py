@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prime_rl.orchestrator.rewards import REWARD_ERROR
+from prime_rl.orchestrator.envs.rewards import REWARD_ERROR
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
 
 # Large per-step objects that the orchestrator never needs after conversion.

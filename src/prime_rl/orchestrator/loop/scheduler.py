@@ -35,15 +35,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from prime_rl.logging_setup import ROLLOUT_FAILED
-from prime_rl.orchestrator.client import Server, ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.difficulty import DifficultyMemory
-from prime_rl.orchestrator.envs import Env, rollout_input
-from prime_rl.orchestrator.failures import FailureStreak
-from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
-from prime_rl.orchestrator.pipeline import FinishedGroup
+from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
+from prime_rl.orchestrator.loop.examples import Env, rollout_input
+from prime_rl.orchestrator.loop.failures import FailureStreak
+from prime_rl.orchestrator.loop.pipeline import FinishedGroup
+from prime_rl.orchestrator.loop.servers import Server, ServerPool
+from prime_rl.orchestrator.messages import EnvSide, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
-from prime_rl.orchestrator.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +100,23 @@ class Taken:
     """Fewer than batch_size rollouts: dynamic sampling gave up waiting (`max_backfill`)."""
 
 
+def run_on(env_side: EnvSide, pool: ServerPool, server: Server, job: GroupJob) -> asyncio.Task:
+    """Run `job` on `server` as a task. The server carries the group's load from now until the
+    task is done, however it ends (even cancelled before it started); a group whose every rollout
+    failed makes the server suspect, so no more work goes to a dead server before it is checked."""
+    server.inflight += job.size
+
+    async def run() -> list[Rollout]:
+        rollouts = await env_side.run(job)
+        if all(r.failed for r in rollouts):
+            pool.suspect(server)
+        return rollouts
+
+    task = asyncio.create_task(run(), name=f"group-{job.id}")
+    task.add_done_callback(lambda _: setattr(server, "inflight", server.inflight - job.size))
+    return task
+
+
 def is_uniform(rollouts: list[Rollout]) -> bool:
     """All rewards equal (to float noise): no group baseline can tell the rollouts apart."""
     rewards = [r.reward for r in rollouts]
@@ -113,14 +129,15 @@ class Scheduler:
         config: OrchestratorConfig,
         envs: list[Env],
         pool: ServerPool,
+        env_side: EnvSide,
         rng: random.Random,
         accounting: Accounting | None = None,
         difficulty: DifficultyMemory | None = None,
-        teacher: Teacher | None = None,
     ):
         self.config = config
         self.envs = envs
         self.pool = pool
+        self.env_side = env_side
         self.rng = rng
         self.acc = accounting or Accounting()
         self.inflight: dict[asyncio.Task, Group] = {}
@@ -135,7 +152,6 @@ class Scheduler:
         """Rollouts handed out in batches whose trained/filtered counts are not yet in."""
         self._weights = [e.config.ratio for e in envs]
         self.difficulty = difficulty or DifficultyMemory(config.difficulty_filter)
-        self.teacher = teacher
         self.skipped: Counter = Counter()
         """Examples the difficulty filter skipped, per env, since the start of this process."""
         self.streak = FailureStreak(config.max_failed_groups, config.client.health_timeout_s)
@@ -206,19 +222,14 @@ class Scheduler:
         server = self.pool.pick()
         assert server is not None
         job = GroupJob(
-            env.name, env.vf_env, rollout_input(row), row["example_id"], env.config.group_size,
-            policy_version, env.config.sampling, tuple(env.config.state_columns),
+            self._next_group_id, env.name, row["example_id"], rollout_input(row), env.config.group_size,
+            policy_version, server.base_url,
         )  # fmt: skip
-        group = Group(self._next_group_id, env, job.example_id, job.policy_version, job.size, server)
+        group = Group(job.id, env, job.example_id, job.policy_version, job.size, server)
         self._next_group_id += 1
-        lease(server, job)
         self.acc.dispatched[env.name] += group.size
-        task = asyncio.create_task(self._run(job, server), name=f"group-{group.id}")
+        task = run_on(self.env_side, self.pool, server, job)
         self.inflight[task] = group
-
-    async def _run(self, job: GroupJob, server) -> list[Rollout]:
-        rollouts = await run_group(job, server, self.pool, self.config.model.name)
-        return await self.teacher.score_group(rollouts) if self.teacher else rollouts
 
     # ---------------------------------------------------------------- collect
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import Field
 
 from prime_rl.config import BaseConfig
-from prime_rl.orchestrator.http_retry import post_json
+from prime_rl.orchestrator.envs.http_retry import post_json
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
 
 log = logging.getLogger("prime_rl.orchestrator")

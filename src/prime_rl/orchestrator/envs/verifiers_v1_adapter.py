@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from prime_rl.orchestrator.envs.verifiers_adapter import count_tools, to_json, with_openai_tool_calls
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
-from prime_rl.orchestrator.verifiers_adapter import count_tools, to_json, with_openai_tool_calls
 
 
 def trace_turns(trace: Any) -> tuple[list[Turn], str | None]:

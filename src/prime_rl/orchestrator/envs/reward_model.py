@@ -24,8 +24,8 @@ from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig
 from prime_rl.model.reward import RewardModelError, load_reward_model, plain_messages
-from prime_rl.orchestrator.http_retry import post_json
-from prime_rl.orchestrator.rewards import rubrics
+from prime_rl.orchestrator.envs.http_retry import post_json
+from prime_rl.orchestrator.envs.rewards import rubrics
 
 log = logging.getLogger("prime_rl.orchestrator")
 

@@ -22,22 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from prime_rl.disk import writing
-from prime_rl.environments import EnvError
 from prime_rl.layout import checkpoint_root, complete_steps, restart_counts, weights_root
-from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
-from prime_rl.orchestrator.advantage import Advantage
-from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.difficulty import DifficultyMemory
-from prime_rl.orchestrator.envs import Env, load_env
-from prime_rl.orchestrator.eval import Evaluator
-from prime_rl.orchestrator.health import ServerHealth
-from prime_rl.orchestrator.pipeline import FinishedGroup, PipelineConfig, StepBuild, build_step
-from prime_rl.orchestrator.progress import (
+from prime_rl.orchestrator.loop.advantage import Advantage
+from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
+from prime_rl.orchestrator.loop.eval import Evaluator
+from prime_rl.orchestrator.loop.examples import Env, ExampleSource
+from prime_rl.orchestrator.loop.health import ServerHealth
+from prime_rl.orchestrator.loop.pipeline import FinishedGroup, PipelineConfig, StepBuild, build_step
+from prime_rl.orchestrator.loop.progress import (
     Progress,
     cursor_from_json,
     load_batch,
@@ -47,116 +42,22 @@ from prime_rl.orchestrator.progress import (
     save_batch,
     save_progress,
 )
-from prime_rl.orchestrator.reward_model import RewardModelError, RewardModels
-from prime_rl.orchestrator.rewards import RewardRunner
+from prime_rl.orchestrator.loop.records import rollout_record, turn_metrics, write_jsonl
+from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting, Scheduler
+from prime_rl.orchestrator.loop.sender import BatchSender
+from prime_rl.orchestrator.loop.servers import ServerPool
+from prime_rl.orchestrator.loop.weights import WeightSync
+from prime_rl.orchestrator.messages import EnvSide
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
-from prime_rl.orchestrator.samples import segments, turn_stats
-from prime_rl.orchestrator.scheduler import BUCKETS, Accounting, Scheduler
-from prime_rl.orchestrator.teacher import Teacher, TeacherError
-from prime_rl.orchestrator.weights import WeightSync
-from prime_rl.transport import transport_dir
 from prime_rl.transport.config import resolve_run_id
-from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.messages import MicroBatch, TrainingBatch
 from prime_rl.transport.packing import pack
-from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
 
 log = logging.getLogger("prime_rl.orchestrator")
 
 
 class RunDirError(RuntimeError):
     """The output folder does not fit the requested start (fresh or resumed)."""
-
-
-class BatchSender:
-    """Sends each rank its micro-batches, over zmq (async) or the filesystem (in a thread)."""
-
-    def __init__(self, config: OrchestratorConfig):
-        t = config.transport
-        if t.type == "zmq":
-            self._zmq = [
-                AsyncZmqSender(rank_address(t, r), hwm=t.hwm, timeout_s=t.timeout_s)
-                for r in range(config.trainer_ranks)
-            ]
-            self._files = None
-        else:
-            self._zmq = None
-            self._files = FileSender(transport_dir(t, config.output_dir))
-
-    async def send(self, per_rank: list[list[MicroBatch]]) -> None:
-        if self._zmq is not None:
-            await asyncio.gather(
-                *(self._send_rank(sender, mbs) for sender, mbs in zip(self._zmq, per_rank, strict=True))
-            )
-        else:
-            await asyncio.to_thread(lambda: [self._files.send(mb) for mbs in per_rank for mb in mbs])
-
-    @staticmethod
-    async def _send_rank(sender: AsyncZmqSender, mbs: list[MicroBatch]) -> None:
-        for mb in mbs:
-            await sender.send(mb)
-
-    async def close(self, deliver: bool) -> None:
-        """Close the sockets; with `deliver`, first wait (up to the timeout) for queued micro-batches."""
-        for s in self._zmq or []:
-            await asyncio.to_thread(s.close, None if deliver else 0.0)
-
-
-def turn_metrics(env: str, rollouts: list[Rollout]) -> dict[str, float]:
-    """Per-rollout means of the shape of multi-turn and tool rollouts (see `samples.TurnStats`)."""
-    shapes = [turn_stats(r) for r in rollouts]
-    n = len(rollouts)
-    multi = [r for r, s in zip(rollouts, shapes, strict=True) if s.turns > 1]
-    m = {
-        **stats(f"turns/{env}", [float(s.turns) for s in shapes]),
-        f"samples_per_rollout/{env}": sum(s.samples for s in shapes) / n,
-        f"tokens/{env}/model": sum(s.model_tokens for s in shapes) / n,
-        f"tokens/{env}/env": sum(s.env_tokens for s in shapes) / n,
-        f"tool_calls/{env}": sum(r.tool_calls for r in rollouts) / n,
-        f"tool_errors/{env}": sum(r.tool_errors for r in rollouts) / n,
-    }
-    if multi:
-        m[f"truncated_multi_turn/{env}"] = sum(r.is_truncated for r in multi) / len(multi)
-    return m
-
-
-def rollout_record(r: Rollout, step: int, advantage: float | None, trained: bool | None) -> dict[str, Any]:
-    return {
-        "step": step,
-        "env": r.env_name,
-        "example_id": r.example_id,
-        "policy_version": r.policy_version,
-        "reward": r.reward,
-        "advantage": advantage,
-        "trained": trained,
-        "prompt": r.prompt,
-        "completion": r.completion,
-        "completion_tokens": r.num_completion_tokens,
-        # Per model call: its prompt and sampled token counts and the sample it trains in.
-        "turns": turn_records(r),
-        "is_truncated": r.is_truncated,
-        "stop_condition": r.stop_condition,
-        "metrics": r.metrics,
-        "error": r.error,
-        **r.state,
-    }
-
-
-def turn_records(r: Rollout) -> list[dict[str, int]]:
-    return [
-        {"prompt_tokens": len(t.prompt_ids), "completion_tokens": len(t.completion_ids), "sample": i}
-        for i, seg in enumerate(segments(r))
-        for t in seg
-    ]
-
-
-_JSONL = msgspec.json.Encoder(enc_hook=str)  # several times json.dumps; NaN is written as null
-
-
-def write_jsonl(path: Path, records: list[dict[str, Any]], what: str = "rollouts") -> None:
-    with writing(path, what):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(_JSONL.encode_lines(records))
 
 
 @dataclass
@@ -173,8 +74,9 @@ class Collected:
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig):
+    def __init__(self, config: OrchestratorConfig, env_side: EnvSide):
         self.config = config
+        self.env_side = env_side
         self.output_dir = Path(config.output_dir)
         self.run_id = resolve_run_id(config.transport, config.output_dir)
         self.prev_acc = Accounting()
@@ -209,25 +111,12 @@ class Orchestrator:
     async def setup(self) -> Progress:
         c = self.config
         progress, rng, acc = self._restore()
-        self.rewards = RewardRunner(c.rewards)
-        self.reward_models = RewardModels()
         cursors = progress.cursors
-        self.envs: list[Env] = [
-            load_env(
-                e,
-                c.seed,
-                cursor_from_json(cursors.get(e.resolved_name)),
-                self.rewards,
-                self.reward_models,
-                f"envs[{i}]",
-            )
-            for i, e in enumerate(c.envs)
+        train, evals = await self.env_side.start()
+        self.envs = [
+            Env(spec, ExampleSource(spec.dataset, c.seed, cursor_from_json(cursors.get(spec.name))))
+            for spec in train
         ]
-        try:
-            await self.reward_models.check()
-        except RewardModelError as e:
-            raise EnvError(str(e)) from None
-        adopt_verifiers_logging()
         self.advantages = {
             e.config.resolved_name: Advantage.from_config(e.config.advantage or c.advantage)
             for e in self.envs
@@ -240,17 +129,10 @@ class Orchestrator:
             c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip,
             c.teacher.advantage_weight if c.teacher else 1.0, c.teacher.weight if c.teacher else 0.0,
         )  # fmt: skip
-        self.teacher = Teacher(c.teacher) if c.teacher else None
-        if self.teacher:
-            log.info("checking the teacher at %s", c.teacher.base_url)
-            try:
-                await self.teacher.check()
-            except TeacherError as e:
-                raise EnvError(str(e)) from None
         difficulty = DifficultyMemory(
             c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}
         )
-        self.scheduler = Scheduler(c, self.envs, self.pool, rng, acc, difficulty, self.teacher)
+        self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty)
         self.prev_skipped: Counter = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
@@ -263,7 +145,7 @@ class Orchestrator:
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
         )
-        self.evaluator = Evaluator(c, self.pool, self.metrics, self.rewards) if c.eval.envs else None
+        self.evaluator = Evaluator(c, evals, self.pool, self.env_side, self.metrics) if evals else None
         self._take_signals()
         return progress
 
@@ -284,16 +166,6 @@ class Orchestrator:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, interrupt, sig)
 
-    async def _teardown_envs(self) -> None:
-        vf_envs = [e.vf_env for e in self.envs]
-        if self.evaluator:
-            vf_envs += [e.vf_env for e in self.evaluator.envs]
-        for vf_env in vf_envs:
-            try:
-                await vf_env._teardown()  # verifiers' own hook: rubric and env @teardown handlers
-            except Exception as e:
-                log.warning("teardown of env %s failed: %s", type(vf_env).__name__, e)
-
     def _forget_uncommitted(self, next_step: int) -> None:
         """A killed process may have logged a step it had not yet committed: it is built again.
         Evals are kept, as they are not run again on resume, except the one at the start."""
@@ -307,7 +179,11 @@ class Orchestrator:
     # ------------------------------------------------------------------ loop
 
     async def run(self) -> None:
-        progress = await self.setup()
+        try:
+            progress = await self.setup()
+        except BaseException:
+            await self.env_side.close()  # workers started before the failure must not outlive it
+            raise
         # The modules and datasets loaded so far live for the whole run: keep the garbage collector
         # from walking them again in every full collection (seen as ~0.3 s stalls per few steps).
         # Collect first, so that no garbage of the setup is frozen with them.
@@ -331,21 +207,13 @@ class Orchestrator:
             await self.scheduler.shutdown()
             await self.sender.close(deliver=False)
             self.metrics.close()
-            await self._teardown_envs()
-            self.rewards.close()
-            await self.reward_models.aclose()
-            if self.teacher:
-                await self.teacher.aclose()
+            await self.env_side.close()
             raise
         monitor.cancel()
         await self.scheduler.shutdown()
         if self.evaluator:  # before the teardown: a v1 env's eval runs on servers its teardown stops
             await self.evaluator.finish()
-        await self._teardown_envs()
-        self.rewards.close()
-        await self.reward_models.aclose()
-        if self.teacher:
-            await self.teacher.aclose()
+        await self.env_side.close()
         await self.sender.close(deliver=True)
         self.metrics.close()
 

@@ -1,22 +1,20 @@
-"""Load verifiers environments and stream their examples.
+"""Load verifiers environments (classic or v1), with their rewards, reward models and datasets.
 
-Invariant: examples are drawn without holding the dataset in Python memory (rows are read one at a
-time from the Arrow-backed dataset), in an order fixed by the seed and the epoch, from a cursor that
-the progress checkpoint saves, so a resumed run continues with the same next example.
+Invariant: an env that cannot be loaded, or whose dataset lacks what a rollout needs, is an
+`EnvError` naming the env and its config key; nothing else of a bad env reaches the loop.
 """
 
 from __future__ import annotations
 
 import importlib
-import random
 from dataclasses import dataclass
 from typing import Any
 
 from prime_rl.environments import EnvError, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
-from prime_rl.orchestrator.reward_model import RewardModelError, RewardModels, attach
-from prime_rl.orchestrator.rewards import RewardRunner
-from prime_rl.orchestrator.v1_env import is_v1_module, load_v1_env
+from prime_rl.orchestrator.envs.reward_model import RewardModelError, RewardModels, attach
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.v1_env import is_v1_module, load_v1_env
 from prime_rl.preflight import env_module_name
 
 REQUIRED_COLUMNS = ("prompt", "example_id")
@@ -34,43 +32,12 @@ def check_columns(dataset, env_id: str, which: str) -> None:
 
 
 @dataclass
-class Cursor:
-    """Position in an env's example order: which epoch, and how far into it."""
-
-    epoch: int = 0
-    position: int = 0
-
-
-class ExampleSource:
-    """Endless, seeded, epoch-shuffled stream of one dataset's rows."""
-
-    def __init__(self, dataset, seed: int, cursor: Cursor | None = None):
-        self.dataset = dataset
-        self.seed = seed
-        self.cursor = cursor or Cursor()
-        self._order = self._permutation(self.cursor.epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.dataset)))
-        random.Random(f"{self.seed}-{epoch}").shuffle(order)
-        return order
-
-    def next(self) -> dict[str, Any]:
-        if self.cursor.position >= len(self._order):
-            self.cursor = Cursor(self.cursor.epoch + 1, 0)
-            self._order = self._permutation(self.cursor.epoch)
-        row = self.dataset[self._order[self.cursor.position]]
-        self.cursor.position += 1
-        return row
-
-
-@dataclass
-class Env:
-    """A loaded training env with its config and example stream."""
+class LoadedEnv:
+    """A loaded training env with its config and dataset."""
 
     config: EnvConfig
     vf_env: Any
-    examples: ExampleSource
+    dataset: Any
 
     @property
     def name(self) -> str:
@@ -110,15 +77,15 @@ def env_module(env_id: str):
 
 def load_env(
     config: EnvConfig,
-    seed: int,
-    cursor: Cursor | None = None,
     rewards: RewardRunner | None = None,
     reward_models: RewardModels | None = None,
     key: str = "envs[0]",
-) -> Env:
-    """`key` names the env's config entry in errors, e.g. 'envs[1]'."""
+    score: bool = True,
+) -> LoadedEnv:
+    """`key` names the env's config entry in errors, e.g. 'envs[1]'. Without `score`, only for its
+    dataset: no reward model is attached (the env workers score)."""
     vf_env = load_any_env(config.id, config.args, rewards)
-    if config.reward_model is not None:
+    if config.reward_model is not None and score:
         models = reward_models or RewardModels()
         try:
             batcher = models.batcher(config.reward_model, f"{key}.reward_model")
@@ -130,11 +97,11 @@ def load_env(
     except Exception as e:
         raise EnvError(f"env '{config.id}': its training dataset cannot be built: {e}") from None
     check_columns(dataset, config.id, "training")
-    return Env(config, vf_env, ExampleSource(dataset, seed, cursor))
+    return LoadedEnv(config, vf_env, dataset)
 
 
 @dataclass
-class EvalEnv:
+class LoadedEvalEnv:
     config: EvalEnvConfig
     vf_env: Any
     dataset: Any
@@ -144,17 +111,11 @@ class EvalEnv:
         return self.config.resolved_name
 
 
-def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> EvalEnv:
+def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> LoadedEvalEnv:
     vf_env = load_any_env(config.id, config.args, rewards)
     try:
         dataset = vf_env.get_eval_dataset(n=config.num_examples)
     except Exception as e:
         raise EnvError(f"eval env '{config.id}': its eval dataset cannot be built: {e}") from None
     check_columns(dataset, config.id, "eval")
-    return EvalEnv(config, vf_env, dataset)
-
-
-def rollout_input(row: dict[str, Any]) -> dict[str, Any]:
-    """The fields verifiers' run_rollout needs from a dataset row."""
-    keys = ("prompt", "example_id", "answer", "info", "task")
-    return {k: row[k] for k in keys if k in row and row[k] is not None}
+    return LoadedEvalEnv(config, vf_env, dataset)

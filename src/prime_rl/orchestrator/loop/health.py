@@ -19,8 +19,8 @@ import time
 
 import httpx
 
-from prime_rl.orchestrator.client import InferenceUnavailable, Server, ServerPool
-from prime_rl.orchestrator.weights import UNKNOWN, WeightSync, served_step
+from prime_rl.orchestrator.loop.servers import InferenceUnavailable, Server, ServerPool
+from prime_rl.orchestrator.loop.weights import UNKNOWN, WeightSync, served_step
 
 log = logging.getLogger("prime_rl.orchestrator")
 

@@ -9,6 +9,9 @@ common reason and the key that bounds it, once
 - every group failed for `unreachable_s` seconds only because no server could be reached
   (connection refused or dropped): a server restarting fails every group in flight on it at once,
   so those failures are bounded by time, as an absent server is (`client.health_timeout_s`).
+Groups failed only because their env worker died neither count nor reset: one death fails every
+group the worker was running at once, and deaths are bounded by the worker pool
+(`workers.MAX_QUICK_DEATHS`).
 `RolloutsFailing.retryable` says whether the most common reason is on a server's side (HTTP 5xx,
 timeouts, unreachable: a restart may help, exit status 1) or the env's (exit status 2, never retried).
 """
@@ -24,6 +27,9 @@ from prime_rl.orchestrator.rollout import Rollout, failure_reason
 UNREACHABLE = ("APIConnectionError", "ConnectError", "ConnectionRefusedError", "RemoteProtocolError",
                "ReadError", "ConnectionResetError")  # fmt: skip
 """Exception names of a request that never reached a live server (timeouts are not among them)."""
+
+WORKER_DIED = "EnvWorkerDied"
+"""The failure reason of the rollouts of a group whose env worker died (`workers.py`)."""
 
 SERVER_SIDE = (*UNREACHABLE, "InternalServerError", "APIStatusError", "ServiceUnavailableError",
                "APITimeoutError", "TimeoutError", "ReadTimeout", "TeacherError", "RewardModelError")  # fmt: skip
@@ -75,6 +81,8 @@ class FailureStreak:
             self.unreachable_since.pop(env, None)
             return
         errors = [r.error or "" for r in rollouts]
+        if all(e.startswith(WORKER_DIED) for e in errors):
+            return
         if all(unreachable(e) for e in errors):
             now = time.monotonic()
             since = self.unreachable_since.setdefault(env, now)

@@ -1,11 +1,9 @@
 """Run the rollouts of one group on one server: the one path that training and evaluation share.
 
-Invariants: `run_group` returns exactly `size` rollouts, one distinct object each, and raises only
+Invariant: `run_group` returns exactly `size` rollouts, one distinct object each, and raises only
 when cancelled: any failure (an exception of the env, a wrong number of outputs, an untrainable
-output) becomes a failed rollout that says why. The group holds its server's in-flight count from
-dispatch to return (the lease that load balancing reads), and a group whose every rollout failed
-makes the server suspect, so that no more work goes to a dead server before it was checked.
-Requests of the group's first turns are merged into one `n` request where possible (`coalesce.py`).
+output) becomes a failed rollout that says why. Requests of the group's first turns are merged into
+one `n` request where possible (`coalesce.py`).
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from prime_rl.orchestrator.client import Server, ServerPool
-from prime_rl.orchestrator.coalesce import grouped, rollout_slot
 from prime_rl.orchestrator.config import SamplingConfig
-from prime_rl.orchestrator.rewards import REWARD_ERROR
+from prime_rl.orchestrator.envs.coalesce import grouped, rollout_slot
+from prime_rl.orchestrator.envs.rewards import REWARD_ERROR
+from prime_rl.orchestrator.envs.v1_env import V1Env
+from prime_rl.orchestrator.envs.verifiers_adapter import from_verifiers
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
-from prime_rl.orchestrator.v1_env import V1Env
-from prime_rl.orchestrator.verifiers_adapter import from_verifiers
 
 
 def sampling_args(config: SamplingConfig, policy_version: int) -> dict[str, Any]:
@@ -38,7 +35,7 @@ def sampling_args(config: SamplingConfig, policy_version: int) -> dict[str, Any]
 
 
 @dataclass(frozen=True)
-class GroupJob:
+class GroupRun:
     """What to run: `size` rollouts of one example of one env, at one policy version."""
 
     env_name: str
@@ -57,23 +54,8 @@ class GroupJob:
         return bool(getattr(self.vf_env, "requires_group_rollouts", False))
 
 
-async def run_group(job: GroupJob, server: Server, pool: ServerPool, model: str) -> list[Rollout]:
-    """The group's rollouts on `server`, which must already carry the lease (`lease`)."""
-    try:
-        rollouts = await _run(job, server, model, pool.config.timeout_s)
-    finally:
-        server.inflight -= job.size
-    if all(r.failed for r in rollouts):
-        pool.suspect(server)  # a dead server fails everything: check it before sending more
-    return rollouts
-
-
-def lease(server: Server, job: GroupJob) -> None:
-    """Count the group against `server` at once, so that the next dispatch sees its load."""
-    server.inflight += job.size
-
-
-async def _run(job: GroupJob, server: Server, model: str, timeout_s: float) -> list[Rollout]:
+async def run_group(job: GroupRun, client, base_url: str, model: str, timeout_s: float) -> list[Rollout]:
+    """The group's rollouts on the server at `base_url` (`client` is its verifiers client)."""
     args = sampling_args(job.sampling, job.policy_version)
     columns = ["trajectory", REWARD_ERROR, *job.state_columns]
 
@@ -86,7 +68,7 @@ async def _run(job: GroupJob, server: Server, model: str, timeout_s: float) -> l
     if isinstance(job.vf_env, V1Env):  # its own client and harness: no request merging
         try:
             rollouts = await job.vf_env.run_group(
-                job.inp, job.size, server.base_url, model, args, job.env_name, job.policy_version,
+                job.inp, job.size, base_url, model, args, job.env_name, job.policy_version,
                 list(job.state_columns), timeout_s,
             )  # fmt: skip
         except Exception as e:
@@ -101,7 +83,7 @@ async def _run(job: GroupJob, server: Server, model: str, timeout_s: float) -> l
             try:
                 outputs = await job.vf_env.run_group(
                     [dict(job.inp) for _ in range(job.size)],
-                    server.client,
+                    client,
                     model,
                     args,
                     state_columns=columns,
@@ -116,7 +98,7 @@ async def _run(job: GroupJob, server: Server, model: str, timeout_s: float) -> l
             with rollout_slot():
                 try:
                     output = await job.vf_env.run_rollout(
-                        dict(job.inp), server.client, model, args, state_columns=columns
+                        dict(job.inp), client, model, args, state_columns=columns
                     )
                     return convert(output)
                 except Exception as e:

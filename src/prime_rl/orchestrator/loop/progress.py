@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_rl.orchestrator.envs import Cursor
+from prime_rl.orchestrator.loop.examples import Cursor
 from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import TrainingBatch, decode, encode
 

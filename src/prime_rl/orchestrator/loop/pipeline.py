@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from prime_rl.orchestrator.advantage import Advantage, AdvantageInputs, batch_whiten
+from prime_rl.orchestrator.loop.advantage import Advantage, AdvantageInputs, batch_whiten
+from prime_rl.orchestrator.loop.samples import rollout_to_samples, sample_lengths
 from prime_rl.orchestrator.rollout import Rollout
-from prime_rl.orchestrator.samples import rollout_to_samples, sample_lengths
 from prime_rl.transport.messages import Header, TrainingBatch, TrainingSample
 
 ZERO_ADVANTAGE = 1e-8

@@ -12,12 +12,12 @@ import asyncio
 import logging
 
 from prime_rl.monitor import MetricsLogger, stats
-from prime_rl.orchestrator.client import ServerPool
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.envs import EvalEnv, load_eval_env, rollout_input
-from prime_rl.orchestrator.failures import FailureStreak
-from prime_rl.orchestrator.group_runner import GroupJob, lease, run_group
-from prime_rl.orchestrator.rewards import RewardRunner
+from prime_rl.orchestrator.loop.examples import rollout_input
+from prime_rl.orchestrator.loop.failures import FailureStreak
+from prime_rl.orchestrator.loop.scheduler import run_on
+from prime_rl.orchestrator.loop.servers import ServerPool
+from prime_rl.orchestrator.messages import EnvSide, EvalEnv, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -27,14 +27,17 @@ class Evaluator:
     def __init__(
         self,
         config: OrchestratorConfig,
+        envs: list[EvalEnv],
         pool: ServerPool,
+        env_side: EnvSide,
         metrics: MetricsLogger,
-        rewards: RewardRunner | None = None,
     ):
         self.config = config
+        self.envs = envs
         self.pool = pool
+        self.env_side = env_side
         self.metrics = metrics
-        self.envs: list[EvalEnv] = [load_eval_env(e, rewards) for e in config.eval.envs]
+        self._next_job_id = -1  # eval jobs count down, so that they never share an id with training's
         self._task: asyncio.Task | None = None
         # Evaluation uses at most half the in-flight budget, counted in examples of n rollouts.
         self._budget = max(1, config.max_inflight_rollouts // 2)
@@ -82,19 +85,17 @@ class Evaluator:
         )
 
     async def _evaluate(self, env: EvalEnv, version: int) -> list[Rollout]:
-        model = self.config.model.name
         n = env.config.rollouts_per_example
         limit = asyncio.Semaphore(max(1, self._budget // n))
 
         async def example(row) -> list[Rollout]:
             inp = rollout_input(row)
-            job = GroupJob(
-                env.name, env.vf_env, inp, inp.get("example_id", -1), n, version, env.config.sampling
-            )
             async with limit:
                 server = await self.pool.pick_when_up()
-                lease(server, job)
-                rollouts = await run_group(job, server, self.pool, model)
+                job = GroupJob(self._next_job_id, env.name, inp.get("example_id", -1), inp, n, version,
+                               server.base_url, eval=True)  # fmt: skip
+                self._next_job_id -= 1
+                rollouts = await run_on(self.env_side, self.pool, server, job)
             self.streak.record(env.name, rollouts)
             return rollouts
 

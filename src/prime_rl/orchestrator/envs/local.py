@@ -1,0 +1,107 @@
+"""The env side in one process: the envs, their reward runner and reward models, the teacher and the
+inference clients, behind the `EnvSide` contract of `messages.py`.
+
+The orchestrator uses it directly when `env_workers = 0`; each env worker (`worker.py`) runs one.
+Invariant: `run` answers a job with exactly `job.size` rollouts (teacher-scored for training jobs
+when a teacher is configured) and raises only when cancelled; `close` runs every env's teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prime_rl.environments import EnvError
+from prime_rl.logging_setup import adopt_verifiers_logging
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs.client import Clients
+from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
+from prime_rl.orchestrator.envs.load import LoadedEnv, LoadedEvalEnv, load_env, load_eval_env
+from prime_rl.orchestrator.envs.reward_model import RewardModelError, RewardModels
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.speedups import speed_up_verifiers
+from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
+from prime_rl.orchestrator.messages import EvalEnv, GroupJob, TrainEnv
+from prime_rl.orchestrator.rollout import Rollout
+
+log = logging.getLogger("prime_rl.orchestrator")
+
+
+class LocalEnvs:
+    """Loads the configured envs; with `rollouts`, also runs groups on them (else it only serves
+    their datasets to the loop, while env workers run the groups)."""
+
+    def __init__(self, config: OrchestratorConfig, rollouts: bool = True):
+        self.config = config
+        self.rollouts = rollouts
+        self.train: dict[str, LoadedEnv] = {}
+        self.evals: dict[str, LoadedEvalEnv] = {}
+        self.rewards: RewardRunner | None = None
+        self.reward_models: RewardModels | None = None
+        self.teacher: Teacher | None = None
+        self.clients = Clients(config.client)
+
+    def load(self) -> tuple[list[TrainEnv], list[EvalEnv]]:
+        """Load the envs (blocking: imports, datasets); what the loop needs of them."""
+        c = self.config
+        if self.rollouts:
+            self.rewards = RewardRunner(c.rewards)
+            self.reward_models = RewardModels()
+        for i, e in enumerate(c.envs):
+            env = load_env(e, self.rewards, self.reward_models, f"envs[{i}]", score=self.rollouts)
+            self.train[env.name] = env
+        for e in c.eval.envs:
+            env = load_eval_env(e, self.rewards)
+            self.evals[env.name] = env
+        speed_up_verifiers()
+        adopt_verifiers_logging()
+        train = [TrainEnv(e.config, e.dataset, e.group_scoring) for e in self.train.values()]
+        evals = [EvalEnv(e.config, e.dataset) for e in self.evals.values()]
+        return train, evals
+
+    async def start(self) -> tuple[list[TrainEnv], list[EvalEnv]]:
+        c = self.config
+        envs = self.load()
+        if self.rollouts:
+            try:
+                await self.reward_models.check()
+            except RewardModelError as e:
+                raise EnvError(str(e)) from None
+            if c.teacher:
+                self.teacher = Teacher(c.teacher)
+                log.info("checking the teacher at %s", c.teacher.base_url)
+                try:
+                    await self.teacher.check()
+                except TeacherError as e:
+                    raise EnvError(str(e)) from None
+        return envs
+
+    async def run(self, job: GroupJob) -> list[Rollout]:
+        if job.eval:
+            env = self.evals[job.env_name]
+            columns: tuple[str, ...] = ()
+        else:
+            env = self.train[job.env_name]
+            columns = tuple(env.config.state_columns)
+        run = GroupRun(job.env_name, env.vf_env, job.inp, job.example_id, job.size, job.policy_version,
+                       env.config.sampling, columns)  # fmt: skip
+        c = self.config
+        rollouts = await run_group(
+            run, self.clients.get(job.base_url), job.base_url, c.model.name, c.client.timeout_s
+        )
+        if self.teacher and not job.eval:
+            rollouts = await self.teacher.score_group(rollouts)
+        return rollouts
+
+    async def close(self) -> None:
+        for env in [*self.train.values(), *self.evals.values()]:
+            try:
+                await env.vf_env._teardown()  # verifiers' own hook: rubric and env @teardown handlers
+            except Exception as e:
+                log.warning("teardown of env %s failed: %s", env.name, e)
+        if self.rewards:
+            self.rewards.close()
+        if self.reward_models:
+            await self.reward_models.aclose()
+        if self.teacher:
+            await self.teacher.aclose()
+        await self.clients.aclose()

@@ -1,0 +1,71 @@
+"""Stream an env's examples in a seeded order, from a cursor the progress checkpoint saves.
+
+Invariant: examples are drawn without holding the dataset in Python memory (rows are read one at a
+time from the Arrow-backed dataset), in an order fixed by the seed and the epoch, so a resumed run
+continues with the same next example.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from prime_rl.orchestrator.messages import TrainEnv
+
+
+@dataclass
+class Cursor:
+    """Position in an env's example order: which epoch, and how far into it."""
+
+    epoch: int = 0
+    position: int = 0
+
+
+class ExampleSource:
+    """Endless, seeded, epoch-shuffled stream of one dataset's rows."""
+
+    def __init__(self, dataset, seed: int, cursor: Cursor | None = None):
+        self.dataset = dataset
+        self.seed = seed
+        self.cursor = cursor or Cursor()
+        self._order = self._permutation(self.cursor.epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def next(self) -> dict[str, Any]:
+        if self.cursor.position >= len(self._order):
+            self.cursor = Cursor(self.cursor.epoch + 1, 0)
+            self._order = self._permutation(self.cursor.epoch)
+        row = self.dataset[self._order[self.cursor.position]]
+        self.cursor.position += 1
+        return row
+
+
+@dataclass
+class Env:
+    """A training env in the loop: what the env side loaded, and where its example stream stands."""
+
+    spec: TrainEnv
+    examples: ExampleSource
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def config(self):
+        return self.spec.config
+
+    @property
+    def group_scoring(self) -> bool:
+        return self.spec.group_scoring
+
+
+def rollout_input(row: dict[str, Any]) -> dict[str, Any]:
+    """The fields a verifiers rollout needs from a dataset row (the job carries only these)."""
+    keys = ("prompt", "example_id", "answer", "info", "task")
+    return {k: row[k] for k in keys if k in row and row[k] is not None}

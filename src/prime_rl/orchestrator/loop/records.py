@@ -1,0 +1,76 @@
+"""What a step leaves on disk besides its batch: one JSON line per rollout (trained, filtered, failed
+or dropped), and the per-rollout shape metrics of multi-turn and tool envs.
+
+Invariant: a record holds everything the rollouts log promises (prompt, completion, per-turn token
+counts, reward, advantage, whether it trained, error, the env's state_columns) and nothing that
+needs the env to read back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from prime_rl.disk import writing
+from prime_rl.monitor import stats
+from prime_rl.orchestrator.loop.samples import segments, turn_stats
+from prime_rl.orchestrator.rollout import Rollout
+
+
+def turn_metrics(env: str, rollouts: list[Rollout]) -> dict[str, float]:
+    """Per-rollout means of the shape of multi-turn and tool rollouts (see `samples.TurnStats`)."""
+    shapes = [turn_stats(r) for r in rollouts]
+    n = len(rollouts)
+    multi = [r for r, s in zip(rollouts, shapes, strict=True) if s.turns > 1]
+    m = {
+        **stats(f"turns/{env}", [float(s.turns) for s in shapes]),
+        f"samples_per_rollout/{env}": sum(s.samples for s in shapes) / n,
+        f"tokens/{env}/model": sum(s.model_tokens for s in shapes) / n,
+        f"tokens/{env}/env": sum(s.env_tokens for s in shapes) / n,
+        f"tool_calls/{env}": sum(r.tool_calls for r in rollouts) / n,
+        f"tool_errors/{env}": sum(r.tool_errors for r in rollouts) / n,
+    }
+    if multi:
+        m[f"truncated_multi_turn/{env}"] = sum(r.is_truncated for r in multi) / len(multi)
+    return m
+
+
+def rollout_record(r: Rollout, step: int, advantage: float | None, trained: bool | None) -> dict[str, Any]:
+    return {
+        "step": step,
+        "env": r.env_name,
+        "example_id": r.example_id,
+        "policy_version": r.policy_version,
+        "reward": r.reward,
+        "advantage": advantage,
+        "trained": trained,
+        "prompt": r.prompt,
+        "completion": r.completion,
+        "completion_tokens": r.num_completion_tokens,
+        # Per model call: its prompt and sampled token counts and the sample it trains in.
+        "turns": turn_records(r),
+        "is_truncated": r.is_truncated,
+        "stop_condition": r.stop_condition,
+        "metrics": r.metrics,
+        "error": r.error,
+        **r.state,
+    }
+
+
+def turn_records(r: Rollout) -> list[dict[str, int]]:
+    return [
+        {"prompt_tokens": len(t.prompt_ids), "completion_tokens": len(t.completion_ids), "sample": i}
+        for i, seg in enumerate(segments(r))
+        for t in seg
+    ]
+
+
+_JSONL = msgspec.json.Encoder(enc_hook=str)  # several times json.dumps; NaN is written as null
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]], what: str = "rollouts") -> None:
+    with writing(path, what):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_JSONL.encode_lines(records))

@@ -1,0 +1,46 @@
+"""Stream each trainer rank its micro-batches: over zmq (async, back-pressured by the high-water
+mark) or through the filesystem transport (in a worker thread, off the event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.transport import transport_dir
+from prime_rl.transport.file_transport import FileSender
+from prime_rl.transport.messages import MicroBatch
+from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
+
+
+class BatchSender:
+    """Sends each rank its micro-batches, over zmq (async) or the filesystem (in a thread)."""
+
+    def __init__(self, config: OrchestratorConfig):
+        t = config.transport
+        if t.type == "zmq":
+            self._zmq = [
+                AsyncZmqSender(rank_address(t, r), hwm=t.hwm, timeout_s=t.timeout_s)
+                for r in range(config.trainer_ranks)
+            ]
+            self._files = None
+        else:
+            self._zmq = None
+            self._files = FileSender(transport_dir(t, config.output_dir))
+
+    async def send(self, per_rank: list[list[MicroBatch]]) -> None:
+        if self._zmq is not None:
+            await asyncio.gather(
+                *(self._send_rank(sender, mbs) for sender, mbs in zip(self._zmq, per_rank, strict=True))
+            )
+        else:
+            await asyncio.to_thread(lambda: [self._files.send(mb) for mbs in per_rank for mb in mbs])
+
+    @staticmethod
+    async def _send_rank(sender: AsyncZmqSender, mbs: list[MicroBatch]) -> None:
+        for mb in mbs:
+            await sender.send(mb)
+
+    async def close(self, deliver: bool) -> None:
+        """Close the sockets; with `deliver`, first wait (up to the timeout) for queued micro-batches."""
+        for s in self._zmq or []:
+            await asyncio.to_thread(s.close, None if deliver else 0.0)

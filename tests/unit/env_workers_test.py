@@ -1,0 +1,95 @@
+"""Env workers (`orchestrator.env_workers`): the same rollouts as in process, and a worker that dies
+fails only the groups it was running, which are counted, while the run goes on."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import msgspec
+
+from fake_server import FakeServer, Reply, user_text
+from orchestrator_test import assert_accounting, make_config, received, rollouts, run
+
+
+def worker_pids() -> list[int]:
+    """The env worker processes of this (test) process."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"prime_rl.orchestrator.envs.worker" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def comparable(record: dict) -> tuple:
+    """A rollouts-log record without what depends on timing (which step took its group)."""
+    keep = ("env", "example_id", "reward", "advantage", "trained", "prompt", "completion",
+            "completion_tokens", "turns", "metrics", "error", "answer")  # fmt: skip
+    return tuple(json.dumps(record.get(k), sort_keys=True) for k in keep)
+
+
+def test_in_process_and_env_workers_give_the_same_rollouts_rewards_and_samples(tmp_path, monkeypatch):
+    """Also without the speed-ups of verifiers' machinery (`envs/speedups.py`, `client.DirectPost`):
+    they change the CPU a rollout costs, not what it computes."""
+
+    # One group at a time, so that every step takes the same groups in both modes; a third of the
+    # examples fail (by their text, not by the order of requests) and a half answer wrong.
+    def script(req, i):
+        text = user_text(req)
+        if sum(text.encode()) % 3 == 0:
+            return Reply(status=500)
+        return Reply() if sum(text.encode()) % 2 else Reply(text="wrong")
+
+    results = {}
+    for workers, speedups in ((0, "0"), (0, "1"), (2, "1")):
+        monkeypatch.setenv("PRIME_RL_VERIFIERS_SPEEDUPS", speedups)
+        with FakeServer(script) as server:
+            config = make_config(
+                tmp_path / f"w{workers}-{speedups}", server, env_workers=workers, max_inflight_rollouts=4,
+                envs=[{"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16},
+                       "state_columns": ["answer"]}],
+            )  # fmt: skip
+            metrics = run(config)
+        assert_accounting(metrics)
+        logs = [sorted(comparable(r) for r in rollouts(config, step)) for step in range(3)]
+        samples = [msgspec.msgpack.encode(mb) for mb in received(config, 3)]  # tokens, advantages, masks
+        counts = [
+            {k: m[k] for k in m if k.startswith("rollouts/") or k.startswith("reward/")} for m in metrics
+        ]
+        results[workers, speedups] = (logs, sorted(samples), counts)
+    assert any(r[10] != "null" for step in results[0, "0"][0] for r in step)  # failures are among them
+    assert results[0, "0"] == results[0, "1"] == results[2, "1"]
+
+
+def test_a_worker_killed_mid_group_fails_its_rollouts_counted_and_the_run_goes_on(tmp_path):
+    killed = []
+
+    def script(req, i):
+        if i == 5 and not killed:  # a group is waiting on this reply: kill the worker running it
+            (pid,) = worker_pids()
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return Reply(delay_s=0.5)
+        return Reply()
+
+    with FakeServer(script) as server:
+        config = make_config(tmp_path, server, env_workers=1, max_steps=4)
+        metrics = run(config)
+    assert killed and len(worker_pids()) == 0  # the worker is gone after the run, the restarted one too
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert_accounting(metrics)
+    died = [r for step in range(4) for r in rollouts(config, step) if r["error"]]
+    assert died and all(
+        r["error"].startswith("EnvWorkerDied: env worker 0 exited with status -9") for r in died
+    )
+    assert sum(m["rollouts/all/failed"] for m in metrics) == len(died)
+    assert len(died) % 4 == 0  # whole groups: those the worker was running
+    assert all(m["rollouts/all/trained"] == 8 for m in metrics)
