@@ -7,9 +7,9 @@ import signal
 from pathlib import Path
 
 import msgspec
+from orchestrator_test import assert_accounting, make_config, received, rollouts, run
 
 from fake_server import FakeServer, Reply, user_text
-from orchestrator_test import assert_accounting, make_config, received, rollouts, run
 
 
 def worker_pids() -> list[int]:

@@ -42,5 +42,5 @@ def test_the_layering_check_sees_a_forbidden_import(tmp_path, monkeypatch):
         "from prime_rl.orchestrator.envs.load import load_env\n"
     )
     monkeypatch.setitem(globals(), "SRC", tmp_path)
-    with pytest.raises(AssertionError, match="bad.py imports prime_rl.orchestrator.envs.load"):
+    with pytest.raises(AssertionError, match=r"bad\.py imports prime_rl\.orchestrator\.envs\.load"):
         test_no_import_across_layers("orchestrator/loop")
