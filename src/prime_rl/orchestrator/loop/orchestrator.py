@@ -20,11 +20,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prime_rl.disk import writing
 from prime_rl.layout import checkpoint_root, complete_steps, restart_counts, weights_root
-from prime_rl.monitor import MetricsLogger, forget_steps_from, stats
+from prime_rl.monitor import MetricsLogger, forget_steps_from
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.loop.advantage import Advantage
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
@@ -42,10 +41,17 @@ from prime_rl.orchestrator.loop.progress import (
     save_batch,
     save_progress,
 )
-from prime_rl.orchestrator.loop.records import rollout_record, turn_metrics, write_jsonl
+from prime_rl.orchestrator.loop.records import step_records, write_jsonl
 from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting, Scheduler
 from prime_rl.orchestrator.loop.sender import BatchSender
 from prime_rl.orchestrator.loop.servers import ServerPool
+from prime_rl.orchestrator.loop.step_metrics import (
+    accounting_metrics,
+    batch_metrics,
+    dynamic_sampling_metrics,
+    rollout_metrics,
+    step_line,
+)
 from prime_rl.orchestrator.loop.weights import WeightSync
 from prime_rl.orchestrator.messages import EnvSide
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
@@ -355,90 +361,32 @@ class Orchestrator:
     def _write_rollouts(
         self, step: int, built: StepBuild, failures: list[Rollout], uniform: list[FinishedGroup]
     ) -> None:
-        records = [
-            rollout_record(r, step, a, i not in g.filtered)
-            for g in built.groups
-            for i, (r, a) in enumerate(zip(g.rollouts, g.advantages, strict=True))
-        ]
-        records += [rollout_record(r, step, None, False) for g in uniform for r in g.rollouts]
-        records += [rollout_record(r, step, None, None) for r in failures]
+        records = step_records(step, built.groups, failures, uniform)
         write_jsonl(self.output_dir / "rollouts" / f"step_{step:06d}.jsonl", records)
-
-    # ------------------------------------------------------------------ metrics
 
     def _log_step(
         self, step: int, built: StepBuild, per_rank, times: dict[str, float], collected: Collected
     ) -> None:
         sched, c = self.scheduler, self.config
-        rollouts = [(g, r, a) for g in built.groups for r, a in zip(g.rollouts, g.advantages, strict=True)]
-        m: dict[str, Any] = {}
-        env_names = ["all", *[e.name for e in self.envs]]
-        metric_names = sorted({k for _, r, _ in rollouts for k in r.metrics})
-        for env in env_names:
-            rs = [r for g, r, _ in rollouts if env == "all" or g.env_name == env]
-            m.update(stats(f"reward/{env}", [r.reward for r in rs]))
-            m.update(
-                stats(f"advantage/{env}", [a for g, _, a in rollouts if env == "all" or g.env_name == env])
-            )
-            m.update(
-                stats(f"seq_len/{env}", [float(r.num_prompt_tokens + r.num_completion_tokens) for r in rs])
-            )
-            m.update(stats(f"completion_len/{env}", [float(r.num_completion_tokens) for r in rs]))
-            m.update(stats(f"off_policy_lag/{env}", [float(step - r.policy_version) for r in rs]))
-            if rs:
-                m[f"truncated/{env}"] = sum(r.is_truncated for r in rs) / len(rs)
-                m.update(turn_metrics(env, rs))
-            # The env's own metric functions (e.g. a format check), averaged over its rollouts.
-            for name in metric_names:
-                values = [r.metrics[name] for r in rs if name in r.metrics]
-                if values:
-                    m[f"metric/{name}/{env}"] = sum(values) / len(values)
-        acc, prev = sched.acc, self.prev_acc
-        for bucket in ("dispatched", *BUCKETS):
-            now = acc.dispatched if bucket == "dispatched" else acc.buckets[bucket]
-            before = prev.dispatched if bucket == "dispatched" else prev.buckets[bucket]
-            for env in env_names[1:]:
-                m[f"rollouts/{env}/{bucket}"] = now[env] - before[env]
-            m[f"rollouts/all/{bucket}"] = sum(now.values()) - sum(before.values())
-            m[f"rollouts/all/{bucket}_total"] = sum(now.values())
+        envs = [e.name for e in self.envs]
+        m = rollout_metrics(step, built.groups, envs)
+        m.update(accounting_metrics(sched.acc, self.prev_acc, envs))
         m["rollouts/all/inflight"] = sched.inflight_rollouts
         m["rollouts/all/waiting"] = sched.ready_rollouts
-        for key, n in built.filter_counts.items():
-            m[f"filter/{key}"] = n
+        m.update({f"filter/{key}": n for key, n in built.filter_counts.items()})
         if c.difficulty_filter.enabled:
-            for env in env_names[1:]:
+            for env in envs:
                 m[f"difficulty/skipped/{env}"] = sched.skipped[env] - self.prev_skipped[env]
                 m[f"difficulty/remembered/{env}"] = sched.difficulty.size(env)
             self.prev_skipped = Counter(sched.skipped)
         if c.dynamic_sampling.enabled:
-            for env in env_names[1:]:
-                m[f"dynamic_sampling/dropped/{env}"] = sum(len(g.rollouts) for g in collected.uniform
-                                                           if g.env_name == env)  # fmt: skip
-            m["dynamic_sampling/dropped/all"] = sum(len(g.rollouts) for g in collected.uniform)
-            m["dynamic_sampling/short"] = float(collected.short)
-        self.prev_acc = Accounting.from_snapshot(acc.snapshot())
-        tokens = sum(mb.num_tokens for mbs in per_rank for mb in mbs)
-        m["batch/micro_batches_per_rank"] = len(per_rank[0])
-        m["batch/tokens"] = tokens
-        m["batch/packing_efficiency"] = tokens / (c.seq_len * len(per_rank) * max(1, len(per_rank[0])))
+            m.update(dynamic_sampling_metrics(collected.uniform, collected.short, envs))
+        self.prev_acc = Accounting.from_snapshot(sched.acc.snapshot())
+        m.update(batch_metrics(per_rank, c.seq_len))
         m["policy_version"] = self.weights.version
         # Processes `rl` restarted so far (deployment.max_restarts): a small file, read once a step.
         m.update({f"restarts/{kind}": n for kind, n in restart_counts(self.output_dir).items()})
         m.update(times)
-        m["throughput/tokens_per_s"] = tokens / max(times["time/step"], 1e-9)
+        m["throughput/tokens_per_s"] = m["batch/tokens"] / max(times["time/step"], 1e-9)
         self.metrics.log(step, m)
-        trained, filtered = m["rollouts/all/trained"], m["rollouts/all/filtered"]
-        failed, stale = m["rollouts/all/failed"], m["rollouts/all/stale"]
-
-        def reward(env: str) -> str:
-            mean = m.get(f"reward/{env}/mean")
-            return "no samples" if mean is None else f"{mean:.3f}"
-
-        per_env = " ".join(f"{e}={reward(e)}" for e in env_names[1:])
-        log.info(
-            "step %d | reward %s (%s) | trained %d filtered %d failed %d stale %d | lag %.2f | "
-            "%.1fs (generate %.1fs, wait trainer %.1fs, reload %.2fs) | %.0f tok/s",
-            step, reward("all"), per_env, trained, filtered, failed, stale,
-            m.get("off_policy_lag/all/mean", 0.0), m["time/step"], m["time/generate"],
-            m["time/wait_trainer"], m["time/reload"], m["throughput/tokens_per_s"],
-        )  # fmt: skip
+        log.info(step_line(step, m, envs))

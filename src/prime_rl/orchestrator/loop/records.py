@@ -15,6 +15,7 @@ import msgspec
 
 from prime_rl.disk import writing
 from prime_rl.monitor import stats
+from prime_rl.orchestrator.loop.pipeline import FinishedGroup, ScoredGroup
 from prime_rl.orchestrator.loop.samples import segments, turn_stats
 from prime_rl.orchestrator.rollout import Rollout
 
@@ -74,3 +75,18 @@ def write_jsonl(path: Path, records: list[dict[str, Any]], what: str = "rollouts
     with writing(path, what):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(_JSONL.encode_lines(records))
+
+
+def step_records(
+    step: int, groups: list[ScoredGroup], failures: list[Rollout], uniform: list[FinishedGroup]
+) -> list[dict[str, Any]]:
+    """A step's rollouts log: its groups' rollouts (trained or filtered), the groups dynamic sampling
+    dropped, and the rollouts that failed since the previous step."""
+    records = [
+        rollout_record(r, step, a, i not in g.filtered)
+        for g in groups
+        for i, (r, a) in enumerate(zip(g.rollouts, g.advantages, strict=True))
+    ]
+    records += [rollout_record(r, step, None, False) for g in uniform for r in g.rollouts]
+    records += [rollout_record(r, step, None, None) for r in failures]
+    return records
