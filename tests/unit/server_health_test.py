@@ -16,8 +16,8 @@ import pytest
 
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
+from prime_rl.orchestrator.main import make_orchestrator
 
 FAKE_SERVER = Path(__file__).parents[1] / "fake_server.py"
 
@@ -123,7 +123,7 @@ def run_with(cfg: OrchestratorConfig, scenario) -> BaseException | None:
     thread.start()
     raised = None
     try:
-        asyncio.run(asyncio.wait_for(Orchestrator(cfg).run(), timeout=120))
+        asyncio.run(asyncio.wait_for(make_orchestrator(cfg).run(), timeout=120))
     except Exception as e:
         raised = e
     thread.join(timeout=30)

@@ -40,7 +40,7 @@ def run(
 def test_a_v1_env_is_chosen_by_its_exports_and_its_rollouts_carry_tokens_reward_and_state():
     with FakeServer() as server:
         env, row, rollouts = run(server)
-    assert isinstance(env.vf_env, V1Env) and len(env.examples.dataset) == 6
+    assert isinstance(env.vf_env, V1Env) and len(env.dataset) == 6
     assert len(server.requests) == 3 and all(r["logprobs"] and r["return_token_ids"] for r in server.requests)
     assert len(rollouts) == 3 and len({id(r) for r in rollouts}) == 3
     for r in rollouts:
