@@ -109,7 +109,6 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
     row = ExampleSource(env.dataset, 0).next()
     url = f"{base}/v1"
     client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
-    transport = client.client._client._transport
     sent = []
 
     class Counting(httpx2.AsyncBaseTransport):
@@ -117,7 +116,7 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
             sent.append(json.loads(request.content).get("n", 1))
             return await inner.handle_async_request(request)
 
-    inner, transport.inner = transport.inner, Counting()
+    inner, client.client._transport = client.client._transport, Counting()
     job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], 8, 0, sampling)
 
     async def go():

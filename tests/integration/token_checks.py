@@ -41,9 +41,8 @@ def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, unti
     examples = ExampleSource(env.dataset, 0)
     url = f"{served.base}/v1"
     client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
-    transport = client.client._client._transport
-    wire = Wire(transport.inner)
-    transport.inner = wire
+    wire = Wire(client.client._transport)  # under the group merging: what the server really gets
+    client.client._transport = wire
 
     async def go():  # one event loop for all groups: the client's connections belong to it
         out = []

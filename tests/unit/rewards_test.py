@@ -139,3 +139,38 @@ def test_no_more_than_concurrency_reward_calls_run_at_once(concurrency):
     asyncio.run(go())
     runner.close()
     assert peak == concurrency
+
+
+def test_a_fast_reward_runs_inline_after_32_fast_calls_and_a_slow_call_sends_it_back_to_threads():
+    import threading
+
+    from prime_rl.orchestrator.envs.rewards import INLINE_AFTER
+
+    seen, delay = [], [0.0]
+
+    def reward(completion, **kwargs) -> float:
+        seen.append(threading.current_thread() is threading.main_thread())
+        time.sleep(delay[0])
+        return 1.0
+
+    async def calls(runner, n: int) -> None:
+        wrapped = runner.wrap(reward)
+        for _ in range(n):
+            assert await wrapped(completion="x", state={}) == 1.0
+
+    runner = RewardRunner(RewardsConfig(inline_below_ms=50))
+    asyncio.run(calls(runner, INLINE_AFTER + 3))
+    assert seen == [False] * INLINE_AFTER + [True] * 3  # threads until it has shown itself fast
+    seen.clear()
+    delay[0] = 0.06  # slower than the limit once: back to the threads for good
+    asyncio.run(calls(runner, 1))
+    delay[0] = 0.0
+    asyncio.run(calls(runner, INLINE_AFTER + 3))
+    assert seen == [True] + [False] * (INLINE_AFTER + 3)
+    runner.close()
+
+    seen.clear()
+    never = RewardRunner(RewardsConfig(inline_below_ms=0))
+    asyncio.run(calls(never, INLINE_AFTER + 3))
+    assert not any(seen)
+    never.close()

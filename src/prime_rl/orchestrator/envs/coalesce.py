@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -45,7 +45,8 @@ _json_encode = msgspec.json.Encoder().encode
 
 @dataclass(eq=False)
 class _Held:
-    request: httpx2.Request
+    request: httpx2.Request | None
+    """The HTTP request (transport level), or None (`merged_post`, body level)."""
     body: bytes
     future: asyncio.Future
 
@@ -61,9 +62,9 @@ class GroupRequests:
     requests_sent: int = 0
     """Requests this group's first turns cost (for metrics and tests)."""
 
-    def join(self, request: httpx2.Request) -> asyncio.Future:
+    def join(self, request: httpx2.Request | None, body: bytes) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
-        self.held.append(_Held(request, request.content, fut))
+        self.held.append(_Held(request, body, fut))
         if len(self.held) >= self.open:
             self._flush()
         elif self._timer is None:
@@ -136,6 +137,61 @@ def rollout_slot() -> Iterator[None]:
             group.withdraw()
 
 
+Send = Callable[[bytes], Awaitable[tuple[int, bytes]]]
+"""POST a chat request body; the answer's status and body (raises on a transport failure)."""
+
+
+def _first_turn(group: GroupRequests | None) -> bool:
+    """Whether the current rollout's chat request is one of its group's first turns (and mark it)."""
+    if group is None:
+        return False
+    slot = _SLOT.get()
+    if slot is not None:
+        if slot.sent:
+            return False
+        slot.sent = True
+        return True
+    return group.open > 0
+
+
+async def merged_post(body: bytes, send: Send) -> tuple[int, bytes]:
+    """`send(body)`, or, for a group's first turns, one `send` with `n` for all of them (the module's
+    invariants hold; this is the same merging on request bodies instead of HTTP requests)."""
+    group = _GROUP.get()
+    if not _first_turn(group):
+        return await send(body)
+    result = await group.join(None, body)
+    if not isinstance(result, list):
+        return result
+    members, others = result, result[1:]
+    try:
+        answers = await _send_bodies(members, send)
+    except BaseException as e:
+        for h in others:
+            if not h.future.done():
+                h.future.set_exception(RuntimeError("the group's merged request was cancelled")
+                                       if isinstance(e, asyncio.CancelledError) else e)  # fmt: skip
+        raise
+    for h, answer in zip(others, answers[1:], strict=True):
+        if not h.future.done():
+            h.future.set_result(answer)
+    return answers[0]
+
+
+async def _send_bodies(members: list[_Held], send: Send) -> list[tuple[int, bytes]]:
+    n = len(members)
+    body = _with_n(members[0].body, n) if n > 1 else None
+    if body is not None:
+        status, content = await send(body)
+        if status != 200:  # an error is every member's answer, as if each had sent it
+            return [(status, content)] * n
+        parts = _split(content, n)
+        if parts is not None:
+            return [(status, part) for part in parts]
+        log.warning("the server answered n=%d with another number of choices: sending one by one", n)
+    return list(await asyncio.gather(*(send(h.body) for h in members)))
+
+
 def _split(content: bytes, n: int) -> list[bytes] | None:
     """One single-choice response body per choice of a `n`-choice one; None if it is not that."""
     try:
@@ -196,7 +252,7 @@ class CoalescingTransport(httpx2.AsyncBaseTransport):
         elif group.open <= 0:
             return await self.inner.handle_async_request(request)
         await request.aread()
-        fut = group.join(request)
+        fut = group.join(request, request.content)
         result = await fut
         if isinstance(result, list):  # this rollout sends for `result`
             return await self._send(result)

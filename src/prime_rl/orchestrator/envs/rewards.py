@@ -5,9 +5,10 @@ into reward 0.0 with a log line. Here every function of an env's rubric is repla
 time, by a wrapper with the same name and signature (so verifiers' argument selection and group
 detection see the original) that:
 
-- runs a sync function in a worker thread of a pool shared by all envs, never on the event loop;
-  an async one on the loop (it awaits its I/O; an async function that computes without awaiting
-  still blocks the loop: make it sync);
+- runs a sync function in a worker thread of a pool shared by all envs, off the event loop, until
+  it has shown itself too fast for the thread hop to pay (`inline_below_ms`); an async one on the
+  loop (it awaits its I/O; an async function that computes without awaiting still blocks the
+  loop: make it sync);
 - holds one of `concurrency` slots from the start of the call until the function really returns,
   so a function that timed out keeps its slot while its thread still runs, and the timeout measures
   the function's own time, not the queue before it;
@@ -21,9 +22,9 @@ Invariant: a rollout whose reward could not be computed never trains.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,6 +49,15 @@ class RewardsConfig(BaseConfig):
     timeout_s: float = Field(default=60.0, gt=0)
     """A reward function call running longer fails its rollout(s) with a timeout."""
 
+    inline_below_ms: float = Field(default=0.5, ge=0)
+    """A plain reward function whose first 32 calls each took less than this runs on the event loop
+    from then on, without the thread hop (which costs more than such a function: ~0.1 ms of CPU per
+    call); a call that takes longer sends it back to the threads for good. Inline calls are not timed
+    out: a function that was fast 32 times and then hangs would stall its process. 0: always threads."""
+
+
+INLINE_AFTER = 32
+"""Calls, each faster than `inline_below_ms`, after which a plain reward function runs inline."""
 
 GIL_SWITCH_S = 0.001
 """The interpreter's thread switch interval while a runner exists (Python's default is 5 ms)."""
@@ -66,18 +76,28 @@ class RewardRunner:
         self._executor = ThreadPoolExecutor(config.concurrency, thread_name_prefix="reward")
         self._slots: asyncio.Semaphore | None = None  # made on the loop that uses it
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._timings: dict[Any, _Timing] = {}
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _call_sync(self, func, kwargs: dict[str, Any]) -> Any:
+        timing = self._timings.get(func)
+        if timing is None:
+            timing = self._timings[func] = _Timing(self.config.inline_below_ms / 1000)
+        if timing.inline:
+            t0 = time.perf_counter()
+            try:
+                return func(**kwargs)
+            finally:
+                timing.record(time.perf_counter() - t0)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._slots, self._loop = asyncio.Semaphore(self.config.concurrency), loop
         slots = self._slots
         await slots.acquire()
         try:
-            future = self._executor.submit(functools.partial(func, **kwargs))
+            future = self._executor.submit(_timed, timing, func, kwargs)
         except BaseException:
             slots.release()
             raise
@@ -140,6 +160,33 @@ class RewardRunner:
             if isinstance(funcs, list):
                 is_group = getattr(rubric, "_is_group_func", None)
                 funcs[:] = [self.wrap(f, is_group(f) if is_group else None) for f in funcs]
+
+
+class _Timing:
+    """Whether one reward function is fast enough to run inline (see `inline_below_ms`)."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.fast_calls = 0
+        self.slow = limit_s <= 0
+
+    @property
+    def inline(self) -> bool:
+        return not self.slow and self.fast_calls >= INLINE_AFTER
+
+    def record(self, seconds: float) -> None:
+        if seconds >= self.limit_s:
+            self.slow = True  # for good: one slow call shows the function can be slow
+        else:
+            self.fast_calls += 1
+
+
+def _timed(timing: _Timing, func, kwargs: dict[str, Any]) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return func(**kwargs)
+    finally:
+        timing.record(time.perf_counter() - t0)
 
 
 def _is_group(sig: inspect.Signature) -> bool:
