@@ -95,8 +95,6 @@ sampling = {{ temperature = 1.0, max_tokens = 24 }}
 def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_choice(server):
     import asyncio
 
-    import httpx2
-
     from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
@@ -111,12 +109,13 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
     client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
     sent = []
 
-    class Counting(httpx2.AsyncBaseTransport):
-        async def handle_async_request(self, request):
-            sent.append(json.loads(request.content).get("n", 1))
-            return await inner.handle_async_request(request)
+    exchange = client.client._exchange
 
-    inner, client.client._transport = client.client._transport, Counting()
+    async def counting(url, content):
+        sent.append(json.loads(content).get("n", 1))
+        return await exchange(url, content)
+
+    client.client._exchange = counting
     job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], 8, 0, sampling)
 
     async def go():

@@ -5,7 +5,6 @@ every training sample holds exactly those tokens."""
 import asyncio
 import json
 
-import httpx2
 import torch
 
 from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
@@ -18,21 +17,21 @@ from prime_rl.orchestrator.loop.samples import rollout_to_samples, segments
 from prime_rl.trainer.logprobs import forward_logprobs
 
 
-class Wire(httpx2.AsyncBaseTransport):
-    """Records what the server received and sampled: (prompt ids, [(token ids, logprobs)] per choice)."""
+class Wire:
+    """Records what the server received and sampled: (prompt ids, [(token ids, logprobs)] per choice),
+    by wrapping the client's HTTP exchange (under the group merging: what the server really got)."""
 
-    def __init__(self, inner):
-        self.inner, self.seen = inner, []
+    def __init__(self, exchange):
+        self.exchange, self.seen = exchange, []
 
-    async def handle_async_request(self, request):
-        response = await self.inner.handle_async_request(request)
-        body = await response.aread()
+    async def __call__(self, url, content):
+        status, body = await self.exchange(url, content)
         data = json.loads(body)
         choices = [
             (c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]]) for c in data["choices"]
         ]
         self.seen.append((data["prompt_token_ids"], choices))
-        return httpx2.Response(response.status_code, headers=response.headers, content=body)
+        return status, body
 
 
 def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, until=None, size: int = 8):
@@ -41,8 +40,7 @@ def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, unti
     examples = ExampleSource(env.dataset, 0)
     url = f"{served.base}/v1"
     client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
-    wire = Wire(client.client._transport)  # under the group merging: what the server really gets
-    client.client._transport = wire
+    wire = client.client._exchange = Wire(client.client._exchange)
 
     async def go():  # one event loop for all groups: the client's connections belong to it
         out = []

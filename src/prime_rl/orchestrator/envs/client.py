@@ -32,12 +32,8 @@ def make_vf_client(base_url: str, config: ClientConfig):
     # openai's own HTTP client (httpx2), without a connection limit. A plain `httpx.AsyncClient` is
     # accepted too, but it made 128 concurrent rollouts 3x slower: its connection pool is rescanned
     # for every request and response (measured; see docs/benchmarks.md).
-    transport: httpx2.AsyncBaseTransport = httpx2.AsyncHTTPTransport(
-        limits=httpx2.Limits(
-            max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
-        )
-    )
     direct = speedups.enabled()
+    transport: httpx2.AsyncBaseTransport = _pool()
     if config.group_requests and not direct:
         transport = CoalescingTransport(transport)
     openai = AsyncOpenAI(
@@ -47,38 +43,49 @@ def make_vf_client(base_url: str, config: ClientConfig):
         timeout=config.timeout_s,
         http_client=DefaultAsyncHttpxClient(transport=transport),
     )
-    return vf.OpenAIChatCompletionsClient(DirectPost(openai, transport, config) if direct else openai)
+    return vf.OpenAIChatCompletionsClient(DirectPost(openai, config) if direct else openai)
+
+
+def _pool() -> httpx2.AsyncHTTPTransport:
+    limits = httpx2.Limits(
+        max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
+    )
+    return httpx2.AsyncHTTPTransport(limits=limits)
 
 
 class DirectPost:
     """An `AsyncOpenAI` whose `post(path, body=..., cast_to=<httpx Response>)`, the one call verifiers'
-    chat client makes per model call, goes straight to the HTTP transport (the same connections)
-    and merges a group's first turns itself (`coalesce.merged_post`); everything else is the
-    OpenAI client's.
+    chat client makes per model call, is sent by aiohttp and merges a group's first turns itself
+    (`coalesce.merged_post`); everything else is the OpenAI client's.
 
-    openai's request machinery and httpx2's request building cost about 1 ms of CPU per request here,
-    several times the HTTP exchange itself (measured with `benchmarks/orchestrator.py`). The
-    behaviour is openai's: `max_retries` retries of connection errors, timeouts, 408/409/429 and 5xx
-    with backoff, and failures raise openai's own exceptions, so that verifiers (an overlong prompt
-    is a `BadRequestError`) and the failure bounds (by exception name) see what they saw before.
+    Why: per model call, openai's request machinery cost ~0.2 ms of CPU and httpx2/httpcore's ~0.4 ms
+    more, growing with the connections open (its pool checks every connection on every request);
+    aiohttp's C parser and pool cost a fraction of that (measured with `benchmarks/orchestrator.py`).
+    The behaviour is openai's: `max_retries` retries of connection errors, timeouts, 408/409/429 and
+    5xx with backoff, and failures raise openai's own exceptions, so that verifiers (an overlong
+    prompt is a `BadRequestError`) and the failure bounds (by exception name) see what they saw.
     """
 
     RETRY_STATUS = frozenset({408, 409, 429})
 
-    def __init__(self, openai, transport: httpx2.AsyncBaseTransport, config: ClientConfig):
+    def __init__(self, openai, config: ClientConfig):
         self._openai = openai
-        self._transport = transport
         self._base = str(openai.base_url).rstrip("/")
-        self._urls: dict[str, httpx2.URL] = {}
-        self._headers = [(b"Content-Type", b"application/json"), (b"Accept", b"application/json"),
-                         (b"Authorization", f"Bearer {openai.api_key}".encode())]  # fmt: skip
-        t = config.timeout_s
-        self._extensions = {"timeout": {"connect": t, "read": t, "write": t, "pool": t}}
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json",
+                         "Authorization": f"Bearer {openai.api_key}"}  # fmt: skip
+        self._timeout_s = config.timeout_s
         self._retries = config.max_retries
         self._merge = config.group_requests
+        self._session = None  # made on the event loop that uses it
 
     def __getattr__(self, name: str):
         return getattr(self._openai, name)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self._openai.close()
 
     async def post(self, path: str, *, cast_to=None, body=None, options=None, **kwargs):
         raw = getattr(cast_to, "__name__", "") == "Response" and getattr(
@@ -87,9 +94,7 @@ class DirectPost:
         extra = (options or {}).get("headers")
         if kwargs or extra or not raw or not isinstance(body, dict):
             return await self._openai.post(path, cast_to=cast_to, body=body, options=options or {}, **kwargs)
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = httpx2.URL(self._base + path)
+        url = self._base + path
 
         async def send(content: bytes) -> tuple[int, bytes]:
             return await self._exchange(url, content)
@@ -104,29 +109,35 @@ class DirectPost:
             raise self._openai._make_status_error_from_response(response)
         return Answer(status, answer)
 
-    async def _exchange(self, url: httpx2.URL, content: bytes) -> tuple[int, bytes]:
+    def _open(self):
+        import aiohttp
+
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            timeout = aiohttp.ClientTimeout(total=self._timeout_s)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers)
+        return self._session
+
+    async def _exchange(self, url: str, content: bytes) -> tuple[int, bytes]:
         """POST with openai's retries; the last answer, or openai's exception for a transport failure."""
+        import aiohttp
         import openai
 
+        session = self._open()
         for attempt in range(self._retries + 1):
             if attempt:
                 await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0) * (0.75 + 0.5 * random.random()))
-            request = httpx2.Request(
-                "POST", url, headers=self._headers, content=content, extensions=self._extensions
-            )
             try:
-                response = await self._transport.handle_async_request(request)
-                try:
-                    answer = await response.aread()
-                finally:
-                    await response.aclose()
-            except httpx2.TimeoutException:
-                error: Exception = openai.APITimeoutError(request=request)
+                async with session.post(url, data=content) as response:
+                    status, answer = response.status, await response.read()
+            except TimeoutError:
+                error: Exception = openai.APITimeoutError(request=httpx2.Request("POST", url))
                 continue
-            except httpx2.HTTPError:
-                error = openai.APIConnectionError(request=request)
+            except aiohttp.ClientError as e:
+                error = openai.APIConnectionError(
+                    message=f"{type(e).__name__}: {e}", request=httpx2.Request("POST", url)
+                )
                 continue
-            status = response.status_code
             if status < 400 or (status < 500 and status not in self.RETRY_STATUS) or attempt == self._retries:
                 return status, answer
         raise error

@@ -48,8 +48,9 @@ _inspect.signature = signature
 
 
 def enabled() -> bool:
-    """`PRIME_RL_VERIFIERS_SPEEDUPS=0` turns the speed-ups off: an escape hatch should one ever
-    change what an env computes, and the "before" of `benchmarks/orchestrator.py`."""
+    """`PRIME_RL_VERIFIERS_SPEEDUPS=0` turns the speed-ups off (the cached signatures, the direct
+    POST with its own request merging, inline fast rewards): an escape hatch should one ever change
+    what an env computes, and the "before" of `benchmarks/orchestrator.py`."""
     return os.environ.get("PRIME_RL_VERIFIERS_SPEEDUPS", "1") != "0"
 
 

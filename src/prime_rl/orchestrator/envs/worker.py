@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -62,6 +63,10 @@ async def serve(address: str, config: OrchestratorConfig) -> None:
     except Exception as e:
         await sock.send(encoder.encode(Broken(f"{type(e).__name__}: {e}", needs_user=False)))
         raise
+    # As in the orchestrator: keep the garbage collector from walking the loaded modules and datasets
+    # again in every full collection.
+    gc.collect()
+    gc.freeze()
     await sock.send(encoder.encode(Ready(os.getpid())))
     running: dict[int, asyncio.Task] = {}
 
