@@ -65,8 +65,17 @@ def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_pat
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import KEEPALIVE_EXPIRY_S, make_vf_client
 
+    import asyncio
+
     client = make_vf_client("http://127.0.0.1:9/v1", ClientConfig())
-    pool = client.client._client._transport.inner._pool  # under the group-request transport
-    assert pool._keepalive_expiry == KEEPALIVE_EXPIRY_S <= 5 - 2
+
+    async def keepalive() -> float:
+        session = client.client._open()  # the chat requests' aiohttp session (`DirectPost`)
+        try:
+            return session.connector._keepalive_timeout
+        finally:
+            await client.close()
+
+    assert asyncio.run(keepalive()) == KEEPALIVE_EXPIRY_S <= 5 - 2
     env = server_env(InferenceConfig(output_dir=tmp_path), base={})
     assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 10 * KEEPALIVE_EXPIRY_S
