@@ -77,7 +77,8 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
     from prime_rl.orchestrator.loop.examples import rollout_input
 
-    client = Clients(ClientConfig(base_urls=[base_url], group_requests=group_requests)).get(base_url)
+    clients = Clients(ClientConfig(base_urls=[base_url], group_requests=group_requests))
+    client = clients.get(base_url)
     times, rollouts = [], []
     for i in range(rounds + 1):
         jobs = [
@@ -93,6 +94,7 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
         bad = [r for r in rollouts if r.failed and "EmptyModelResponse" not in (r.error or "")]
         if bad:
             raise SystemExit(f"{len(bad)} rollouts failed, e.g. {bad[0].error}")
+    await clients.aclose()
     return statistics.median(times), rollouts
 
 

@@ -174,9 +174,11 @@ def test_rl_with_a_critic_and_adaptive_kl_in_the_reward(tiny_model, tmp_path):
         assert (betas[i + 1] > betas[i]) == (kls[i] > 1e-6), (betas, kls)
 
 
-def test_rl_distills_from_a_teacher_server_it_starts(tiny_model, tmp_path):
+@pytest.mark.parametrize("env_workers", [0, 2], ids=["in-process", "env-workers"])
+def test_rl_distills_from_a_teacher_server_it_starts(tiny_model, tmp_path, env_workers):
     """`[teacher]` makes `rl` start a second vLLM server; the orchestrator scores every sampled token
-    with it, and the teacher's signal is what trains (advantage_weight 0)."""
+    with it, and the teacher's signal is what trains (advantage_weight 0). With env workers, the
+    teacher is asked by the workers, against real vLLM servers."""
     from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 
     teacher = make_tiny_model(
@@ -192,10 +194,12 @@ name = "TEACHER"
 weight = 1.0
 advantage_weight = 0.0
 """.replace("TEACHER", str(teacher)))  # fmt: skip
-    proc = subprocess.run([RL, "@", str(toml), "--orchestrator.filters", "[]"], capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run([RL, "@", str(toml), "--orchestrator.filters", "[]", "--orchestrator.env_workers",
+                           str(env_workers)], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "starting the teacher" in proc.stdout
+    log = (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
+    assert ("starting 2 env workers" in log) == (env_workers == 2)
     orch = [json.loads(line) for line in (tmp_path / "run" / "orchestrator" / "metrics.jsonl").open()]
     assert [m["step"] for m in orch] == [0, 1, 2]
     # Two unrelated random models: the student's tokens are likelier under the student (about 0.05
