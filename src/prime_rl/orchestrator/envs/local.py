@@ -21,7 +21,7 @@ from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.speedups import speed_up_verifiers
 from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
 from prime_rl.orchestrator.messages import EvalEnv, GroupJob, TrainEnv
-from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
 
@@ -85,11 +85,17 @@ class LocalEnvs:
         run = GroupRun(job.env_name, env.vf_env, job.inp, job.example_id, job.size, job.policy_version,
                        env.config.sampling, columns)  # fmt: skip
         c = self.config
-        rollouts = await run_group(
-            run, self.clients.get(job.base_url), job.base_url, c.model.name, c.client.timeout_s
-        )
-        if self.teacher and not job.eval:
-            rollouts = await self.teacher.score_group(rollouts)
+        client = self.clients.get(job.base_url)
+        try:
+            rollouts = await run_group(run, client, job.base_url, c.model.name, c.client.timeout_s)
+            if self.teacher and not job.eval:
+                rollouts = await self.teacher.score_group(rollouts)
+        except Exception as e:  # never expected (both fail rollouts instead), but never a lost job
+            reason = f"{type(e).__name__}: {e}"
+            return [
+                failed_rollout(job.env_name, job.example_id, job.policy_version, reason)
+                for _ in range(job.size)
+            ]
         return rollouts
 
     async def close(self) -> None:

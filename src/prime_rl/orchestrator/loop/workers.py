@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -242,12 +243,21 @@ class WorkerPool:
         w = min(ready, key=lambda x: x.inflight)
         future = asyncio.get_running_loop().create_future()
         w.jobs[job.id] = (job, future)
-        await w.sock.send(self._encode(Job(job)))
+        sock = w.sock
+        try:
+            await sock.send(self._encode(Job(job)))
+        except zmq.ZMQError:
+            if sock is w.sock and w.ready:
+                raise
+            # The worker died while the job was being sent: `_watch` fails its jobs, this one too.
         try:
             return await future
         except asyncio.CancelledError:
             if w.jobs.pop(job.id, None) is not None and w.ready:
-                await w.sock.send(self._encode(Cancel(job.id)))
+                # Best effort: a worker that is gone has nothing to cancel.
+                with contextlib.suppress(zmq.ZMQError):
+                    sent = w.sock.send(self._encode(Cancel(job.id)), flags=zmq.NOBLOCK)
+                    sent.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
 
 
