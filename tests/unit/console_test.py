@@ -60,12 +60,12 @@ def test_failures_count_together_by_the_kinds_in_their_chain():
 
 def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_path):
     # vLLM's (and uvicorn's) default keep-alive is 5 s; servers `inference` starts keep them longer.
+    import asyncio
+
     from prime_rl.inference.config import InferenceConfig
     from prime_rl.inference.server import server_env
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import KEEPALIVE_EXPIRY_S, make_vf_client
-
-    import asyncio
 
     client = make_vf_client("http://127.0.0.1:9/v1", ClientConfig())
 
