@@ -98,8 +98,8 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
     from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-    from prime_rl.orchestrator.envs.load import load_env
-    from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+    from prime_rl.orchestrator.envs.load import load_env, rollout_input
+    from prime_rl.orchestrator.loop.examples import ExampleSource
 
     base, model, _ = server
     sampling = SamplingConfig(temperature=2.0, max_tokens=8, extra_body={"min_tokens": 2})
@@ -145,9 +145,9 @@ def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(s
     from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-    from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.envs.load import load_env, rollout_input
     from prime_rl.orchestrator.envs.teacher import Teacher, TeacherConfig
-    from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+    from prime_rl.orchestrator.loop.examples import ExampleSource
     from prime_rl.orchestrator.loop.samples import rollout_to_samples
 
     base, model, _ = server

@@ -11,7 +11,7 @@ from fake_server import FakeServer, Reply, user_text
 from prime_rl.orchestrator.config import ClientConfig, EnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import coalesce
 from prime_rl.orchestrator.envs.local import LocalEnvs
-from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+from prime_rl.orchestrator.loop.examples import ExampleSource
 from prime_rl.orchestrator.loop.scheduler import run_on
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.messages import GroupJob
@@ -25,8 +25,8 @@ def run(env_id: str, server: FakeServer, size: int = 4, group_requests: bool = T
 
     async def go():
         (env,), _ = await envs.start()
-        row = ExampleSource(env.dataset, 0).next()
-        job = GroupJob(0, env.name, row["example_id"], rollout_input(row), size, 3, server.base_url)
+        index, row = ExampleSource(env.dataset, 0).next_indexed()
+        job = GroupJob(0, env.name, row["example_id"], index, size, 3, server.base_url)
         try:
             return await run_on(envs, pool, pool.servers[0], job), pool.servers[0]
         finally:

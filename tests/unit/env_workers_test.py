@@ -93,3 +93,45 @@ def test_a_worker_killed_mid_group_fails_its_rollouts_counted_and_the_run_goes_o
     assert sum(m["rollouts/all/failed"] for m in metrics) == len(died)
     assert len(died) % 4 == 0  # whole groups: those the worker was running
     assert all(m["rollouts/all/trained"] == 8 for m in metrics)
+
+
+def test_a_cancelled_job_gets_no_answer_and_its_worker_takes_the_next(tmp_path):
+    """What the scheduler does to a group past the off-policy bound: the job is cancelled in its
+    worker; no answer arrives for it later, and the worker serves the next job at once."""
+    import asyncio
+    import time
+
+    from prime_rl.orchestrator.envs.local import LocalEnvs
+    from prime_rl.orchestrator.loop.examples import ExampleSource
+    from prime_rl.orchestrator.loop.workers import WorkerPool
+    from prime_rl.orchestrator.messages import GroupJob
+
+    with FakeServer(lambda req, i: Reply(delay_s=5.0) if i == 0 else Reply()) as server:
+        config = make_config(tmp_path, server, env_workers=1)
+
+        async def go():
+            pool = WorkerPool(config, LocalEnvs(config, rollouts=False))
+            (env,), _ = await pool.start()
+            index, row = ExampleSource(env.dataset, 0).next_indexed()
+            try:
+                slow = asyncio.create_task(
+                    pool.run(GroupJob(0, env.name, row["example_id"], index, 4, 0, server.base_url))
+                )
+                while not server.requests:  # the group's request is at the server, which holds it
+                    await asyncio.sleep(0.02)
+                slow.cancel()
+                try:
+                    await slow
+                    raise AssertionError("a cancelled job was answered")
+                except asyncio.CancelledError:
+                    pass
+                t0 = time.monotonic()
+                job = GroupJob(1, env.name, row["example_id"], index, 4, 0, server.base_url)
+                rollouts = await pool.run(job)
+                return rollouts, time.monotonic() - t0, dict(pool.workers[0].jobs)
+            finally:
+                await pool.close()
+
+        rollouts, seconds, pending = asyncio.run(go())
+    assert len(rollouts) == 4 and not any(r.failed for r in rollouts)
+    assert seconds < 5.0 and pending == {}

@@ -584,3 +584,19 @@ def test_partial_failures_reset_the_failure_bound_and_unreachable_servers_are_bo
     gone.record("e", group(down))
     with pytest.raises(RolloutsFailing, match=r"no server could be reached .* client.health_timeout_s = 0"):
         gone.record("e", group(down))
+
+
+def test_a_v1_env_trains_through_the_orchestrator(tmp_path, env_workers):
+    """A verifiers v1 env (its own harness and interception server) in process and in env workers:
+    its rollouts, rewards and state columns reach the batches and the rollouts log."""
+    with FakeServer() as server:
+        config = make_config(tmp_path, server, env_workers=env_workers, envs=[
+            {"id": "v1_test_env", "group_size": 4, "sampling": {"max_tokens": 16}, "state_columns": ["word"]}
+        ])  # fmt: skip
+        metrics = run(config)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(m["reward/all/mean"] == 1.0 and m["rollouts/all/failed"] == 0 for m in metrics)
+    assert_accounting(metrics)
+    recs = rollouts(config, 0)
+    assert len(recs) >= 8 and all(r["word"] == r["completion"][-1]["content"][::-1] for r in recs)
+    assert len(received(config, 3)) >= 3

@@ -10,9 +10,9 @@ from fake_server import FakeServer
 from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-from prime_rl.orchestrator.envs.load import load_env
+from prime_rl.orchestrator.envs.load import load_env, rollout_input
 from prime_rl.orchestrator.envs.rewards import RewardRunner, RewardsConfig
-from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+from prime_rl.orchestrator.loop.examples import ExampleSource
 
 
 async def lag_probe(lags: list[float], stop: asyncio.Event, period: float = 0.005) -> None:

@@ -8,9 +8,9 @@ from fake_server import FakeServer, Reply, encode
 from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-from prime_rl.orchestrator.envs.load import load_env
+from prime_rl.orchestrator.envs.load import load_env, rollout_input
 from prime_rl.orchestrator.envs.v1_env import V1Env
-from prime_rl.orchestrator.loop.examples import ExampleSource, rollout_input
+from prime_rl.orchestrator.loop.examples import ExampleSource
 
 
 def run(

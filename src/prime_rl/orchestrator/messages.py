@@ -24,8 +24,10 @@ class GroupJob(msgspec.Struct, frozen=True):
     id: int
     env_name: str
     example_id: int | str
-    inp: dict[str, Any]
-    """The verifiers rollout input (prompt, example_id, answer, info, task)."""
+    index: int
+    """The example's row in the env's dataset (training or eval). The env side reads the row itself:
+    rows may hold objects that do not travel (a v1 task), and both sides load the same dataset
+    (the env side checks that the row's example_id is `example_id`)."""
     size: int
     policy_version: int
     base_url: str

@@ -119,3 +119,9 @@ def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) ->
         raise EnvError(f"eval env '{config.id}': its eval dataset cannot be built: {e}") from None
     check_columns(dataset, config.id, "eval")
     return LoadedEvalEnv(config, vf_env, dataset)
+
+
+def rollout_input(row: dict[str, Any]) -> dict[str, Any]:
+    """The fields verifiers' run_rollout needs from a dataset row."""
+    keys = ("prompt", "example_id", "answer", "info", "task")
+    return {k: row[k] for k in keys if k in row and row[k] is not None}

@@ -13,7 +13,6 @@ import logging
 
 from prime_rl.monitor import MetricsLogger, stats
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.loop.examples import rollout_input
 from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.scheduler import run_on
 from prime_rl.orchestrator.loop.servers import ServerPool
@@ -88,16 +87,16 @@ class Evaluator:
         n = env.config.rollouts_per_example
         limit = asyncio.Semaphore(max(1, self._budget // n))
 
-        async def example(row) -> list[Rollout]:
-            inp = rollout_input(row)
+        async def example(index: int) -> list[Rollout]:
             async with limit:
                 server = await self.pool.pick_when_up()
-                job = GroupJob(self._next_job_id, env.name, inp.get("example_id", -1), inp, n, version,
-                               server.base_url, eval=True)  # fmt: skip
+                example_id = env.dataset[index].get("example_id", -1)
+                job = GroupJob(self._next_job_id, env.name, example_id, index, n, version, server.base_url,
+                               eval=True)  # fmt: skip
                 self._next_job_id -= 1
                 rollouts = await run_on(self.env_side, self.pool, server, job)
             self.streak.record(env.name, rollouts)
             return rollouts
 
-        results = await asyncio.gather(*(example(env.dataset[i]) for i in range(len(env.dataset))))
+        results = await asyncio.gather(*(example(i) for i in range(len(env.dataset))))
         return [r for rs in results for r in rs]

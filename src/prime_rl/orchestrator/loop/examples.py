@@ -36,13 +36,17 @@ class ExampleSource:
         random.Random(f"{self.seed}-{epoch}").shuffle(order)
         return order
 
-    def next(self) -> dict[str, Any]:
+    def next_indexed(self) -> tuple[int, dict[str, Any]]:
+        """The next example: its index in the dataset, and its row."""
         if self.cursor.position >= len(self._order):
             self.cursor = Cursor(self.cursor.epoch + 1, 0)
             self._order = self._permutation(self.cursor.epoch)
-        row = self.dataset[self._order[self.cursor.position]]
+        index = self._order[self.cursor.position]
         self.cursor.position += 1
-        return row
+        return index, self.dataset[index]
+
+    def next(self) -> dict[str, Any]:
+        return self.next_indexed()[1]
 
 
 @dataclass
@@ -63,9 +67,3 @@ class Env:
     @property
     def group_scoring(self) -> bool:
         return self.spec.group_scoring
-
-
-def rollout_input(row: dict[str, Any]) -> dict[str, Any]:
-    """The fields a verifiers rollout needs from a dataset row (the job carries only these)."""
-    keys = ("prompt", "example_id", "answer", "info", "task")
-    return {k: row[k] for k in keys if k in row and row[k] is not None}

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
-from prime_rl.orchestrator.loop.examples import Env, rollout_input
+from prime_rl.orchestrator.loop.examples import Env
 from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
@@ -206,23 +206,23 @@ class Scheduler:
             self._dispatch(env, policy_version)
             n += 1
 
-    def _next_example(self, env: Env) -> dict:
-        """The env's next example the difficulty filter does not skip; after a whole epoch of skips
-        (every example remembered as too easy or too hard) the next one is used anyway."""
-        row = env.examples.next()
+    def _next_example(self, env: Env) -> tuple[int, dict]:
+        """The env's next example (index, row) the difficulty filter does not skip; after a whole
+        epoch of skips (every example remembered as too easy or too hard) the next one is used anyway."""
+        index, row = env.examples.next_indexed()
         for _ in range(len(env.examples.dataset)):
             if not self.difficulty.skips(env.name, row["example_id"]):
                 break
             self.skipped[env.name] += 1
-            row = env.examples.next()
-        return row
+            index, row = env.examples.next_indexed()
+        return index, row
 
     def _dispatch(self, env: Env, policy_version: int) -> None:
-        row = self._next_example(env)
+        index, row = self._next_example(env)
         server = self.pool.pick()
         assert server is not None
         job = GroupJob(
-            self._next_group_id, env.name, row["example_id"], rollout_input(row), env.config.group_size,
+            self._next_group_id, env.name, row["example_id"], index, env.config.group_size,
             policy_version, server.base_url,
         )  # fmt: skip
         group = Group(job.id, env, job.example_id, job.policy_version, job.size, server)
