@@ -75,7 +75,7 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-    from prime_rl.orchestrator.loop.examples import rollout_input
+    from prime_rl.orchestrator.envs.load import rollout_input
 
     clients = Clients(ClientConfig(base_urls=[base_url], group_requests=group_requests))
     client = clients.get(base_url)
