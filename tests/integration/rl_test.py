@@ -194,6 +194,12 @@ name = "TEACHER"
 weight = 1.0
 advantage_weight = 0.0
 """.replace("TEACHER", str(teacher)))  # fmt: skip
+    # At least one token per completion: a random model that samples EOS first fails that rollout
+    # (verifiers' EmptyModelResponseError), which is not what this test is about.
+    toml.write_text(
+        toml.read_text().replace("max_tokens = 24 }", "max_tokens = 24, extra_body = { min_tokens = 1 } }")
+    )
+    assert "min_tokens = 1" in toml.read_text()
     proc = subprocess.run([RL, "@", str(toml), "--orchestrator.filters", "[]", "--orchestrator.env_workers",
                            str(env_workers)], capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
