@@ -1,12 +1,13 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
-argv: model_path out_file split [gae] [cp=N] [steps=N]. With 2 data-parallel ranks, rank 0 takes
+argv: model_path out_file split [gae] [lora] [cp=N] [steps=N]. With 2 data-parallel ranks, rank 0 takes
 samples[:split] and rank 1 the rest, each packed into its own micro-batches (the poorer rank gets
 filler micro-batches). With cp=N, each data-parallel rank is N context-parallel ranks sharing its
 micro-batches. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
 the ranks. With "gae", the estimator is GAE with a critic, KL in the reward and batch whitening (all
 reduced over ranks), and the critic's gradients are saved too. With steps=N, it trains N optimizer
 steps (a fresh global batch each) and saves the parameters before and after, and each step's metrics.
+With "lora", the policy (and the critic's body) train rank-4 adapters: only trained parameters are saved.
 """
 
 import random
@@ -65,7 +66,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     model_path, out_file, split = sys.argv[1], sys.argv[2], int(sys.argv[3])
     options = sys.argv[4:]
-    gae = "gae" in options
+    gae, lora = "gae" in options, "lora" in options
     cp = next((int(o[3:]) for o in options if o.startswith("cp=")), 1)
     steps = next((int(o[6:]) for o in options if o.startswith("steps=")), 0)
     world = init_world(cp)
@@ -73,6 +74,7 @@ def main() -> None:
         model={"name": model_path, "logprob_chunk_tokens": 48},
         parallel={"cp": cp},
         seq_len=SEQ_LEN,
+        lora={"rank": 4, "alpha": 8.0} if lora else None,
         # Adam's per-entry normalization makes an entry whose gradient is float rounding take a
         # learning-rate-sized step of random sign; an eps above such entries keeps every step
         # proportional to its gradient, so parameters after N steps compare the gradients' agreement.
@@ -92,11 +94,15 @@ def main() -> None:
     trainer = Trainer(config, world)
     modules = [("", trainer.model)] + ([("critic.", trainer.critic)] if gae else [])
     if steps:  # train `steps` optimizer steps and save the parameters
-        before = {prefix + n: full(p) for prefix, m in modules for n, p in m.named_parameters()}
+        before = {
+            prefix + n: full(p) for prefix, m in modules for n, p in m.named_parameters() if p.requires_grad
+        }
         history = [
             trainer.train_step(rank_micro_batches(world, split, seed), seed)[0] for seed in range(steps)
         ]
-        after = {prefix + n: full(p) for prefix, m in modules for n, p in m.named_parameters()}
+        after = {
+            prefix + n: full(p) for prefix, m in modules for n, p in m.named_parameters() if p.requires_grad
+        }
         if world.is_main:
             torch.save({"before": before, "after": after, "metrics": history}, out_file)
         close_world(world)
@@ -105,7 +111,9 @@ def main() -> None:
     mbs = rank_micro_batches(world, split, 0)
     acc = trainer.accumulate(mbs)
     global_tokens, metrics = acc.global_tokens, acc.stats.reduce(world)
-    grads = {prefix + n: full(p.grad) for prefix, m in modules for n, p in m.named_parameters()}
+    grads = {
+        prefix + n: full(p.grad) for prefix, m in modules for n, p in m.named_parameters() if p.requires_grad
+    }
     if world.is_main:
         torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs),
                     "metrics": {**metrics, **acc.metrics}},

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from prime_rl.disk import writing
 from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
@@ -69,11 +70,19 @@ def _barrier(world: World) -> None:
         dist.barrier()
 
 
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+"""Frozen parameters (the base weights under LoRA adapters) come from the model, never a checkpoint."""
+
+LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Setting the trained parameters leaves the frozen ones missing, by design; a trained one missing
+from the checkpoint already failed `dcp.load`, which fills every key of the state it is given."""
+
+
 def _sharded_state(model, optimizer, critic) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     state = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
-        state["critic"], state["critic_optim"] = get_state_dict(*critic)
+        state["critic"], state["critic_optim"] = get_state_dict(*critic, options=TRAINED_ONLY)
     return state
 
 
@@ -107,6 +116,12 @@ def save_checkpoint(
     return path
 
 
+def _reason(e: BaseException) -> str:
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]  # the first rank's (exception, traceback)
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World, critic=None) -> dict:
     """Restore everything `save_checkpoint` wrote; returns its `extra`."""
     path = root / f"step_{step}"
@@ -115,9 +130,11 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
     state = _sharded_state(model, optimizer, critic)
     try:
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=LOAD_TRAINED)  # fmt: skip
         if critic is not None:
-            set_state_dict(*critic, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"])
+            set_state_dict(*critic, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"],
+                           options=LOAD_TRAINED)  # fmt: skip
         saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
     except torch.OutOfMemoryError:
         raise
@@ -127,10 +144,10 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
         ValueError,
         EOFError,
         pickle.UnpicklingError,
-    ) as e:  # another model's, say
-        first = " ".join(str(e).split())[:300]
+        CheckpointException,  # dcp's, for a key of this trainer that the checkpoint lacks
+    ) as e:  # another model's, say, or full weights against adapters
         raise CheckpointError(
-            f"the checkpoint {path} does not load into this trainer: {type(e).__name__}: {first}"
+            f"the checkpoint {path} does not load into this trainer: {_reason(e)}"
         ) from None
     scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"]["torch"])

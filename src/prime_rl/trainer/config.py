@@ -39,6 +39,33 @@ class ModelConfig(BaseConfig):
     """FSDP2: free the gathered parameters after forward (less memory, one more all-gather in backward)."""
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every linear layer of a Qwen/Llama-style decoder block (attention and MLP), not the lm_head."""
+
+
+class LoRAConfig(BaseConfig):
+    """Train low-rank adapters (LoRA, with peft) instead of the full weights: W stays frozen and the
+    trained layers compute W x + (alpha / rank) B A x. Only A and B are trained, kept in optimizer
+    state, checkpointed and published (`weights/step_<N>/` then holds vLLM's adapter format), and
+    the orchestrator samples from the served adapter. The output layer and the embeddings are never
+    trained fully: vLLM serves an adapter of linear layers only."""
+
+    rank: int = Field(default=16, ge=1)
+    """The adapter's rank r: A is r x in, B is out x r."""
+
+    alpha: float = Field(default=32.0, gt=0)
+    """Scale numerator: the update is (alpha / rank) B A. With alpha proportional to rank, a change of
+    rank keeps the step size about the same."""
+
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training. Anything but 0 makes the trainer's logprobs
+    differ from the sampler's (vLLM applies no dropout), which the importance ratio then corrects for."""
+
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """Linear layers that get adapters, by the last part of their name (e.g. 'q_proj' adapts every
+    layer's attention query). Each must name a linear layer of the model."""
+
+
 class ParallelConfig(BaseConfig):
     """How the trainer ranks share the work: dp x cp = all ranks (torchrun's nproc x nodes)."""
 
@@ -269,6 +296,10 @@ class TrainerConfig(RootConfig):
     model: ModelConfig = ModelConfig()
     """The model and how it is held in memory."""
 
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of the full weights (and the critic's body through an adapter of
+    its own, its value head fully). Unset: full fine-tuning."""
+
     output_dir: Path = DEFAULT_OUTPUT_DIR
     """Run folder: checkpoints, published weights, metrics."""
 
@@ -322,6 +353,15 @@ class TrainerConfig(RootConfig):
 
     wandb: WandbConfig = WandbConfig()
     """W&B logging."""
+
+    @model_validator(mode="after")
+    def _adapters_travel_as_files(self):
+        if self.lora is not None and self.weight_broadcast.type == "collective":
+            raise ValueError(
+                "trainer.lora: adapters are published as files (a few MB a step); "
+                "set weight_broadcast.type = 'filesystem'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cp_fits_the_micro_batch(self):

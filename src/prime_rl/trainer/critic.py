@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from prime_rl.trainer.config import CriticConfig, ModelConfig
+from prime_rl.trainer.config import CriticConfig, LoRAConfig, ModelConfig
 from prime_rl.trainer.context_parallel import cp_attention_problem, enable_cp_attention
 from prime_rl.trainer.dist import World
-from prime_rl.trainer.model import DTYPES, ModelLoadError
+from prime_rl.trainer.model import DTYPES, ModelLoadError, add_adapters
 
 
 class ValueModel(torch.nn.Module):
@@ -38,7 +38,11 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden.last_hidden_state[0]).squeeze(-1).float()
 
 
-def load_critic(config: CriticConfig, policy: ModelConfig, world: World) -> ValueModel:
+def load_critic(
+    config: CriticConfig, policy: ModelConfig, world: World, lora: LoRAConfig | None = None, seed: int = 0
+) -> ValueModel:
+    """With `lora`, the body trains an adapter of its own (seeded apart from the policy's) and the
+    value head is trained fully."""
     from transformers import AutoModel
 
     path = config.path or policy.name
@@ -49,6 +53,8 @@ def load_critic(config: CriticConfig, policy: ModelConfig, world: World) -> Valu
         raise ModelLoadError(
             f"{key} = '{path}': the critic could not be loaded with transformers: {type(e).__name__}: {' '.join(str(e).split())}"
         ) from None
+    if lora is not None:
+        add_adapters(body, lora, seed + 1, key=key, name=path)
     critic = ValueModel(body, body.config.hidden_size).to(dtype=DTYPES[policy.dtype])
     critic.to(world.device)
     if world.cp > 1:

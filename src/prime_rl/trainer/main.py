@@ -97,7 +97,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         from prime_rl.trainer.broadcast import Broadcaster
 
         broadcaster = Broadcaster(config.weight_broadcast)
-    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, broadcaster)
+    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, broadcaster, config.lora)
     run_id = resolve_run_id(config.transport, output_dir)
     receiver = None
     if world.cp_rank == 0:  # the orchestrator sends to data-parallel ranks; cp peers get a copy

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-from prime_rl.trainer.config import ModelConfig
+from prime_rl.trainer import lora as lora_layers
+from prime_rl.trainer.config import LoRAConfig, ModelConfig
 from prime_rl.trainer.context_parallel import cp_attention_problem, enable_cp_attention
 from prime_rl.trainer.dist import World
 from prime_rl.trainer.logprobs import attach_position_logprobs
@@ -22,7 +23,10 @@ class ModelLoadError(RuntimeError):
     """The configured model cannot be loaded."""
 
 
-def load_model(config: ModelConfig, world: World) -> torch.nn.Module:
+def load_model(
+    config: ModelConfig, world: World, lora: LoRAConfig | None = None, seed: int = 0
+) -> torch.nn.Module:
+    """The model to train, with LoRA adapters (drawn from `seed`) on it when `lora` is set."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -32,6 +36,8 @@ def load_model(config: ModelConfig, world: World) -> torch.nn.Module:
             f"model '{config.name}' could not be loaded with transformers: {type(e).__name__}: {' '.join(str(e).split())}. "
             "Give a local HF folder (config.json, safetensors, tokenizer) or a hub id that is reachable."
         ) from None
+    if lora is not None:
+        add_adapters(model, lora, seed, key="trainer.model.name", name=config.name)
     model.to(world.device)
     prepare_model(model, config, world, key="trainer.model.name")
     attach_position_logprobs(model)
@@ -39,6 +45,16 @@ def load_model(config: ModelConfig, world: World) -> torch.nn.Module:
         # The trainer calls this method instead of forward (body, then the lm_head in chunks).
         register_fsdp_forward_method(model, "prime_rl_position_logprobs")
     return model
+
+
+def add_adapters(model: torch.nn.Module, lora: LoRAConfig, seed: int, key: str, name: str) -> None:
+    missing = lora_layers.unmatched_targets(model, lora.target_modules)
+    if missing:
+        raise ModelLoadError(
+            f"trainer.lora.target_modules: {', '.join(repr(m) for m in missing)} names no linear layer of "
+            f"{key} = '{name}'; its linear layers are {', '.join(lora_layers.linear_suffixes(model))}"
+        )
+    lora_layers.inject(model, lora, seed)
 
 
 def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key: str) -> None:

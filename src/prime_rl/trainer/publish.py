@@ -7,6 +7,10 @@ collective on every rank; only rank 0 writes, in a background thread, so trainin
 the file is written (the next publish first waits for the previous write). With a `Broadcaster`
 (collective mode) that thread pushes the weights to the servers instead and the folder holds only
 `BROADCAST` and `READY`; if the push fails, it writes the files after all, so no step goes unpublished.
+
+With LoRA (`trainer.lora`) a step folder holds the adapter only, in peft's format that vLLM loads
+(`adapter_config.json`, `adapter_model.safetensors`), and `READY`: only the adapter's parameters
+are gathered, so a step moves megabytes instead of the whole model.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from prime_rl.disk import writing
 from prime_rl.layout import BROADCAST, READY, marked_steps, step_dir, weights_root
+from prime_rl.trainer import lora as lora_files
 from prime_rl.trainer.broadcast import Broadcaster, BroadcastError
+from prime_rl.trainer.config import LoRAConfig
 from prime_rl.trainer.dist import World
 
 log = logging.getLogger(__name__)
@@ -38,8 +44,11 @@ class Publisher:
         world: World,
         keep: int,
         broadcaster: Broadcaster | None = None,
+        lora: LoRAConfig | None = None,
     ):
         self.root = weights_root(output_dir)
+        self.model_name = model_name
+        self.lora = lora
         self.broadcaster = broadcaster if world.is_main else None
         self.world = world
         self.keep = keep
@@ -72,10 +81,15 @@ class Publisher:
             self._write_folder(Path(path), state, model.config)
 
     def _gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None
+        )
+        state = get_model_state_dict(model, options=options)
         if not self.world.is_main:
             return {}
         state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+        if self.lora is not None:
+            return lora_files.adapter_tensors(state)
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # shared with the embedding; HF ties it on load
         return state
@@ -85,9 +99,12 @@ class Publisher:
             if path.exists():
                 shutil.rmtree(path)
             path.mkdir(parents=True)
-            save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-            config.save_pretrained(path)
-            self._tokenizer.save_pretrained(path)
+            if self.lora is not None:
+                lora_files.write_adapter(path, state, self.lora, base=self.model_name)
+            else:
+                save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+                config.save_pretrained(path)
+                self._tokenizer.save_pretrained(path)
             (path / READY).touch()
 
     def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:

@@ -157,7 +157,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
             checkpoint_root(output_dir), start, trainer.model, trainer.optimizer, trainer.scheduler, world
         )
     stream = sample_stream(samples, config.data.seed, start * config.batch_size)
-    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep)
+    publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, lora=config.lora)
     metrics_log = None
     if world.is_main:
         from prime_rl.monitor import MetricsLogger, forget_steps_from

@@ -32,6 +32,7 @@ from prime_rl.trainer.dist import World, all_reduce_max, all_reduce_sum
 from prime_rl.trainer.estimator import TokenAdvantageError, TokenAdvantageInputs, TokenEstimator
 from prime_rl.trainer.kl_reward import KLController, kl_rewards
 from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, position_logprobs
+from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.loss import LossInputs, LossOutputs, rl_loss, sample_ids
 from prime_rl.trainer.model import load_model
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
@@ -147,9 +148,10 @@ class Trainer:
     def __init__(self, config: TrainerConfig, world: World, loss_fn: LossFn | None = None):
         self.config = config
         self.world = world
-        self.model = load_model(config.model, world)
+        self.model = load_model(config.model, world, config.lora, config.seed)
         self.ref_model = None
-        if config.loss.kl_coef > 0 or config.kl_reward.beta > 0:
+        if self.needs_reference and config.lora is None:
+            # With LoRA the reference is the same model with its adapters off (`_reference_logprobs`).
             self.ref_model = load_model(config.model, world)
             self.ref_model.requires_grad_(False)
         self.optimizer = build_optimizer(self.model, config.optim)
@@ -159,7 +161,7 @@ class Trainer:
         self.kl = KLController(config.kl_reward.beta, config.kl_reward.target, config.kl_reward.horizon)
         self.critic = self.critic_optimizer = None
         if config.advantage.type == "gae":
-            self.critic = load_critic(config.critic, config.model, world)
+            self.critic = load_critic(config.critic, config.model, world, config.lora, config.seed)
             self.critic_optimizer = build_optimizer(self.critic, config.critic.optim)
 
     def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
@@ -192,6 +194,18 @@ class Trainer:
         )
         return align_to_tokens(shard.gather(lp)), align_to_tokens(shard.gather(entropy.detach()))
 
+    @property
+    def needs_reference(self) -> bool:
+        return self.config.loss.kl_coef > 0 or self.config.kl_reward.beta > 0
+
+    def _reference_logprobs(self, t: dict, shard: SequenceShard, temperature: float) -> torch.Tensor:
+        """The frozen starting model's logprobs: the reference copy, or with LoRA the model itself
+        with its adapters off (the base weights never change)."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, t, shard, temperature)[0]
+        with adapters_off(self.model):
+            return self._logprobs(self.model, t, shard, temperature)[0]
+
     def _values(self, t: dict, shard: SequenceShard) -> torch.Tensor:
         """The critic's values of the whole micro-batch, aligned to tokens."""
         v = self.critic(shard.take(t["input_ids"]), shard.take(t["position_ids"]), **shard.model_kwargs())
@@ -221,8 +235,8 @@ class Trainer:
             t["owned"] = shard.owned_tokens(self.world.device)
             mask = t["loss_mask"]
             ref = values = None
-            if self.ref_model is not None:
-                ref, _ = self._logprobs(self.ref_model, t, shard, mb.temperature)
+            if self.needs_reference:
+                ref = self._reference_logprobs(t, shard, mb.temperature)
             if self.critic is not None:
                 values = self._values(t, shard) * mask
             kl_reward = torch.zeros_like(t["advantages"])
