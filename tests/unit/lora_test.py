@@ -146,7 +146,7 @@ def test_a_checkpoint_holds_the_adapter_and_resumes_it(tiny_model, tmp_path):
         torch.testing.assert_close(a, b, msg=n)
 
 
-def test_the_published_adapter_is_peft_format_and_merges_into_the_trained_model(tiny_model, tmp_path):
+def test_the_published_adapter_is_peft_format_and_exports_as_the_trained_model(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from prime_rl.trainer import lora
@@ -170,14 +170,19 @@ def test_the_published_adapter_is_peft_format_and_merges_into_the_trained_model(
     assert all(k.startswith("base_model.model.model.layers.") for k in tensors)
     assert len(tensors) == 2 * 7 * trainer.model.config.num_hidden_layers
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    merged = lora.merge(base.state_dict(), tensors, scale=8.0 / 4)
-    base.load_state_dict(merged)
+    # `uv run export-lora` folds it into a full model that transformers loads without peft.
+    from prime_rl.trainer.export_lora import main as export_lora
+
+    export_lora(["--adapter", str(folder), "--output", str(tmp_path / "merged")])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
     sample = make_samples(1, seed=3)[0]
     ids = sample.prompt_ids + sample.completion_ids
-    torch.testing.assert_close(logprobs(base, ids), logprobs(trainer.model, ids))
+    torch.testing.assert_close(logprobs(merged, ids), logprobs(trainer.model, ids))
     untrained = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    assert not torch.allclose(logprobs(untrained, ids), logprobs(base, ids))
+    assert not torch.allclose(logprobs(untrained, ids), logprobs(merged, ids))
+    with pytest.raises(SystemExit):  # never over an existing model
+        export_lora(["--adapter", str(folder), "--output", str(tmp_path / "merged")])
 
 
 def test_a_full_fine_tuning_checkpoint_does_not_load_into_adapters(tiny_model, tmp_path):
@@ -190,3 +195,57 @@ def test_a_full_fine_tuning_checkpoint_does_not_load_into_adapters(tiny_model, t
     adapters = Trainer(lora_config(tiny_model, tmp_path), world)
     with pytest.raises(CheckpointError, match="does not load into this trainer: RuntimeError: Missing key"):
         load_checkpoint(tmp_path / "ckpt", 1, adapters.model, adapters.optimizer, adapters.scheduler, world)
+
+
+def test_rl_serves_and_samples_the_trainers_adapter(tiny_model, tmp_path):
+    from prime_rl.rl.config import RLConfig
+
+    config = RLConfig(model=str(tiny_model), output_dir=tmp_path / "run-a", trainer={"lora": {"rank": 16}})
+    inference, orchestrator, trainer = config.resolved()
+    assert (
+        inference.lora is not None and inference.lora.max_rank == 16
+    )  # the smallest rank vLLM takes that holds it
+    assert orchestrator.lora_adapter == "run-a" and trainer.lora.rank == 16
+    assert all(s.lora == inference.lora for s in config.policy_servers())
+    full = RLConfig(model=str(tiny_model), output_dir=tmp_path / "run-b").resolved()
+    assert full[0].lora is None and full[1].lora_adapter is None
+
+
+def test_rl_on_a_running_server_starts_no_inference(tiny_model, tmp_path):
+    from prime_rl.rl.config import RLConfig
+
+    config = RLConfig(
+        model=str(tiny_model),
+        output_dir=tmp_path / "run-a",
+        trainer={"lora": {"rank": 8}},
+        orchestrator={"lora_adapter": "alice"},
+        deployment={"inference_urls": ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000"]},
+    )
+    _, orchestrator, _ = config.resolved()
+    assert orchestrator.client.base_urls == ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]
+    assert orchestrator.lora_adapter == "alice"
+    assert config.deployment.roles() == {"orchestrator", "trainer"}
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (
+            ["--trainer.lora.rank=32", "--inference.lora.max-rank=16"],
+            "'trainer.lora.rank' = 32 is above 'inference.lora.max_rank' = 16",
+        ),
+        (["--inference.lora.max-rank=12"], "max_rank"),
+        (
+            ["--orchestrator.lora-adapter=x"],
+            "'orchestrator.lora_adapter' = 'x', but the trainer trains full weights",
+        ),
+        (["--deployment.inference-urls", '["10.0.0.5:8000"]'], "inference_urls"),
+    ],
+)
+def test_lora_settings_that_cannot_work_are_named(tiny_model, args, key, capsys):
+    from prime_rl.rl.config import RLConfig
+
+    with pytest.raises(SystemExit) as e:
+        parse_config(RLConfig, ["--model", str(tiny_model), *args], prog="rl")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and key in err and "Traceback" not in err, err

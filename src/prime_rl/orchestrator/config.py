@@ -258,6 +258,12 @@ class OrchestratorConfig(RootConfig):
     model: ModelConfig = ModelConfig()
     """The policy model."""
 
+    lora_adapter: str | None = None
+    """Sample from this run's LoRA adapter (the trainer trains `[trainer.lora]`): every server loads
+    each published step under this name, which the run holds on the servers until it ends, and
+    requests ask for it from the first published step on. Unset: the servers load full weights.
+    `rl` sets it to the output dir's name when the trainer trains LoRA."""
+
     output_dir: Path = DEFAULT_OUTPUT_DIR
     """Run folder: rollouts, metrics, progress checkpoints."""
 

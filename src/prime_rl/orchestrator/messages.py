@@ -34,6 +34,9 @@ class GroupJob(msgspec.Struct, frozen=True):
     """The inference server the loop leased for this group."""
     eval: bool = False
     """An eval env's group (its sampling and rubric are the eval env's)."""
+    model: str = ""
+    """The model name to request: the run's LoRA adapter (from version 1 on) or, empty, the
+    configured model."""
 
 
 class GroupDone(msgspec.Struct, tag=True):

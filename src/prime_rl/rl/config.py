@@ -19,7 +19,7 @@ from prime_rl.defaults import (
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig
 from prime_rl.model.local import check_model_name
 from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -143,6 +143,22 @@ class DeploymentConfig(BaseConfig):
     restart_backoff_s: float = Field(default=2.0, ge=0)
     """Wait before a restart: this, doubled with each restart of the same process (at most 60 s)."""
 
+    inference_urls: list[str] = []
+    """Use inference servers that are already running, at these URLs (e.g. http://10.0.0.5:8000),
+    instead of starting any: rl starts only the trainer and the orchestrator. For a server several
+    runs share, each training its own LoRA adapter (start it with `uv run inference` and
+    `[lora] runs_root` = the folder holding the runs' output dirs). Not with `nodes`."""
+
+    @field_validator("inference_urls")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"'{url}' is not an http(s) URL of a server's root (e.g. http://127.0.0.1:8000)"
+                )
+        return [u.rstrip("/").removesuffix("/v1") for u in urls]
+
     nodes: list[NodeConfig] = []
     """Multi-node: every machine of the run and its roles, the same list on all of them; each runs
     `rl` with this config and its own `deployment.node`. Empty: everything runs on this machine.
@@ -156,6 +172,9 @@ class DeploymentConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _one_orchestrator_and_every_role(self):
+        if self.inference_urls and self.nodes:
+            raise ValueError("'deployment.inference_urls' is for one machine: with 'deployment.nodes', give "
+                             "the servers' machines the role 'inference'")  # fmt: skip
         if not self.nodes:
             if self.node:
                 raise ValueError(
@@ -185,6 +204,8 @@ class DeploymentConfig(BaseConfig):
 
     def roles(self) -> set[str]:
         """What runs on this machine."""
+        if self.inference_urls:
+            return {"orchestrator", "trainer"}
         return set(self.nodes[self.node].roles) if self.nodes else {"inference", "orchestrator", "trainer"}
 
     def hosts(self, role: str) -> list[str]:
@@ -255,7 +276,7 @@ class RLConfig(RootConfig):
         s = self.inference.server
         bind = self._serve_host(s.host, "host" in s.model_fields_set, host)
         return [
-            self.inference.model_copy(
+            self._served().model_copy(
                 update={"server": s.model_copy(update={"host": bind, "port": s.port + i})}
             )
             for i in range(self.deployment.inference_servers)
@@ -285,7 +306,7 @@ class RLConfig(RootConfig):
 
         run_id = run_id or resolve_run_id(self.orchestrator.transport, self.output_dir)
         d = self.deployment
-        urls = [
+        urls = [f"{u}/v1" for u in d.inference_urls] or [
             f"http://{self._client_host(c.server.host, host)}:{c.server.port}/v1"
             for host in d.hosts("inference")
             for c in self.policy_servers(host)
@@ -298,6 +319,8 @@ class RLConfig(RootConfig):
                 "client": self.orchestrator.client.model_copy(update={"base_urls": urls}),
                 "trainer_ranks": d.world_size // self.trainer.parallel.cp,  # data-parallel ranks
                 "transport": transport,
+                "lora_adapter": self.orchestrator.lora_adapter
+                or (Path(self.output_dir).resolve().name or "run" if self.trainer.lora else None),
             }
         )
         teacher = self.teacher_server()
@@ -322,6 +345,38 @@ class RLConfig(RootConfig):
         trainer = self.trainer.model_copy(update={"transport": orch.transport, "ckpt": ckpt,
                                                   "weight_broadcast": broadcast})  # fmt: skip
         return self.policy_servers()[0], orch, trainer
+
+    @model_validator(mode="after")
+    def _lora_reaches_inference_and_orchestrator(self):
+        """A LoRA trainer's adapter must be served (the servers rl starts enable LoRA at a rank that
+        holds it) and sampled from (the orchestrator's adapter name: the run folder's name)."""
+        lora = self.trainer.lora
+        if lora is None:
+            if self.orchestrator.lora_adapter is not None:
+                raise ValueError(
+                    f"'orchestrator.lora_adapter' = '{self.orchestrator.lora_adapter}', but the trainer trains "
+                    "full weights: set [trainer.lora] too, or unset it"
+                )
+            return self
+        served = self.inference.lora
+        if served is None and lora.rank > LORA_RANKS[-1]:
+            raise ValueError(
+                f"'trainer.lora.rank' = {lora.rank}: vLLM serves adapters of rank at most {LORA_RANKS[-1]}"
+            )
+        if served is not None and served.max_rank < lora.rank:
+            raise ValueError(
+                f"'trainer.lora.rank' = {lora.rank} is above 'inference.lora.max_rank' = {served.max_rank}: "
+                "the server would refuse the adapter"
+            )
+        return self
+
+    def _served(self) -> InferenceConfig:
+        """`inference`, serving LoRA at a rank that holds the trainer's adapter when it trains one."""
+        lora = self.trainer.lora
+        if lora is None or self.inference.lora is not None:
+            return self.inference
+        rank = next(r for r in LORA_RANKS if r >= lora.rank)
+        return self.inference.model_copy(update={"lora": ServeLoRAConfig(max_rank=rank)})
 
     @model_validator(mode="after")
     def _cp_divides_the_trainer_ranks(self):

@@ -95,7 +95,9 @@ class LocalEnvs:
         c = self.config
         client = self.clients.get(job.base_url)
         try:
-            rollouts = await run_group(run, client, job.base_url, c.model.name, c.client.timeout_s)
+            rollouts = await run_group(
+                run, client, job.base_url, job.model or c.model.name, c.client.timeout_s
+            )
             if self.teacher and not job.eval:
                 rollouts = await self.teacher.score_group(rollouts)
         except Exception as e:  # never expected (both fail rollouts instead), but never a lost job

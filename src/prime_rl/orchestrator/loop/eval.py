@@ -16,6 +16,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.scheduler import run_on
 from prime_rl.orchestrator.loop.servers import ServerPool
+from prime_rl.orchestrator.loop.weights import request_model
 from prime_rl.orchestrator.messages import EnvSide, EvalEnv, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
 
@@ -92,7 +93,7 @@ class Evaluator:
                 server = await self.pool.pick_when_up()
                 example_id = env.dataset[index].get("example_id", -1)
                 job = GroupJob(self._next_job_id, env.name, example_id, index, n, version, server.base_url,
-                               eval=True)  # fmt: skip
+                               eval=True, model=request_model(self.config.model.name, self.config.lora_adapter, version))  # fmt: skip
                 self._next_job_id -= 1
                 rollouts = await run_on(self.env_side, self.pool, server, job)
             self.streak.record(env.name, rollouts)

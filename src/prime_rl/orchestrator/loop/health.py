@@ -70,7 +70,7 @@ class ServerHealth:
             return
         if server.up:
             version = self.weights.version
-            step = await served_step(http, server)
+            step = await served_step(http, server, self.weights.adapter)
             if step is not None and (step == UNKNOWN or self.weights.serves(step, self.weights.version)):
                 return
             if step is not None and (self.weights.lock.locked() or self.weights.version != version):
@@ -85,7 +85,7 @@ class ServerHealth:
         # another reason) go back to work silently; anything else is logged.
         delay, t0, noted = 0.25, time.monotonic(), False
         try:
-            while (step := await served_step(http, server)) is None:
+            while (step := await served_step(http, server, self.weights.adapter)) is None:
                 if not noted:
                     log.warning("inference server %s does not answer: no new rollouts go to it until it is back",
                                 server.root_url)  # fmt: skip

@@ -52,7 +52,7 @@ from prime_rl.orchestrator.loop.step_metrics import (
     rollout_metrics,
     step_line,
 )
-from prime_rl.orchestrator.loop.weights import WeightSync
+from prime_rl.orchestrator.loop.weights import Adapter, WeightSync
 from prime_rl.orchestrator.messages import EnvSide
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
 from prime_rl.transport.config import resolve_run_id
@@ -141,7 +141,10 @@ class Orchestrator:
         self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty)
         self.prev_skipped: Counter = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
-        self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s)
+        adapter = Adapter(c.lora_adapter, str(self.output_dir.resolve())) if c.lora_adapter else None
+        self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s,
+                                  adapter=adapter)  # fmt: skip
+        await self.weights.claim()
         await self.weights.poll()
         self.health = ServerHealth(
             self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s
@@ -219,6 +222,7 @@ class Orchestrator:
         await self.scheduler.shutdown()
         if self.evaluator:  # before the teardown: a v1 env's eval runs on servers its teardown stops
             await self.evaluator.finish()
+        await self.weights.release()  # the run is over: its adapter name is free for another
         await self.env_side.close()
         await self.sender.close(deliver=True)
         self.metrics.close()

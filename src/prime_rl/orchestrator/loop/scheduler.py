@@ -41,6 +41,7 @@ from prime_rl.orchestrator.loop.examples import Env
 from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
+from prime_rl.orchestrator.loop.weights import request_model
 from prime_rl.orchestrator.messages import EnvSide, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
 
@@ -224,6 +225,7 @@ class Scheduler:
         job = GroupJob(
             self._next_group_id, env.name, row["example_id"], index, env.config.group_size,
             policy_version, server.base_url,
+            model=request_model(self.config.model.name, self.config.lora_adapter, policy_version),
         )  # fmt: skip
         group = Group(job.id, env, job.example_id, job.policy_version, job.size, server)
         self._next_group_id += 1

@@ -10,12 +10,20 @@ With the trainer's collective broadcast, a step folder holds no weights, only a 
 the servers got the weights from the trainer before it was written. A server that serves the step
 (or a newer one: the next broadcast may already have reached it) counts as loaded; one that does not
 is marked down, and becomes up again once a later broadcast, which carries the full weights, reached it.
+
+With a LoRA adapter (`orchestrator.lora_adapter`) the steps are the adapter's: a step folder holds
+the adapter, servers load it under the run's adapter name (claimed for this run's output dir before
+the first step, so two runs never share a name), and requests name the adapter from version 1 on.
+Version 0 is the base model, which the untrained adapter (B = 0) equals; a server that does not hold
+the adapter serves version 0 of this run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,14 +35,36 @@ log = logging.getLogger(__name__)
 
 LOAD_ROUTE = "/prime_rl/load_weights"
 WEIGHTS_ROUTE = "/prime_rl/weights"
+LOAD_ADAPTER_ROUTE = "/prime_rl/load_adapter"
+UNLOAD_ADAPTER_ROUTE = "/prime_rl/unload_adapter"
+ADAPTERS_ROUTE = "/prime_rl/adapters"
 UNKNOWN = -1
 """Served step of a server that is healthy but has no weights route (a plain vLLM server)."""
 
 
-async def served_step(http: httpx.AsyncClient, server: Server) -> int | None:
-    """The step of the weights `server` serves, UNKNOWN if it cannot say, None if it does not answer."""
+@dataclass(frozen=True)
+class Adapter:
+    """This run's LoRA adapter on the servers."""
+
+    name: str
+    owner: str
+    """The run's output dir: who holds the name on a server."""
+
+
+def request_model(base: str, adapter: str | None, version: int) -> str:
+    """The model name requests of `version` ask for: the run's adapter once the trainer published
+    one, the base model before (an untrained adapter changes nothing)."""
+    return adapter if adapter is not None and version > 0 else base
+
+
+async def served_step(http: httpx.AsyncClient, server: Server, adapter: Adapter | None = None) -> int | None:
+    """The step of the weights (or of this run's adapter) `server` serves, UNKNOWN if it cannot say,
+    None if it does not answer."""
     try:
-        resp = await http.get(f"{server.root_url}{WEIGHTS_ROUTE}")
+        resp = await http.get(f"{server.root_url}{ADAPTERS_ROUTE if adapter else WEIGHTS_ROUTE}")
+        if resp.status_code == 200 and adapter is not None:
+            held = resp.json()["adapters"].get(adapter.name)
+            return int(held["step"]) if held is not None and held["owner"] == adapter.owner else 0
         if resp.status_code == 200:
             return int(resp.json()["step"])
         if resp.status_code == 404 and (await http.get(f"{server.root_url}/health")).status_code == 200:
@@ -48,14 +78,56 @@ class WeightSyncError(RuntimeError):
     """An inference server could not load published weights."""
 
 
+class AdapterRefused(WeightSyncError):
+    """A server will not serve this run's adapter: started without LoRA, or the name is taken."""
+
+
 class WeightSync:
-    def __init__(self, root: Path, pool: ServerPool, version: int = 0, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        root: Path,
+        pool: ServerPool,
+        version: int = 0,
+        timeout_s: float = 300.0,
+        adapter: Adapter | None = None,
+    ):
         self.root = Path(root)
         self.pool = pool
         self.version = version
         self.timeout_s = timeout_s
+        self.adapter = adapter
         self.lock = asyncio.Lock()
         self._broadcast: dict[int, bool] = {}
+
+    async def claim(self) -> None:
+        """Claim the adapter's name on every server before the first request (no-op without one)."""
+        if self.adapter is None:
+            return
+        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+            await asyncio.gather(*(self._claim(http, s) for s in self.pool.servers))
+
+    async def _claim(self, http: httpx.AsyncClient, server: Server) -> None:
+        body = {"name": self.adapter.name, "owner": self.adapter.owner}
+        resp = await http.post(f"{server.root_url}{LOAD_ADAPTER_ROUTE}", json=body)
+        if resp.status_code == 404:
+            raise AdapterRefused(
+                f"orchestrator.lora_adapter = '{self.adapter.name}': {server.root_url} has no adapter routes; "
+                "serve the model with `uv run inference` and [inference.lora]"
+            )
+        if resp.status_code != 200:
+            raise AdapterRefused(
+                f"orchestrator.lora_adapter = '{self.adapter.name}': {server.root_url} refused it: {_error(resp)}"
+            )
+
+    async def release(self) -> None:
+        """Give the adapter's name back on every server that answers (a run that ended)."""
+        if self.adapter is None:
+            return
+        body = {"name": self.adapter.name, "owner": self.adapter.owner}
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            for server in self.pool.servers:
+                with contextlib.suppress(httpx.HTTPError):  # a server that is gone holds nothing
+                    await http.post(f"{server.root_url}{UNLOAD_ADAPTER_ROUTE}", json=body)
 
     async def poll(self) -> int:
         """Load the newest published weights if they are newer than what is served; return the version."""
@@ -123,7 +195,7 @@ class WeightSync:
         async with httpx.AsyncClient(timeout=self.timeout_s) as http:
 
             async def check(server: Server) -> None:
-                served = await served_step(http, server)
+                served = await served_step(http, server, self.adapter)
                 if served is None or not self.serves(served, step):
                     log.warning("%s did not receive the broadcast weights of step %d (it serves %s): no new "
                                 "rollouts go to it until a later broadcast reaches it", server.root_url, step, served)  # fmt: skip
@@ -133,10 +205,18 @@ class WeightSync:
             async def load(server: Server) -> None:
                 if broadcast:
                     return await check(server)
+                if self.adapter is not None:
+                    route = LOAD_ADAPTER_ROUTE
+                    body = {
+                        "name": self.adapter.name,
+                        "owner": self.adapter.owner,
+                        "path": path,
+                        "step": step,
+                    }
+                else:
+                    route, body = LOAD_ROUTE, {"path": path, "step": step}
                 try:
-                    resp = await http.post(
-                        f"{server.root_url}{LOAD_ROUTE}", json={"path": path, "step": step}
-                    )
+                    resp = await http.post(f"{server.root_url}{route}", json=body)
                 except httpx.HTTPError as e:
                     log.warning(
                         "%s did not answer the weight reload of step %d: %r", server.root_url, step, e
@@ -145,9 +225,17 @@ class WeightSync:
                     unreachable.append(server)
                     return
                 if resp.status_code != 200:
+                    what = f"the adapter '{self.adapter.name}'" if self.adapter else "the weights"
                     raise WeightSyncError(
-                        f"{server.root_url} refused to load the weights of step {step} ({resp.status_code}): {resp.text[:300]}"
+                        f"{server.root_url} refused to load {what} of step {step} ({resp.status_code}): {_error(resp)}"
                     )
 
             await asyncio.gather(*(load(s) for s in servers))
         return unreachable
+
+
+def _error(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:300]

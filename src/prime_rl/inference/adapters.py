@@ -1,0 +1,134 @@
+"""Routes that serve runs' LoRA adapters by name: several runs share one vLLM server, each training
+its own adapter of the one base model.
+
+- `POST /prime_rl/load_adapter {"name", "owner", "path"?, "step"?}`: claim `name` for `owner` (the
+  run's output dir) and, with `path`, load that published step's adapter under it, in place of the
+  previous step's. 409 when another run holds the name or the server was started without LoRA,
+  403 for a path outside the adapters root, 404 for a folder without `READY`, 400 for a bad body.
+- `POST /prime_rl/unload_adapter {"name", "owner"}`: release the name (a finished run).
+- `GET /prime_rl/adapters`: `{"enabled": bool, "max_rank": R, "adapters": {name: {"owner", "step"}}}`.
+
+Invariants: a name belongs to one owner from its claim to its release, so no run ever samples from
+another's adapter. Loading happens between two engine steps (an engine utility call), so it never
+pauses generation: the other runs' requests go on, and this run's requests in flight continue with
+the new adapter, as with a full-weight reload. Requests name the adapter, and the vLLM request that
+serves them never asks for a reload: only this route loads from disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from prime_rl.layout import READY
+
+
+@dataclass
+class Served:
+    owner: str
+    step: int = 0
+    """0: claimed, nothing loaded (requests go to the base model, which an untrained adapter equals)."""
+
+
+def make_adapter_router(root: Path) -> APIRouter:
+    router = APIRouter()
+    root = root.resolve()
+    served: dict[str, Served] = {}
+    locks: dict[str, asyncio.Lock] = {}
+
+    def enabled(request: Request) -> int:
+        """The server's maximum adapter rank, 0 without LoRA."""
+        config = getattr(request.app.state, "vllm_config", None)
+        lora = getattr(config, "lora_config", None) if config is not None else None
+        return int(lora.max_lora_rank) if lora is not None else 0
+
+    def refuse(status: int, error: str) -> JSONResponse:
+        return JSONResponse({"error": error}, status_code=status)
+
+    @router.post("/prime_rl/load_adapter")
+    async def load_adapter(request: Request):
+        try:
+            body = await request.json()
+            name, owner = str(body["name"]), str(body["owner"])
+            path = Path(str(body["path"])) if body.get("path") is not None else None
+            step = int(body.get("step", 0))
+            if not name or not owner:
+                raise ValueError
+        except Exception:
+            return refuse(400, 'expected JSON {"name": str, "owner": str, "path"?: str, "step"?: int}')
+        if not enabled(request):
+            return refuse(409, "this server was started without LoRA: start it with [inference.lora]")
+        if request.app.state.openai_serving_models.is_base_model(name):
+            return refuse(409, f"'{name}' is the served base model's name, not an adapter's")
+        async with locks.setdefault(name, asyncio.Lock()):
+            held = served.get(name)
+            if held is not None and held.owner != owner:
+                return refuse(409, f"adapter name '{name}' is used by the run at {held.owner}")
+            if path is None:
+                served.setdefault(name, Served(owner))
+                return {"name": name, "step": served[name].step}
+            resolved = path.resolve()
+            if resolved != root and root not in resolved.parents:
+                return refuse(403, f"{path} is not under the adapters root {root}")
+            if not (resolved / READY).exists():
+                return refuse(404, f"{path} has no {READY} marker")
+            t0 = time.perf_counter()
+            try:
+                await _load(request.app.state, name, str(resolved))
+            except Exception as e:  # a malformed adapter, a rank above the server's maximum
+                return refuse(422, f"the adapter at {path} does not load: {type(e).__name__}: {e}")
+            served[name] = Served(owner, step)
+        return {"name": name, "step": step, "seconds": time.perf_counter() - t0}
+
+    @router.post("/prime_rl/unload_adapter")
+    async def unload_adapter(request: Request):
+        try:
+            body = await request.json()
+            name, owner = str(body["name"]), str(body["owner"])
+        except Exception:
+            return refuse(400, 'expected JSON {"name": str, "owner": str}')
+        async with locks.setdefault(name, asyncio.Lock()):
+            held = served.get(name)
+            if held is None:
+                return {"name": name, "released": False}
+            if held.owner != owner:
+                return refuse(409, f"adapter name '{name}' is used by the run at {held.owner}")
+            await _unload(request.app.state, name)
+            del served[name]
+        return {"name": name, "released": True}
+
+    @router.get("/prime_rl/adapters")
+    async def adapters(request: Request):
+        rank = enabled(request)
+        return {
+            "enabled": bool(rank),
+            "max_rank": rank,
+            "adapters": {n: {"owner": s.owner, "step": s.step} for n, s in served.items()},
+        }
+
+    return router
+
+
+async def _load(state, name: str, path: str) -> None:
+    """Load the adapter at `path` under `name`, replacing the one loaded under it before."""
+    from vllm.lora.request import LoRARequest
+
+    models = state.openai_serving_models
+    previous = models.lora_requests.get(name)
+    lora_id = previous.lora_int_id if previous is not None else models.lora_id_counter.inc(1)
+    # `load_inplace` makes the engine read the files again; requests must carry a request without
+    # it, or every engine step that schedules one would reload the adapter from disk.
+    await state.engine_client.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
+    models.lora_requests[name] = LoRARequest(name, lora_id, path)
+
+
+async def _unload(state, name: str) -> None:
+    models = state.openai_serving_models
+    previous = models.lora_requests.pop(name, None)
+    if previous is not None:
+        await state.engine_client.remove_lora(previous.lora_int_id)
