@@ -103,6 +103,16 @@ def main() -> None:
         after = {
             prefix + n: full(p) for prefix, m in modules for n, p in m.named_parameters() if p.requires_grad
         }
+        if lora:  # publish the adapter, gathered from every rank, beside the output file
+            from pathlib import Path
+
+            from prime_rl.trainer.publish import Publisher
+
+            publisher = Publisher(
+                Path(out_file).parent / "published", model_path, world, keep=1, lora=config.lora
+            )
+            publisher.publish(trainer.model, steps)
+            publisher.close()
         if world.is_main:
             torch.save({"before": before, "after": after, "metrics": history}, out_file)
         close_world(world)

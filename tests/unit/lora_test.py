@@ -96,6 +96,12 @@ def test_two_ranks_train_the_adapters_as_one_does(tiny_model, tmp_path):
         moved = (one["after"][name] - one["before"][name]).abs().max()
         assert moved > 0, f"{name} did not train"
         torch.testing.assert_close(two["after"][name], one["after"][name], rtol=1e-4, atol=1e-6, msg=name)
+    # Rank 0 published the adapter gathered from both ranks' shards: it is the trained one.
+    published = load_file(tmp_path / "published" / "weights" / "step_2" / "adapter_model.safetensors")
+    policy = {n: t for n, t in two["after"].items() if not n.startswith("critic.")}
+    assert len(published) == len(policy)
+    for name, t in policy.items():
+        torch.testing.assert_close(published["base_model.model." + name.replace(".default.", ".")], t)
     for step in range(2):
         kl = one["metrics"][step]["kl_reward/kl_per_sample"]
         assert kl == pytest.approx(two["metrics"][step]["kl_reward/kl_per_sample"], rel=1e-5)
