@@ -133,3 +133,19 @@ def test_a_lora_run_against_a_server_without_lora_is_refused(server, tmp_path):
     sync = WeightSync(tmp_path / "weights", pool, adapter=Adapter("run-a", str(tmp_path)))
     with pytest.raises(AdapterRefused, match=r"orchestrator.lora_adapter = 'run-a'.*started without LoRA"):
         asyncio.run(sync.claim())
+
+
+def test_the_orchestrator_of_a_lora_run_stops_in_one_line_on_a_server_without_lora(server, tmp_path):
+    import subprocess
+
+    cmd = [str(Path(sys.executable).parent / "orchestrator"), "--model.name", server.model,
+           "--lora-adapter", "run-a", "--client.base-urls", f'["{server.base}/v1"]',
+           "--output-dir", str(tmp_path / "run"), "--transport.type", "filesystem"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # a restart would fail the same way
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("orchestrator: error:")]
+    assert errors == [
+        f"orchestrator: error: orchestrator.lora_adapter = 'run-a': {server.base} refused it: "
+        "this server was started without LoRA: start it with [inference.lora]"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

@@ -46,3 +46,46 @@ def test_a_tool_call_rollout_runs_the_tool_and_trains_on_the_exact_tokens(served
     assert call["role"] == "assistant" and call["tool_calls"][0]["function"]["name"] == "add"
     assert result["role"] == "tool"  # the tool ran on the model's arguments
     assert r.metrics["total_tool_calls"] == 1.0 and r.tool_errors == 0
+
+
+def test_a_tool_env_runs_in_an_env_worker(served, tmp_path):
+    """The same tool rollouts through `orchestrator.env_workers`: the worker process runs verifiers'
+    ToolEnv and the tool, and the rollouts come back over zmq with their tool calls and turns."""
+    import asyncio
+
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.envs.local import LocalEnvs
+    from prime_rl.orchestrator.loop.examples import ExampleSource
+    from prime_rl.orchestrator.loop.workers import WorkerPool
+    from prime_rl.orchestrator.messages import GroupJob
+
+    config = OrchestratorConfig(
+        model={"name": str(MODEL)},
+        output_dir=tmp_path / "run",
+        env_workers=1,
+        envs=[{"id": "tool-add", "group_size": 8, "sampling": {"temperature": 1.0, "max_tokens": 64}}],
+        client={"base_urls": [f"{served.base}/v1"], "timeout_s": 60},
+        transport={"type": "filesystem", "run_id": "test"},
+    )
+
+    async def go() -> list:
+        pool = WorkerPool(config, LocalEnvs(config, rollouts=False))
+        (env,), _ = await pool.start()
+        examples, out = ExampleSource(env.dataset, 0), []
+        try:
+            for job_id in range(4):
+                index, row = examples.next_indexed()
+                out += await pool.run(
+                    GroupJob(job_id, env.name, row["example_id"], index, 8, 0, f"{served.base}/v1")
+                )
+                if any(r.tool_calls and len(r.turns) == 2 for r in out):
+                    break
+        finally:
+            await pool.close()
+        return out
+
+    rollouts = asyncio.run(go())
+    assert not [r.error for r in rollouts if r.failed]
+    r = next(r for r in rollouts if r.tool_calls and len(r.turns) == 2)
+    assert r.completion[1]["role"] == "tool" and r.metrics["total_tool_calls"] == 1.0
+    assert turn_stats(r).samples == 1 and r.reward is not None

@@ -16,7 +16,7 @@ from prime_rl.orchestrator.loop.advantage import AdvantageError
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator, RunDirError
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
-from prime_rl.orchestrator.loop.weights import WeightSyncError
+from prime_rl.orchestrator.loop.weights import AdapterRefused, WeightSyncError
 from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing
 from prime_rl.preflight import check_orchestrator
 from prime_rl.transport import TransportError
@@ -24,7 +24,7 @@ from prime_rl.transport import TransportError
 # Failures whose message says all the user needs: one line, no traceback. Exit status 2 for those
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
 # (failing rollouts whose most common reason is a server's are `retryable`).
-NEEDS_USER = (EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull)
+NEEDS_USER = (EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused)
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)
 
 
