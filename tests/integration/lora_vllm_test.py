@@ -61,7 +61,7 @@ def mismatch_kl(model: torch.nn.Module, samples) -> float:
     return torch.cat(terms).mean().item()
 
 
-def test_the_served_adapter_gives_the_trainers_logprobs(lora_server, tiny_model):
+def test_the_served_adapter_gives_the_trainers_logprobs(lora_server, tiny_model, start_vllm):
     served, runs = lora_server
     out = runs / "run-a"
     config = TrainerConfig(model={"name": str(tiny_model)}, lora={"rank": 8, "alpha": 16.0}, seq_len=128,
@@ -94,6 +94,12 @@ def test_the_served_adapter_gives_the_trainers_logprobs(lora_server, tiny_model)
         assert mismatch_kl(trainer.model, sample(served.base, adapter)) < 1e-3
         # The adapter is not the base model: the base model's own samples score differently.
         assert mismatch_kl(trainer.model, base_samples) > 1e-2
+    # `export-lora` of the last step: vLLM serves the merged model, without LoRA, as the trainer's.
+    from prime_rl.trainer.export_lora import main as export_lora
+
+    export_lora(["--adapter", str(out / "weights" / "step_2"), "--output", str(runs / "merged")])
+    with start_vllm(runs / "merged", runs / "merged-inference", 256) as merged:
+        assert mismatch_kl(trainer.model, sample(merged.base, merged.model)) < 1e-3
     state = httpx.get(f"{served.base}/prime_rl/adapters").json()
     assert state["adapters"]["run-a"] == {"owner": str(out), "step": 2}
     asyncio.run(sync.release())
