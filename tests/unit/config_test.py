@@ -108,8 +108,9 @@ def test_rl_rejects_conflicting_shared_values(capsys):
 
 def test_every_field_has_a_docstring():
     from prime_rl.config.cli import _leaf_paths
+    from prime_rl.trainer.export_lora import ExportLoRAConfig
 
-    for cls in (RLConfig, TrainerConfig, OrchestratorConfig, TinyModelConfig):
+    for cls in (RLConfig, TrainerConfig, OrchestratorConfig, TinyModelConfig, ExportLoRAConfig):
         missing = [".".join(p) for p, info in _leaf_paths(cls) if not (info.description or "").strip()]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
 
@@ -131,6 +132,14 @@ def test_console_scripts_help(script):
     assert "usage:" in out.stdout and "--" in out.stdout
     # Every field's docstring is shown (spot check one per script).
     assert "[default:" in out.stdout
+
+
+def test_required_settings_say_so_in_help():
+    out = subprocess.run(
+        [Path(sys.executable).parent / "export-lora", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "--adapter PATH" in out.stdout
+    assert "[required]" in out.stdout and "Undefined" not in out.stdout
 
 
 def test_console_script_user_error_exits_2_without_traceback():

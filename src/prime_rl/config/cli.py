@@ -390,7 +390,10 @@ def format_help(cls: type[BaseModel], prog: str) -> str:
         else:
             flag += f" {_type_name(info)}"
         default = info.get_default(call_default_factory=True)
-        shown = "" if default is None or _is_model(type(default)) else f" [default: {_show(default)}]"
+        if info.is_required():
+            shown = " [required]"
+        else:
+            shown = "" if default is None or _is_model(type(default)) else f" [default: {_show(default)}]"
         lines.append(f"  {flag}\n      {desc}{shown}")
     return "\n".join(lines) + "\n"
 
