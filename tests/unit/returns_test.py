@@ -32,7 +32,9 @@ def close(got: torch.Tensor, want: list[float]) -> None:
 
 def test_grid_places_model_tokens_per_sample():
     grid = TokenGrid.of(MASK, LENS)
-    assert grid.rows.tolist() == [0, 0, 0, 1, 1] and grid.cols.tolist() == [0, 1, 2, 0, 1]
+    model = grid.mask.nonzero().squeeze(1)
+    assert grid.rows[model].tolist() == [0, 0, 0, 1, 1] and grid.cols[model].tolist() == [0, 1, 2, 0, 1]
+    assert (grid.cols[~grid.mask] == grid.width).all()  # other tokens park in the spare column
     assert grid.last_token().nonzero().squeeze(1).tolist() == [5, 8]
     close(terminal_rewards(grid, torch.tensor([1.0, 2.0])), [0, 0, 1, 0, 2])
 

@@ -395,9 +395,16 @@ def test_token_stats_match_a_hand_computation():
 
     stats = TokenStats()
     rows = stats.rows(["a", "b", "a"])  # three samples
-    per_token = rows[torch.tensor([0, 0, 1, 2, 2, 2])]
-    stats.add("x", per_token, torch.tensor([1.0, 3.0, 10.0, 2.0, 2.0, 8.0]))
-    stats.add("y", stats.rows(["c"])[torch.tensor([0])], torch.tensor([-1.0]))  # a new env later
+    per_token = rows[torch.tensor([0, 0, 1, 2, 2, 2, 2])]  # the last token is masked out
+    stats.add(
+        "x",
+        per_token,
+        torch.tensor([1.0, 3.0, 10.0, 2.0, 2.0, 8.0, 99.0]),
+        torch.tensor([True] * 6 + [False]),
+    )
+    stats.add(
+        "y", stats.rows(["c"])[torch.tensor([0])], torch.tensor([-1.0]), torch.tensor([True])
+    )  # a new env later
     out = stats.reduce(World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
     a = [1.0, 3.0, 2.0, 2.0, 8.0]
     mean = sum(a) / 5

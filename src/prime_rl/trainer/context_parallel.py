@@ -8,8 +8,9 @@ padding and its outputs are dropped.
 Attention: each layer all-gathers the keys and values of the group (after RoPE, which used the real
 position ids) and attends its own queries to them under a mask that lets a query see the keys of
 its own sample at or before its own place, so samples never attend to each other, exactly as
-without cp. In backward, the gathered keys' and values' gradients are summed over the group and
-each rank keeps its own slice.
+without cp. In backward, the gathered keys' and values' gradients are reduce-scattered: summed over
+the group, each rank receiving its own slice. Both are single-buffer collectives that nccl and gloo
+have (`all_gather_into_tensor`, `reduce_scatter_tensor`), so CPU tests run the GPU's code.
 
 Invariant: every per-position value a rank computes (logprobs, entropies, values) is gathered back
 to the full micro-batch with `SequenceShard.gather`, whose backward sums the group's gradients, so
@@ -26,6 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from prime_rl.trainer.returns import sample_index
+
+# torch 2.13 renamed the single-buffer collectives; older releases (the GPU image's) have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 ATTENTION = "prime_rl_cp"
 """The attention implementation name registered with transformers."""
@@ -93,9 +100,7 @@ def shard_micro_batch(
     if size == 1:
         return SequenceShard(length)
     indices = _all_indices(length, size, device)  # [size, L]
-    sample = torch.repeat_interleave(
-        torch.arange(len(sample_lens), device=device), torch.tensor(sample_lens, device=device)
-    )
+    sample = sample_index(sample_lens, device)
     # Padding is a sample of its own (-1) and sits after every real position, so each padding query
     # has at least itself to attend to (an all-masked row would give NaN).
     sample = torch.cat([sample, sample.new_full((1,), -1)])
@@ -116,21 +121,24 @@ def _all_indices(length: int, size: int, device: torch.device) -> torch.Tensor:
 
 
 class _GatherSum(torch.autograd.Function):
-    """All-gather along `dim` in rank order; backward: the gradients of all ranks summed, then this
-    rank's slice (a reduce-scatter, written as all-reduce + slice because gloo has no reduce-scatter)."""
+    """All-gather along `dim` in rank order; backward: a reduce-scatter, the gradients of all ranks
+    summed, each rank receiving its own slice. Both collectives work on dim 0 of one buffer, so
+    `dim` is moved there and back."""
 
     @staticmethod
     def forward(ctx, x, group, size: int, rank: int, dim: int):
-        ctx.group, ctx.rank, ctx.dim, ctx.width = group, rank, dim, x.shape[dim]
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        ctx.group, ctx.size, ctx.dim = group, size, dim
+        local = x.movedim(dim, 0).contiguous()
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        _all_gather_single(out, local, group=group)
+        return out.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(ctx.dim, ctx.rank * ctx.width, ctx.width), None, None, None, None
+        full = grad.movedim(ctx.dim, 0).contiguous()
+        out = full.new_empty((full.shape[0] // ctx.size, *full.shape[1:]))
+        _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None, None, None
 
 
 def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -143,15 +151,13 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
             f"('{SHARD_KWARG}' keyword): run it through the trainer's micro-batch path"
         )
     kv = _GatherSum.apply(torch.stack([key, value]), shard.group, shard.size, shard.rank, 3)
-    out = F.scaled_dot_product_attention(
-        query,
-        kv[0],
-        kv[1],
-        attn_mask=shard.mask,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    k, v = kv[0], kv[1]
+    if k.shape[1] != query.shape[1]:
+        # Grouped-query attention with a mask: CUDA's fused kernels take a mask only with as many k/v
+        # heads as query heads (else the math kernel holds every head's [L, S] probabilities).
+        k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=shard.mask, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

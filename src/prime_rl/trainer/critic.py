@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from prime_rl.trainer.config import CriticConfig, LoRAConfig, ModelConfig
 from prime_rl.trainer.context_parallel import cp_attention_problem, enable_cp_attention
 from prime_rl.trainer.dist import World
-from prime_rl.trainer.model import DTYPES, ModelLoadError, add_adapters
+from prime_rl.trainer.model import DTYPES, ModelLoadError, add_adapters, building, instantiate, place
 
 
 class ValueModel(torch.nn.Module):
@@ -35,7 +35,8 @@ class ValueModel(torch.nn.Module):
         hidden = self.body(
             input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **model_kwargs
         )
-        return self.value_head(hidden.last_hidden_state[0]).squeeze(-1).float()
+        # A copy, not a view: FSDP2 hooks backward onto the output, which a view could bypass.
+        return self.value_head(hidden.last_hidden_state[0]).squeeze(-1).to(torch.float32, copy=True)
 
 
 def load_critic(
@@ -48,15 +49,17 @@ def load_critic(
     path = config.path or policy.name
     key = "trainer.critic.path" if config.path else "trainer.model.name (the critic starts from the policy)"
     try:
-        body = AutoModel.from_pretrained(path, dtype=DTYPES[policy.dtype])
+        with building(world):
+            body = instantiate(AutoModel, path, policy.dtype, world)
     except Exception as e:
         raise ModelLoadError(
             f"{key} = '{path}': the critic could not be loaded with transformers: {type(e).__name__}: {' '.join(str(e).split())}"
         ) from None
-    if lora is not None:
-        add_adapters(body, lora, seed + 1, key=key, name=path)
-    critic = ValueModel(body, body.config.hidden_size).to(dtype=DTYPES[policy.dtype])
-    critic.to(world.device)
+    with building(world):
+        if lora is not None:
+            add_adapters(body, lora, seed + 1, key=key, name=path)
+        critic = ValueModel(body, body.config.hidden_size).to(dtype=DTYPES[policy.dtype])
+    place(critic, world)
     if world.cp > 1:
         problem = cp_attention_problem(body)
         if problem:
@@ -69,8 +72,8 @@ def load_critic(
         body.gradient_checkpointing_enable()
     if world.distributed:
         for layer in getattr(body, "layers", []):
-            fully_shard(layer, reshard_after_forward=policy.reshard_after_forward)
-        fully_shard(critic, reshard_after_forward=policy.reshard_after_forward)
+            fully_shard(layer, mesh=world.mesh, reshard_after_forward=policy.reshard_after_forward)
+        fully_shard(critic, mesh=world.mesh, reshard_after_forward=policy.reshard_after_forward)
     critic.train()
     return critic
 

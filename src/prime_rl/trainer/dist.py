@@ -3,7 +3,22 @@
 The world is dp x cp ranks: `cp` consecutive ranks form one context-parallel group that shares each
 micro-batch of one data-parallel replica (rank = dp_rank * cp + cp_rank, so a group sits on one node
 whenever cp divides the ranks per node). FSDP shards parameters over the whole world, and the loss is
-normalized by the loss tokens of the whole world. On CPU the backend is gloo; on CUDA, nccl.
+normalized by the loss tokens of the whole world.
+
+Which traffic goes where. On CUDA the process group has two backends, `cpu:gloo,cuda:nccl`, and
+torch picks one by the device of each call's tensors:
+- nccl (GPU tensors): everything on a training step's path. FSDP's all-gathers and reduce-scatters,
+  context parallelism's key/value all-gather and gradient reduce-scatter, the global loss-token
+  count, the loss and token sums, the metrics' moments, gradient-norm reductions. These go through
+  `World.scalars` / `World.sum_over_ranks` (host numbers enter on the device) and `all_reduce_sum`
+  / `all_reduce_max` (device tensors); a CPU tensor on this path is a bug (a gloo round trip per
+  call, and on nccl alone an error) that the fake-GPU dry run (`fake_gpu.py`) reports.
+- gloo (CPU tensors): the control plane, a few small Python objects per step or per run. Object
+  collectives (`all_gather_object`, `broadcast_object_list`: env names of the metrics, the
+  checkpoint to resume from, the micro-batch bytes the cp leader shares with its group) and
+  barriers around checkpoint and export files.
+On CPU gloo carries both. The step's device-to-host copies go through `World.host`, so a step syncs
+with the device a known number of times.
 """
 
 from __future__ import annotations
@@ -14,10 +29,14 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+
+FAKE_HOST_VALUE = 1.0
+"""What `World.host` reads from a fake tensor: finite and non-zero, so a dry run takes the branches
+of an ordinary step (a step with loss tokens, a finite loss, an optimizer update)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +49,26 @@ class World:
     """Context-parallel ranks per data-parallel replica."""
     cp_group: dist.ProcessGroup | None = None
     """This rank's context-parallel group (None when cp = 1)."""
+    mesh: Any = None
+    """FSDP's DeviceMesh over all ranks, on the training device (None on one rank)."""
+    fake: bool = False
+    """A dry run (`fake_gpu.py`): tensors carry a device but no data, and host copies read
+    FAKE_HOST_VALUE."""
+
+    def scalars(self, *values: float) -> torch.Tensor:
+        """Host numbers as one float64 tensor on the training device, where the step's collectives
+        run (every host number that enters a collective comes through here)."""
+        return torch.tensor(values, dtype=torch.float64, device=self.device)
+
+    def host(self, tensor: torch.Tensor) -> Any:
+        """`tensor.tolist()`: the one way a step copies device values to the host."""
+        if self.fake:
+            return _filled(list(tensor.shape), FAKE_HOST_VALUE)
+        return tensor.tolist()
+
+    def sum_over_ranks(self, *values: float) -> list[float]:
+        """Host numbers summed over all ranks: one all-reduce on the training device."""
+        return self.host(all_reduce_sum(self.scalars(*values), self))
 
     @property
     def is_main(self) -> bool:
@@ -77,7 +116,15 @@ def init_world(cp: int = 1) -> World:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # Two backends on CUDA: the step's tensors on nccl, object collectives on gloo (module docstring).
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    return arrange(rank, world_size, local_rank, device, cp)
+
+
+def arrange(
+    rank: int, world_size: int, local_rank: int, device: torch.device, cp: int, fake: bool = False
+) -> World:
+    """The World of this rank in an initialized process group: cp groups and FSDP's mesh."""
     cp_group = None
     if cp > 1:
         # Every rank creates every group, in the same order (a collective on the world).
@@ -85,7 +132,14 @@ def init_world(cp: int = 1) -> World:
             group = dist.new_group(list(range(first, first + cp)))
             if first <= rank < first + cp:
                 cp_group = group
-    return World(rank, world_size, local_rank, device, cp, cp_group)
+    mesh = None
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # Explicit, so FSDP shards onto the training device (its default mesh follows whatever
+        # accelerator torch finds, which is not the fake GPU of a dry run).
+        mesh = init_device_mesh(device.type, (world_size,))
+    return World(rank, world_size, local_rank, device, cp, cp_group, mesh, fake)
 
 
 def init_world_or_exit(cp: int, prog: str) -> World:
@@ -96,6 +150,12 @@ def init_world_or_exit(cp: int, prog: str) -> World:
         if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
             sys.stderr.write(f"{prog}: error: {e}\n")
         raise SystemExit(2) from None
+
+
+def _filled(shape: list[int], value: float) -> Any:
+    if not shape:
+        return value
+    return [_filled(shape[1:], value) for _ in range(shape[0])]
 
 
 def all_reduce_sum(value: torch.Tensor, world: World) -> torch.Tensor:

@@ -35,6 +35,9 @@ class TokenAdvantageInputs:
     """[samples]: each sample's rollout reward."""
     kl_rewards: torch.Tensor
     """-beta * KL_t on model tokens (all 0 without KL in the reward)."""
+    kl_in_reward: bool | None = None
+    """Whether `kl_rewards` can be non-zero; the trainer says so, which spares reading the tensor
+    on the host (a GPU sync). None: look at the tensor."""
     values: torch.Tensor | None = None
     """The critic's value of each model token's state, when a critic is configured."""
 
@@ -56,7 +59,8 @@ class TokenAdvantageError(ValueError):
 
 def reinforce(inputs: TokenAdvantageInputs, gamma: float = 1.0) -> TokenAdvantageOutputs:
     mask = inputs.loss_mask
-    if gamma == 1.0 and not inputs.kl_rewards.any():
+    kl = inputs.kl_in_reward if inputs.kl_in_reward is not None else bool(inputs.kl_rewards.any())
+    if gamma == 1.0 and not kl:
         return TokenAdvantageOutputs(inputs.rollout_advantages * mask)  # the common case, exactly
     grid = inputs.grid
     # The rollout advantage, constant over the sample, is its terminal reward: discounted too.
@@ -95,7 +99,10 @@ class TokenEstimator:
             return cls("gae", gae_estimator, {"gamma": config.gamma, "lam": config.lam})
         return cls("reinforce", reinforce, {"gamma": config.gamma})
 
-    def __call__(self, inputs: TokenAdvantageInputs) -> TokenAdvantageOutputs:
+    def __call__(
+        self, inputs: TokenAdvantageInputs, host: Callable[[torch.Tensor], object] = torch.Tensor.tolist
+    ) -> TokenAdvantageOutputs:
+        """`host` copies the finiteness check to the host (the trainer's `World.host`)."""
         out = self.fn(inputs, **self.kwargs)
         where = f"token-level advantage estimator '{self.name}'"
         if not isinstance(out, TokenAdvantageOutputs):
@@ -110,7 +117,7 @@ class TokenEstimator:
                 raise TokenAdvantageError(
                     f"{where} returned {field} of shape {tuple(t.shape)}, expected {tuple(shape)}"
                 )
-            if not torch.isfinite(t).all():
+            if not host(torch.isfinite(t).all()):
                 raise TokenAdvantageError(f"{where} returned non-finite {field}")
         mask = inputs.loss_mask
         returns = None if out.returns is None else out.returns.float() * mask

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prime_rl.trainer.config import LossConfig
+from prime_rl.trainer.returns import sample_index
 
 
 @dataclass
@@ -46,9 +47,7 @@ class LossOutputs:
 
 
 def sample_ids(sample_lens: list[int], device: torch.device) -> torch.Tensor:
-    return torch.repeat_interleave(
-        torch.arange(len(sample_lens), device=device), torch.tensor(sample_lens, device=device)
-    )
+    return sample_index(sample_lens, device)
 
 
 def importance_log_ratio(inputs: LossInputs, ratio_type: str) -> torch.Tensor:
@@ -75,10 +74,18 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
-    if fraction >= 1.0 or not mask.any():
+    """The masked tokens whose entropy is at least the (1 - fraction) quantile of the masked
+    tokens' entropies (linear interpolation, as torch.quantile), computed without a host sync."""
+    if fraction >= 1.0:
         return mask
-    threshold = torch.quantile(entropy[mask].float(), 1.0 - fraction)
-    return mask & (entropy >= threshold)
+    e = entropy.float()
+    ordered = torch.sort(torch.where(mask, e, torch.inf)).values  # the masked values come first
+    n = mask.sum()
+    pos = (1.0 - fraction) * (n - 1).clamp(min=0).to(e.dtype)
+    lo = pos.floor().long().view(1)
+    hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+    threshold = torch.lerp(ordered.index_select(0, lo), ordered.index_select(0, hi), pos - lo)
+    return mask & (e >= threshold)
 
 
 def cpgd_token_loss(log_ratio: torch.Tensor, adv: torch.Tensor, config: LossConfig) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -193,8 +194,36 @@ NEEDS_USER = (
 USER_ERRORS = (*NEEDS_USER, TransportError)
 
 
+def fake_gpu_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
+    """(the other arguments, --fake-gpu given, --ranks N): the dry run's flags are not config."""
+    rest, fake, ranks, i = [], False, None, 0
+    while i < len(argv):
+        if argv[i] == "--fake-gpu":
+            fake = True
+        elif argv[i] == "--ranks" and i + 1 < len(argv) and argv[i + 1].isdigit() and int(argv[i + 1]) > 0:
+            ranks, i = int(argv[i + 1]), i + 1
+        elif argv[i] == "--ranks":
+            sys.stderr.write("trainer: error: --ranks takes a positive number of trainer ranks (dp x cp)\n")
+            raise SystemExit(2)
+        else:
+            rest.append(argv[i])
+        i += 1
+    if ranks is not None and not fake:
+        sys.stderr.write(
+            "trainer: error: --ranks is for --fake-gpu (torchrun sets the ranks of a real run)\n"
+        )
+        raise SystemExit(2)
+    return rest, fake, ranks
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv, fake_gpu, ranks = fake_gpu_flags(sys.argv[1:] if argv is None else list(argv))
     config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer)
+    if fake_gpu:
+        from prime_rl.trainer.fake_gpu import main_dry_run
+
+        setup_logging("trainer")
+        return main_dry_run(config, ranks)
     world = init_world_or_exit(config.parallel.cp, "trainer")
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
     run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS, NEEDS_USER)

@@ -7,6 +7,8 @@ reduce-scattered in backward and divided by the data-parallel size, which the tr
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
@@ -30,21 +32,55 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(config.name, dtype=DTYPES[config.dtype])
+        with building(world):
+            model = instantiate(AutoModelForCausalLM, config.name, config.dtype, world)
     except Exception as e:
         raise ModelLoadError(
             f"model '{config.name}' could not be loaded with transformers: {type(e).__name__}: {' '.join(str(e).split())}. "
             "Give a local HF folder (config.json, safetensors, tokenizer) or a hub id that is reachable."
         ) from None
     if lora is not None:
-        add_adapters(model, lora, seed, key="trainer.model.name", name=config.name)
-    model.to(world.device)
+        with building(world):
+            add_adapters(model, lora, seed, key="trainer.model.name", name=config.name)
+    place(model, world)
     prepare_model(model, config, world, key="trainer.model.name")
     attach_position_logprobs(model)
     if world.distributed:
         # The trainer calls this method instead of forward (body, then the lm_head in chunks).
         register_fsdp_forward_method(model, "prime_rl_position_logprobs")
     return model
+
+
+def building(world: World):
+    """Where a dry run builds its modules: outside its fake-tensor mode, on the meta device (module
+    surgery such as peft's swaps parameters, which fake tensors do not allow); `place` then gives
+    them fake tensors."""
+    if not world.fake:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def instantiate(auto_cls, name: str, dtype: str, world: World) -> torch.nn.Module:
+    """`auto_cls.from_pretrained(name)`; in a dry run, the same architecture built from its config
+    alone on the meta device (no weights are read; `place` gives it fake tensors)."""
+    if not world.fake:
+        return auto_cls.from_pretrained(name, dtype=DTYPES[dtype])
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        return auto_cls.from_config(AutoConfig.from_pretrained(name), dtype=DTYPES[dtype])
+
+
+def place(module: torch.nn.Module, world: World) -> None:
+    """Move `module` to the training device (a dry run's meta module gets fake tensors there)."""
+    if world.fake:
+        from prime_rl.trainer.fake_gpu import materialize
+
+        materialize(module, world.device)
+    else:
+        module.to(world.device)
 
 
 def add_adapters(model: torch.nn.Module, lora: LoRAConfig, seed: int, key: str, name: str) -> None:
@@ -72,8 +108,8 @@ def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key
         model.config.use_cache = False
     if world.distributed:
         for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=config.reshard_after_forward)
-        fully_shard(model, reshard_after_forward=config.reshard_after_forward)
+            fully_shard(layer, mesh=world.mesh, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(model, mesh=world.mesh, reshard_after_forward=config.reshard_after_forward)
     model.train()
 
 

@@ -15,41 +15,43 @@ import torch
 
 @dataclass(frozen=True)
 class TokenGrid:
-    """Where each model token of a packed micro-batch sits in the [samples, width] grid."""
+    """Where each token of a packed micro-batch sits in the [samples, width] grid.
+
+    Shapes depend on `sample_lens` only, never on the mask's values, so building and reading the
+    grid needs no device-to-host copy (a GPU sync); tokens outside the mask are parked in an extra
+    column that nothing reads."""
 
     mask: torch.Tensor
     """Bool [T]: the model tokens."""
     rows: torch.Tensor
-    """Sample index of each model token."""
+    """[T] sample index of each token."""
     cols: torch.Tensor
-    """Index of each model token among its sample's model tokens."""
+    """[T] index of each model token among its sample's model tokens (`width` for other tokens)."""
     num_samples: int
     width: int
+    """The longest sample's length: room for any sample's model tokens."""
 
     @classmethod
     def of(cls, loss_mask: torch.Tensor, sample_lens: list[int]) -> TokenGrid:
         device = loss_mask.device
         lens = torch.tensor(sample_lens, device=device)
-        sample_of_token = torch.repeat_interleave(torch.arange(len(sample_lens), device=device), lens)
+        sample_of_token = sample_index(sample_lens, device)
         counts = torch.cumsum(loss_mask.long(), 0)
         before_sample = torch.cumsum(lens, 0) - lens  # first token of each sample
         start = torch.where(before_sample > 0, counts[(before_sample - 1).clamp(min=0)], 0)
         position = counts - 1 - start[sample_of_token]
-        per_sample = torch.zeros(len(sample_lens), dtype=torch.long, device=device).index_add(
-            0, sample_of_token, loss_mask.long()
-        )
-        width = int(per_sample.max()) if len(sample_lens) else 0
-        return cls(loss_mask, sample_of_token[loss_mask], position[loss_mask], len(sample_lens), width)
+        width = max(sample_lens, default=0)
+        cols = torch.where(loss_mask, position, width)
+        return cls(loss_mask, sample_of_token, cols, len(sample_lens), width)
 
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
-        grid = values.new_zeros(self.num_samples, self.width)
-        grid[self.rows, self.cols] = values[self.mask]
-        return grid
+        grid = values.new_zeros(self.num_samples, self.width + 1)
+        grid.index_put_((self.rows, self.cols), torch.where(self.mask, values, 0), accumulate=True)
+        return grid[:, : self.width]
 
     def from_grid(self, grid: torch.Tensor) -> torch.Tensor:
-        out = grid.new_zeros(self.mask.shape[0])
-        out[self.mask] = grid[self.rows, self.cols]
-        return out
+        padded = torch.cat([grid, grid.new_zeros(self.num_samples, 1)], dim=1)
+        return padded[self.rows, self.cols]
 
     def valid(self) -> torch.Tensor:
         """Bool grid: which cells hold a model token."""
@@ -63,11 +65,18 @@ class TokenGrid:
         return self.from_grid(is_last.to(torch.float32)) > 0
 
 
+def sample_index(sample_lens: list[int], device: torch.device) -> torch.Tensor:
+    """[T]: the sample each token of a packed micro-batch belongs to (its size known on the host)."""
+    return torch.repeat_interleave(
+        torch.arange(len(sample_lens), device=device),
+        torch.tensor(sample_lens, device=device),
+        output_size=sum(sample_lens),
+    )
+
+
 def terminal_rewards(grid: TokenGrid, per_sample: torch.Tensor) -> torch.Tensor:
     """[T]: each sample's value on its last model token, 0 elsewhere."""
-    sample_of_token = torch.zeros_like(grid.mask, dtype=torch.long)
-    sample_of_token[grid.mask] = grid.rows
-    return torch.where(grid.last_token(), per_sample.to(torch.float32)[sample_of_token], 0.0)
+    return torch.where(grid.last_token(), per_sample.to(torch.float32)[grid.rows], 0.0)
 
 
 def discounted_returns(grid: TokenGrid, rewards: torch.Tensor, gamma: float) -> torch.Tensor:

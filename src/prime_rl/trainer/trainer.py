@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -45,7 +46,8 @@ LossFn = Callable[[LossInputs], LossOutputs]
 class TokenStats:
     """Per-env count, sum, sum of squares and max of per-token metrics on this rank.
 
-    Kept on the device and filled with index_add / scatter_reduce, so a step costs no host sync
+    Kept on the device and filled with index_add / scatter_reduce over masked dense tensors (a
+    boolean index would size its result on the host: a GPU sync), so a step costs no host sync
     until `reduce`, which copies everything to the host once (after the all-reduce over ranks).
     """
 
@@ -61,8 +63,8 @@ class TokenStats:
         """The row of each env name (new names get new rows)."""
         return torch.tensor([self.envs.setdefault(e, len(self.envs)) for e in env_names], device=self.device)
 
-    def add(self, metric: str, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Per-token `values` of the envs at `rows` (one row index per token)."""
+    def add(self, metric: str, rows: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Per-token `values` of the envs at `rows` (one row index per token), of the tokens in `mask`."""
         n = len(self.envs)
         m, mx = self.moments.get(metric), self.maxes.get(metric)
         if m is None or m.shape[0] < n:
@@ -72,9 +74,10 @@ class TokenStats:
                 grown[: m.shape[0]] = m
                 grown_max[: mx.shape[0]] = mx
             m, mx = self.moments[metric], self.maxes[metric] = grown, grown_max
-        v = values.detach().to(torch.float64)
-        m.index_add_(0, rows, torch.stack([torch.ones_like(v), v, v * v], dim=1))
-        mx.scatter_reduce_(0, rows, v, reduce="amax")
+        w = mask.to(torch.float64)
+        v = torch.where(mask, values.detach().to(torch.float64), 0.0)
+        m.index_add_(0, rows, torch.stack([w, v, v * v], dim=1))
+        mx.scatter_reduce_(0, rows, torch.where(mask, v, -math.inf), reduce="amax")
 
     def reduce(self, world: World) -> dict[str, float]:
         metrics, envs = sorted(self.moments), sorted(self.envs)
@@ -94,7 +97,7 @@ class TokenStats:
         moments, maxes = all_reduce_sum(moments, world), all_reduce_max(maxes, world)
         everything = torch.cat([moments.sum(dim=1, keepdim=True), moments], dim=1)  # "all" first
         top = torch.cat([maxes.max(dim=1, keepdim=True).values if envs else maxes[:, :0], maxes], dim=1)
-        moments_host, maxes_host = everything.tolist(), top.tolist()  # the step's one host copy
+        moments_host, maxes_host = world.host(everything), world.host(top)  # the step's host copies
         out = {}
         for i, name in enumerate(metrics):
             for j, env in enumerate(["all", *envs]):
@@ -227,7 +230,7 @@ class Trainer:
     def prepare(self, micro_batches: list[MicroBatch]) -> tuple[list[Prepared], dict[str, float]]:
         """First pass, without gradients: reference logprobs and old values where needed, then each
         micro-batch's per-token advantages (and returns), whitened over all ranks when configured."""
-        out, kl_sum, samples = [], torch.zeros((), dtype=torch.float64, device=self.world.device), 0
+        out, kl_sum, samples = [], self.world.scalars(0.0)[0], 0
         lead = self.world.cp_rank == 0
         for mb in micro_batches:
             t = self._tensors(mb)
@@ -244,9 +247,9 @@ class Trainer:
                 kl_reward, kl = kl_rewards(
                     t["logprobs"], ref, mask, self.kl.beta, self.config.kl_reward.estimator
                 )
-                kl_sum += kl[t["owned"]].sum().double()
+                kl_sum += (kl * t["owned"]).sum().double()
                 if lead:
-                    samples += sum(1 for n in _loss_tokens_per_sample(mask, mb.sample_lens) if n > 0)
+                    samples += sum(1 for n in _loss_tokens_per_sample(mb) if n > 0)
             est = self.estimator(
                 TokenAdvantageInputs(
                     loss_mask=mask,
@@ -254,8 +257,10 @@ class Trainer:
                     rollout_advantages=t["advantages"],
                     rollout_rewards=torch.tensor(mb.rewards, device=mask.device),
                     kl_rewards=kl_reward,
+                    kl_in_reward=self.config.kl_reward.beta > 0,
                     values=values,
-                )
+                ),
+                host=self.world.host,
             )
             if self.critic is not None and est.returns is None:
                 raise TokenAdvantageError(f"estimator '{self.estimator.name}' gave no returns for the critic")
@@ -266,9 +271,9 @@ class Trainer:
             whiten_advantages(out, mode, self.world)
         metrics: dict[str, float] = {}
         if self.config.kl_reward.beta > 0:
-            both = all_reduce_sum(
-                torch.stack([kl_sum, kl_sum.new_tensor(float(samples))]), self.world
-            ).tolist()
+            both = self.world.host(
+                all_reduce_sum(torch.stack([kl_sum, self.world.scalars(samples)[0]]), self.world)
+            )
             metrics["kl_reward/kl_per_sample"] = both[0] / max(both[1], 1.0)
             metrics["kl_reward/beta"] = self.kl.beta
             metrics["kl_reward/samples"] = both[1]
@@ -281,8 +286,10 @@ class Trainer:
         for mb in micro_batches:
             mb.validate(seq_len=self.config.seq_len)
         prepared, prepare_metrics = self.prepare(micro_batches)
-        local = sum(int((p.t["loss_mask"] & p.t["owned"]).sum()) for p in prepared)
-        global_tokens = all_reduce_sum(torch.tensor(float(local), dtype=torch.float64), self.world).item()
+        local = self.world.scalars(0.0)[0]
+        for p in prepared:
+            local = local + (p.t["loss_mask"] & p.t["owned"]).sum()
+        global_tokens = self.world.host(all_reduce_sum(local, self.world))
         denom = max(global_tokens, 1.0)
         train_policy = self.policy_trains(step)
         stats, results = TokenStats(self.world.device), []
@@ -320,25 +327,25 @@ class Trainer:
         mask = p.t["loss_mask"]
         values = self._values(p.t, p.shard)
         loss, clipped = value_loss(values, p.old_values, p.returns, mask, self.config.critic.value_clip)
-        (loss[p.t["owned"]].sum() / denom).backward()
+        ((loss * p.t["owned"]).sum() / denom).backward()
         mask = mask & p.t["owned"]
-        rows = stats.rows(p.mb.env_names)[sample_ids(p.mb.sample_lens, mask.device)][mask]
-        stats.add("critic/value_loss", rows, loss[mask])
-        stats.add("critic/value_clipped", rows, clipped[mask].float())
-        stats.add("critic/value", rows, values.detach()[mask])
+        rows = stats.rows(p.mb.env_names)[sample_ids(p.mb.sample_lens, mask.device)]
+        stats.add("critic/value_loss", rows, loss, mask)
+        stats.add("critic/value_clipped", rows, clipped.float(), mask)
+        stats.add("critic/value", rows, values.detach(), mask)
 
     def _record(
         self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs
     ) -> None:
         mask = t["loss_mask"] & t["owned"]
-        rows = stats.rows(mb.env_names)[sample_ids(mb.sample_lens, mask.device)][mask]  # env row per token
-        d = (lp - t["logprobs"])[mask]
-        stats.add("loss", rows, out.token_loss[mask])
-        stats.add("entropy", rows, entropy[mask])
-        stats.add("mismatch_kl", rows, torch.exp(d) - 1 - d)  # KL(sampler || trainer), k3 estimate
-        stats.add("token_advantage", rows, t["advantages"][mask])
+        rows = stats.rows(mb.env_names)[sample_ids(mb.sample_lens, mask.device)]  # env row per token
+        d = torch.where(mask, lp - t["logprobs"], 0.0)
+        stats.add("loss", rows, out.token_loss, mask)
+        stats.add("entropy", rows, entropy, mask)
+        stats.add("mismatch_kl", rows, torch.exp(d) - 1 - d, mask)  # KL(sampler || trainer), k3 estimate
+        stats.add("token_advantage", rows, t["advantages"], mask)
         for name, flag in out.masks.items():
-            stats.add(name, rows, flag[mask].float())
+            stats.add(name, rows, flag.float(), mask)
 
     def optimizer_step(self, train_policy: bool = True) -> dict[str, float]:
         out = {}
@@ -351,7 +358,7 @@ class Trainer:
             grad_norm = float("nan")
             if enabled:
                 norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-                grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                grad_norm = self.world.host(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 if math.isfinite(grad_norm):
                     optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -372,11 +379,13 @@ class Trainer:
         results, global_tokens = acc.results, acc.global_tokens
         metrics = acc.stats.reduce(self.world)
         metrics.update(acc.metrics)
-        # Every rank of a cp group holds its micro-batches' full token losses: count them once.
-        loss_sum = sum(float(r.token_loss.sum()) for r in results) if self.world.cp_rank == 0 else 0.0
-        loss = all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64), self.world).item() / max(
-            global_tokens, 1
-        )
+        # Every rank of a cp group holds its micro-batches' full token losses and tokens: count them once.
+        lead = self.world.cp_rank == 0
+        sums = self.world.scalars(0.0, sum(mb.num_tokens for mb in micro_batches) if lead else 0.0)
+        for r in results if lead else ():
+            sums[0] += r.token_loss.sum().double()
+        loss_sum, tokens = self.world.host(all_reduce_sum(sums, self.world))
+        loss = loss_sum / max(global_tokens, 1)
         if global_tokens == 0:
             # No sample to learn from (every one filtered or failed): the parameters stay as they
             # are (an AdamW step on zero gradients would still move them); the schedule goes on.
@@ -395,8 +404,6 @@ class Trainer:
         if "kl_reward/samples" in metrics:
             self.kl = self.kl.update(metrics["kl_reward/kl_per_sample"], int(metrics["kl_reward/samples"]))
         elapsed = time.perf_counter() - t0
-        local_tokens = sum(mb.num_tokens for mb in micro_batches) if self.world.cp_rank == 0 else 0
-        tokens = all_reduce_sum(torch.tensor(float(local_tokens)), self.world).item()
         metrics.update(
             {
                 "loss": loss,
@@ -414,8 +421,11 @@ class Trainer:
         return metrics, results
 
 
-def _loss_tokens_per_sample(mask: torch.Tensor, sample_lens: list[int]) -> list[int]:
-    return [int(chunk.sum()) for chunk in torch.split(mask, sample_lens)]
+def _loss_tokens_per_sample(mb: MicroBatch) -> list[int]:
+    """Counted on the host, from the micro-batch as it arrived (no device sync)."""
+    mask = mb.arrays()["loss_mask"].astype(bool)
+    ends = np.cumsum(mb.sample_lens)
+    return [int(mask[e - n : e].sum()) for e, n in zip(ends, mb.sample_lens, strict=True)]
 
 
 def whiten_advantages(prepared: list[Prepared], mode: str, world: World) -> None:
@@ -435,39 +445,31 @@ def whiten_advantages(prepared: list[Prepared], mode: str, world: World) -> None
         per_sample = torch.tensor(
             [index.get(e, 0) if mode == "env" else 0 for e in p.mb.env_names], device=dev
         )
-        rows = per_sample[sample_ids(p.mb.sample_lens, dev)][mask]
-        counted = p.t["owned"][mask]  # each token once over the cp group
-        a = p.t["advantages"][mask].to(torch.float64)
-        moments.index_add_(0, rows[counted], torch.stack([torch.ones_like(a), a, a * a], dim=1)[counted])
+        rows = per_sample[sample_ids(p.mb.sample_lens, dev)]
+        counted = (mask & p.t["owned"]).to(torch.float64)  # each token once over the cp group
+        a = torch.where(mask, p.t["advantages"].to(torch.float64), 0.0)
+        moments.index_add_(0, rows, torch.stack([counted, a * counted, a * a * counted], dim=1))
         rows_of.append(rows)
     moments = all_reduce_sum(moments, world)
     n = moments[:, 0].clamp(min=1)
     mean = moments[:, 1] / n
     std = (moments[:, 2] / n - mean**2).clamp(min=0).sqrt()
     for p, rows in zip(prepared, rows_of, strict=True):
-        mask = p.t["loss_mask"]
-        a = p.t["advantages"].clone()
-        a[mask] = ((a[mask] - mean[rows]) / (std[rows] + 1e-6)).to(a.dtype)
-        p.t["advantages"] = a
+        a = p.t["advantages"]
+        whitened = ((a - mean[rows]) / (std[rows] + 1e-6)).to(a.dtype)
+        p.t["advantages"] = torch.where(p.t["loss_mask"], whitened, a)
 
 
 def explained_variance(prepared: list[Prepared], world: World) -> float:
     """1 - Var(returns - old values) / Var(returns) over the step's model tokens on all ranks."""
-    sums = torch.zeros(5, dtype=torch.float64, device=world.device)
+    sums = world.scalars(0.0, 0.0, 0.0, 0.0, 0.0)
     for p in prepared:
         mask = p.t["loss_mask"] & p.t["owned"]
-        r, v = p.returns[mask].double(), p.old_values[mask].double()
+        w = mask.double()
+        r, v = p.returns.double() * w, p.old_values.double() * w
         d = r - v
-        sums += torch.stack(
-            [
-                torch.tensor(float(mask.sum()), dtype=torch.float64),
-                r.sum(),
-                (r * r).sum(),
-                d.sum(),
-                (d * d).sum(),
-            ]
-        )
-    n, rs, rss, ds, dss = all_reduce_sum(sums, world).tolist()
+        sums += torch.stack([w.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()])
+    n, rs, rss, ds, dss = world.host(all_reduce_sum(sums, world))
     if n < 2:
         return float("nan")
     var_r = rss / n - (rs / n) ** 2
