@@ -1,7 +1,7 @@
 """Trainer memory at a real vocabulary: a trainer step's peak against a bare forward and backward of
 the model body, and the longest micro-batch that fits one memory budget at cp = 1 and cp = 2.
 
-    uv run python benchmarks/memory.py [--tokens 2048 4096 8192] [--budget-gb B] [--ac] [--preset P]
+    uv run python benchmarks/memory.py [--tokens 2048 4096 8192] [--budget-gb B] [--ac] [--preset P] [--plan]
 
 The model is `make-tiny-model --preset real-vocab` (Qwen3's vocabulary of 151,936, width 256, 2
 layers, random weights), or another preset (`qwen3-0.6b`: Qwen3-0.6B's shape; `--no-search` then
@@ -13,6 +13,8 @@ through /proc/self/clear_refs) rose above the RSS before the measured step:
 - trainer: `Trainer.train_step` on one packed micro-batch (validation, chunked logprobs, loss,
   metrics, clipping, AdamW), its second step, when the optimizer state exists, as in a long run;
 - cp = 2: the same trainer step on two gloo ranks under torchrun; the larger rank's peak counts.
+`--plan` adds `plan-memory`'s prediction of "trainer in all" (a fake dry run of the same step on
+the CPU, no data) and its ratio to the measurement; `--no-body` skips the body probe.
 "trainer in all" is a rank's peak above the bare interpreter (torch and transformers imported): its
 share of the parameters, optimizer state and gradients, plus the step's own memory; with several
 ranks FSDP shards the first three, and gathers each unit's parameters while it computes. The
@@ -123,6 +125,14 @@ def run_probe(model: Path, kind: str, tokens: int, cp: int = 1, ac: bool = False
     return {k: max(r[k] for r in ranks) for k in ("gb", "rank_gb", "s")}
 
 
+def plan(model: Path, tokens: int, ac: bool) -> float:
+    """plan-memory's predicted peak (GiB, as the probes report) of the probe's trainer step on the CPU."""
+    cmd = [sys.executable, "-m", "prime_rl.trainer.plan_memory", "--model", str(model), "--seq-len", str(tokens),
+           "--dtype", "float32", "--device", "cpu", "--no-search", "--json"] + (["--ac"] if ac else [])  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_bytes"]["total"] / 2**30
+
+
 def longest(model: Path, cp: int, budget: float, lo: int, hi: int) -> int:
     """The longest micro-batch (a multiple of STEP in [lo, hi]) whose trainer step keeps each rank's
     memory (model, optimizer state, gradients, activations) within budget."""
@@ -151,6 +161,8 @@ def main() -> None:
     )
     ap.add_argument("--preset", default="real-vocab", help="make-tiny-model preset")
     ap.add_argument("--no-search", action="store_true", help="skip the longest-micro-batch search")
+    ap.add_argument("--plan", action="store_true", help="compare with plan-memory's prediction")
+    ap.add_argument("--no-body", action="store_true", help="skip the bare forward/backward probe")
     args = ap.parse_args()
     if args.probe:
         args.tokens = args.tokens[0]
@@ -163,13 +175,22 @@ def main() -> None:
           f"{' (activation checkpointing)' if args.ac else ''}")  # fmt: skip
     print(
         f"{'tokens':>7} | {'body':>8} | {'trainer':>8} | ratio | {'body s':>7} | {'trainer s':>9} | trainer in all"
+        + (" | planned | planned / measured" if args.plan else "")
     )
     rows = {}
     for n in args.tokens:
-        body, trainer = run_probe(model, "body", n), run_probe(model, "trainer", n, ac=args.ac)
+        nan = {"gb": float("nan"), "s": float("nan")}
+        body = nan if args.no_body else run_probe(model, "body", n)
+        trainer = run_probe(model, "trainer", n, ac=args.ac)
         rows[n] = (body, trainer)
-        print(f"{n:>7} | {body['gb']:>6.2f}GB | {trainer['gb']:>6.2f}GB | {trainer['gb'] / body['gb']:>5.2f} | "
-              f"{body['s']:>7.1f} | {trainer['s']:>9.1f} | {trainer['rank_gb']:>6.2f}GB")  # fmt: skip
+        line = (f"{n:>7} | {body['gb']:>6.2f}GB | {trainer['gb']:>6.2f}GB | {trainer['gb'] / body['gb']:>5.2f} | "
+                f"{body['s']:>7.1f} | {trainer['s']:>9.1f} | {trainer['rank_gb']:>6.2f}GB")  # fmt: skip
+        if args.plan:
+            planned = plan(model, n, args.ac)
+            line += f" | {planned:>5.2f}GB | {planned / trainer['rank_gb']:.3f}"
+        print(line, flush=True)
+    if args.no_body:
+        return
     ns = sorted(rows)
     if len(ns) >= 2:
         a, b = ns[-2], ns[-1]

@@ -227,6 +227,9 @@ def _register_stream_guard() -> None:
     ctypes.CDLL(str(lib)).prime_rl_register_fake_gpu_guard()
 
 
+_JOINS = (torch.ops.aten.cat.default, torch.ops.aten.stack.default)
+
+
 class _FakeMode(FakeTensorMode):
     """FakeTensorMode as on a machine without the device: `torch.tensor(data, device=...)` builds
     its data on the CPU and moves it, as everywhere else, instead of asking the device for memory."""
@@ -234,6 +237,18 @@ class _FakeMode(FakeTensorMode):
     @property
     def avoid_device_init(self) -> bool:
         return True
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        # FakeTensorMode lets a 0-dim CPU tensor join any op, as CUDA's elementwise kernels do; CUDA's
+        # cat and stack do not (they copy every input on the device), so neither does the dry run.
+        if func in _JOINS and args:
+            devices = {t.device for t in args[0] if isinstance(t, torch.Tensor)}
+            if len(devices) > 1:
+                from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+                first, *rest = sorted(devices, key=str)
+                raise FakeTensorDeviceMismatchError(func, first, rest[0])
+        return super().dispatch(func, types, args, kwargs)
 
 
 def install_fake_gpu() -> torch.device:
@@ -329,7 +344,7 @@ def collectives_on_device(device: torch.device) -> Iterator[None]:
                 if t.device.type != device.type:
                     raise CollectiveOnCPU(
                         f"torch.distributed.{name} got a tensor on {t.device} (shape {tuple(t.shape)}, "
-                        f"{t.dtype}); on the CUDA plan it runs on nccl, which needs {device.type} tensors"
+                        f"{t.dtype}); on the CUDA plan it runs on nccl, which takes GPU tensors only ({device.type} here)"
                     )
             return fn(*args, **kwargs)
 
@@ -370,20 +385,25 @@ _LIBRARY_DIRS = tuple({os.path.dirname(os.path.dirname(torch.__file__)), os.path
 
 
 def _code_line(tb) -> str:
-    """`file:line (code)` of the innermost frame in the project's or the user's code."""
+    """`file:line (code)` of the innermost frame in the project's or the user's code; when that is
+    inside the World helpers of `dist.py`, their caller's line, which is the one to fix."""
     here = os.path.abspath(__file__)
     frames = [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) != here]
     ours = [f for f in frames if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
+    helper = None
+    while len(ours) > 1 and ours[-1].filename.endswith(os.path.join("trainer", "dist.py")):
+        helper = helper or ours[-1]
+        ours.pop()
     frame = (ours or frames or [None])[-1]
     if frame is None:
         return "an unknown line"
+    return _where(frame) + (f", through {helper.name} ({_where(helper)})" if helper else "")
+
+
+def _where(frame) -> str:
     code = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-    path = (
-        os.path.relpath(frame.filename)
-        if not os.path.relpath(frame.filename).startswith("..")
-        else frame.filename
-    )
-    return f"{path}:{frame.lineno} ({code})"
+    path = os.path.relpath(frame.filename)
+    return f"{frame.filename if path.startswith('..') else path}:{frame.lineno} ({code})"
 
 
 def describe(error: BaseException) -> str:
@@ -407,8 +427,8 @@ def describe(error: BaseException) -> str:
         )
     if isinstance(error, DynamicOutputShapeException):
         return (
-            f"{error.func} sizes its result from GPU data at {at} (a boolean index or nonzero): a device "
-            "sync in the step; use a masked dense op (torch.where, multiplication by the mask)"
+            f"{error.func} sizes its result from GPU data at {at}: a device sync in the step (a boolean "
+            "index, nonzero, repeat_interleave without output_size); use a masked dense op or sizes known on the host"
         )
     first = " ".join(str(error).split())[:300]
     return f"{type(error).__name__}: {first} at {at}"
