@@ -452,7 +452,9 @@ class DryRunReport:
 
 def synthetic_samples(tokens: int, vocab: int, env: str = "dry-run") -> list:
     """Samples of at most 2,048 tokens (128 prompt tokens each) filling `tokens` exactly, as
-    `benchmarks/memory.py` builds them."""
+    `benchmarks/memory.py` builds them; their sampling logprobs are those of a uniform policy, near
+    what a random model computes, so importance ratios are near 1 and no token is masked."""
+    import math
     import random
 
     from prime_rl.transport.messages import TrainingSample
@@ -466,7 +468,7 @@ def synthetic_samples(tokens: int, vocab: int, env: str = "dry-run") -> list:
                 [rng.randrange(3, vocab) for _ in range(p)],
                 [rng.randrange(3, vocab) for _ in range(n - p)],
                 [1] * (n - p),
-                [-6.0] * (n - p),
+                [-math.log(vocab)] * (n - p),
                 rng.uniform(-1, 1),
                 0.0,
                 env,
