@@ -367,7 +367,8 @@ def _type_name(info: Any) -> str:
     return " | ".join(names) or "VALUE"
 
 
-def format_help(cls: type[BaseModel], prog: str) -> str:
+def format_help(cls: type[BaseModel], prog: str, commands: str = "") -> str:
+    """`commands`: lines about flags of the program's own (not config), shown under the usage."""
     doc = (cls.__doc__ or "").strip()
     lines = [
         f"usage: {prog} [@ config.toml ...] [--key value ...] [--dry-run] [--help]",
@@ -376,6 +377,7 @@ def format_help(cls: type[BaseModel], prog: str) -> str:
         "",
         "TOML files compose left to right (later wins, tables deep-merge); flags override files.",
         "Booleans: --key / --no-key. Lists and tables: --key '[1, 2]'. --dry-run prints the resolved config.",
+        *([commands] if commands else []),
         "",
     ]
     for path, info in _leaf_paths(cls):
@@ -420,18 +422,20 @@ def parse_config(
     prog: str | None = None,
     check: Callable[[C], None] | None = None,
     dry_run: Callable[[C], str] | None = None,
+    commands: str = "",
 ) -> C:
     """Parse `argv` into `cls`. Handles --help and --dry-run (print, exit 0) and user errors (exit 2).
 
     `check` runs on the validated config (also for --dry-run); a `ConfigError` it raises is a user
     error like any other (for the checks that import user code, see `prime_rl.preflight`).
-    `dry_run` says what --dry-run prints (default: the resolved config as TOML)."""
+    `dry_run` says what --dry-run prints (default: the resolved config as TOML); `commands` adds
+    lines to --help about the program's own flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or Path(sys.argv[0]).name
     try:
         sources = collect_sources(cls, argv)
         if sources.help:
-            sys.stdout.write(format_help(cls, prog))
+            sys.stdout.write(format_help(cls, prog, commands))
             raise SystemExit(0)
         config = build_config(cls, sources)
         if check is not None:

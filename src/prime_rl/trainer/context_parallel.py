@@ -30,9 +30,16 @@ import torch.nn.functional as F
 
 from prime_rl.trainer.returns import sample_index
 
-# torch 2.13 renamed the single-buffer collectives; older releases (the GPU image's) have only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    # torch 2.13 renamed the single-buffer collectives; older releases have only the old names.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, op=dist.ReduceOp.SUM, group=group)
+
 
 ATTENTION = "prime_rl_cp"
 """The attention implementation name registered with transformers."""
@@ -137,7 +144,7 @@ class _GatherSum(torch.autograd.Function):
     def backward(ctx, grad):
         full = grad.movedim(ctx.dim, 0).contiguous()
         out = full.new_empty((full.shape[0] // ctx.size, *full.shape[1:]))
-        _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter_single(out, full, ctx.group)
         return out.movedim(0, ctx.dim), None, None, None, None
 
 

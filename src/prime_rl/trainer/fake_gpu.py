@@ -1,22 +1,25 @@
-"""The trainer's CUDA path run on a CPU-only machine: one real training step on fake GPUs.
+"""The trainer's CUDA path run on a CPU-only machine: one real training step on a fake GPU.
 
-`dry_run` builds the trainer's model(s) from their config alone and runs `Trainer.train_step` under
-torch's FakeTensorMode, on tensors that carry the device `cuda:0` and hold no data, inside a fake
-process group of the planned dp x cp world (every collective returns at once, with the right shapes).
-The trainer's own code runs unchanged: FSDP2 sharding over the mesh, context-parallel attention and
-its collectives, chunked logprobs, activation checkpointing, the critic, LoRA, the loss (the user's
-plugin when the config names one), AdamW.
+`dry_run` builds the trainer's model(s) from their config alone (meta tensors, no weights read) and
+runs `Trainer.train_step` under torch's FakeTensorMode, on tensors that carry a GPU device and hold
+no data, as rank 0 of a fake process group of the planned dp x cp world (every collective returns at
+once, with the right shapes). The trainer's own code runs unchanged: FSDP2 sharding over the mesh,
+context-parallel attention and its collectives, chunked logprobs, activation checkpointing, the
+critic, LoRA, the loss (the user's plugin when the config names one), AdamW.
 
 What it catches, each as one line naming the op, the devices and the code line:
-- an op that mixes CPU and GPU tensors (FakeTensorDeviceMismatchError; a 0-dim CPU tensor is allowed,
-  as CUDA allows it);
-- a CPU tensor handed to a tensor collective, which on the CUDA plan must run on nccl;
-- a device-to-host copy outside `World.host` (`.item()`, `bool(t)`, a boolean index that sizes its
-  result from the data): a GPU sync the step did not plan for.
+- an op that mixes CPU and GPU tensors, with CUDA's rules (a 0-dim CPU tensor may join an
+  elementwise op; cat and stack take one device);
+- a CPU tensor handed to a tensor collective, which on the CUDA plan runs on nccl;
+- a device-to-host copy outside `World.host` (`.item()`, `bool(t)`, a shape sized from the data):
+  a GPU sync the step did not plan for.
 
-Invariant: nothing here is imported by a real run. The CUDA runtime calls that FSDP2 makes (streams,
-events, the current device) are stubbed only inside `fake_cuda`, and the indexing and `.to()` calls
-whose Python bindings would initialize CUDA are re-expressed as the aten ops they stand for.
+The GPU is torch's PrivateUse1 device registered as `fakegpu` (`install_fake_gpu`): a CPU-only torch
+cannot give CUDA tensors gradients, since its autograd engine asks the CUDA runtime for streams.
+Attention runs as CUDA would choose its kernel (`cuda_attention`), so memory counts are a GPU's.
+
+Invariant: a real run never imports this module, and the registration lasts for the process, so
+each dry run is its own process (the CLI, the tests) or follows other dry runs (plan-memory's search).
 """
 
 from __future__ import annotations

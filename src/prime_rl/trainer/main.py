@@ -194,6 +194,12 @@ NEEDS_USER = (
 USER_ERRORS = (*NEEDS_USER, TransportError)
 
 
+FAKE_GPU_HELP = (
+    "--fake-gpu [--ranks N]: instead of training, run one step of this config's trainer on a fake GPU\n"
+    "(no GPU needed; dp x cp = N ranks, default 8) and report a device mix-up or a host sync in one line."
+)
+
+
 def fake_gpu_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
     """(the other arguments, --fake-gpu given, --ranks N): the dry run's flags are not config."""
     rest, fake, ranks, i = [], False, None, 0
@@ -218,7 +224,7 @@ def fake_gpu_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
 
 def main(argv: list[str] | None = None) -> None:
     argv, fake_gpu, ranks = fake_gpu_flags(sys.argv[1:] if argv is None else list(argv))
-    config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer)
+    config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer, commands=FAKE_GPU_HELP)
     if fake_gpu:
         from prime_rl.trainer.fake_gpu import main_dry_run
 
