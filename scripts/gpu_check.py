@@ -24,7 +24,7 @@ import torch
 
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.dist import World
-from prime_rl.trainer.fake_gpu import synthetic_samples
+from prime_rl.trainer.dry_run import synthetic_samples
 from prime_rl.trainer.plan_memory import PRESETS
 from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport.packing import pack

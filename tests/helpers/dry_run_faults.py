@@ -28,7 +28,7 @@ def main() -> None:
     fault, model = sys.argv[1], sys.argv[2]
     from prime_rl.trainer import trainer
     from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.fake_gpu import DryRunError, dry_run
+    from prime_rl.trainer.dry_run import DryRunError, dry_run
 
     if fault != "collective":
         raise SystemExit(f"unknown fault {fault!r}")

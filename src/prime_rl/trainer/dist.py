@@ -10,9 +10,9 @@ torch picks one by the device of each call's tensors:
 - nccl (GPU tensors): everything on a training step's path. FSDP's all-gathers and reduce-scatters,
   context parallelism's key/value all-gather and gradient reduce-scatter, the global loss-token
   count, the loss and token sums, the metrics' moments, gradient-norm reductions. These go through
-  `World.scalars` / `World.sum_over_ranks` (host numbers enter on the device) and `all_reduce_sum`
+  `World.scalars` (host numbers enter on the device) and `all_reduce_sum`
   / `all_reduce_max` (device tensors); a CPU tensor on this path is a bug (a gloo round trip per
-  call, and on nccl alone an error) that the fake-GPU dry run (`fake_gpu.py`) reports.
+  call, and on nccl alone an error) that the fake-GPU dry run (`dry_run.py`) reports.
 - gloo (CPU tensors): the control plane, a few small Python objects per step or per run. Object
   collectives (`all_gather_object`, `broadcast_object_list`: env names of the metrics, the
   checkpoint to resume from, the micro-batch bytes the cp leader shares with its group) and
@@ -52,7 +52,7 @@ class World:
     mesh: Any = None
     """FSDP's DeviceMesh over all ranks, on the training device (None on one rank)."""
     fake: bool = False
-    """A dry run (`fake_gpu.py`): tensors carry a device but no data, and host copies read
+    """A dry run (`dry_run.py`): tensors carry a device but no data, and host copies read
     FAKE_HOST_VALUE."""
 
     def scalars(self, *values: float) -> torch.Tensor:
@@ -65,10 +65,6 @@ class World:
         if self.fake:
             return _filled(list(tensor.shape), FAKE_HOST_VALUE)
         return tensor.tolist()
-
-    def sum_over_ranks(self, *values: float) -> list[float]:
-        """Host numbers summed over all ranks: one all-reduce on the training device."""
-        return self.host(all_reduce_sum(self.scalars(*values), self))
 
     @property
     def is_main(self) -> bool:

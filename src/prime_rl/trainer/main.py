@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     argv, fake_gpu, ranks = fake_gpu_flags(sys.argv[1:] if argv is None else list(argv))
     config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer, commands=FAKE_GPU_HELP)
     if fake_gpu:
-        from prime_rl.trainer.fake_gpu import main_dry_run
+        from prime_rl.trainer.dry_run import main_dry_run
 
         setup_logging("trainer")
         return main_dry_run(config, ranks)

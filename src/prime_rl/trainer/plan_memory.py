@@ -1,6 +1,6 @@
 """`uv run plan-memory`: will this model train on my GPUs, at this micro-batch length, with this dp x cp?
 
-The prediction is the fake-GPU dry run (`fake_gpu.py`) of the real trainer with its allocations
+The prediction is the fake-GPU dry run (`dry_run.py`) of the real trainer with its allocations
 counted: rank 0's tensors at the peak of a step after the first (AdamW's state exists), split into
 parameters (its FSDP shard of them), gradients, optimizer state and activations (everything else
 alive at the peak: activations saved for backward, FSDP's gathered layers, logits chunks,
@@ -93,12 +93,63 @@ def predict(args, folder: str, tokens: int) -> dict[str, int]:
     """Bytes per category at rank 0's peak for micro-batches of `tokens` tokens."""
     import torch
 
-    from prime_rl.trainer.fake_gpu import dry_run
+    from prime_rl.trainer.dry_run import dry_run
 
     device = torch.device("cpu") if args.device == "cpu" else None
     report = dry_run(trainer_config(args, folder, tokens), dp=args.dp, cp=args.cp,
-                     micro_batches=args.micro_batches, tokens=tokens, device=device, track_memory=True)  # fmt: skip
+                     micro_batches=args.micro_batches, tokens=tokens, device=device, measure=tracked_step)  # fmt: skip
     return report.peak
+
+
+def tracked_step(trainer, batches, step: int) -> dict[str, int]:
+    """Bytes per category at the peak of a step after the first (so the optimizer state exists)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        """Peak bytes by kind, without MemTracker's per-module statistics (which allow one call of
+        each module per step; the trainer calls its model once per micro-batch)."""
+
+        def track_gradients(self, module: torch.nn.Module) -> None:
+            """Count the gradients of the trained parameters as gradients (MemTracker would do it
+            per module call, for frozen parameters too, which cannot take a hook)."""
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._count_gradient)
+
+        def _count_gradient(self, p: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
+
+        def _pre_fw_hook(self, module, inputs):
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
+    modules = [m for m in (trainer.model, trainer.ref_model, trainer.critic) if m is not None]
+    optimizers = [o for o in (trainer.optimizer, trainer.critic_optimizer) if o is not None]
+    trainer.train_step(batches, step)  # AdamW allocates its state in the first step
+    tracker = Tracker()
+    tracker.track_external(*modules, *optimizers)
+    for m in modules:
+        tracker.track_gradients(m)
+    with tracker:
+        trainer.train_step(batches, step + 1)
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    get = lambda *kinds: sum(snapshot.get(k, 0) for k in kinds)  # noqa: E731
+    return {
+        "parameters": get(_MemRefType.PARAM, _MemRefType.BUFFER),
+        "gradients": get(_MemRefType.GRAD),
+        "optimizer": get(_MemRefType.OPT),
+        "activations": get(_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH),
+        "total": snapshot.get("Total", 0),
+    }
 
 
 def longest_fit(args, folder: str, budget: float, known: dict[int, dict]) -> int:
@@ -164,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dp < 1 or args.cp < 1 or args.seq_len < 2:
         ap.error("--dp and --cp must be at least 1 and --seq-len at least 2")
 
-    from prime_rl.trainer.fake_gpu import DryRunError
+    from prime_rl.trainer.dry_run import DryRunError
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
