@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from prime_rl.trainer.dist import exit_now
 from prime_rl.trainer.plan_memory import GIB, longest_fit, model_folder
 
 
@@ -47,6 +48,7 @@ def main() -> None:
                     what = ("LoRA" if lora else "full") + (", AC" if ac else "")
                     print(f"| {model} | {what} | " + " | ".join(cells) + f" |  <!-- {time.perf_counter() - t0:.0f}s -->",
                           flush=True)  # fmt: skip
+    exit_now(0)  # the fake GPU's autograd thread must not meet interpreter shutdown (dist.exit_now)
 
 
 if __name__ == "__main__":

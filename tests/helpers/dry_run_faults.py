@@ -28,6 +28,7 @@ def main() -> None:
     fault, model = sys.argv[1], sys.argv[2]
     from prime_rl.trainer import trainer
     from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.dist import exit_now
     from prime_rl.trainer.dry_run import DryRunError, dry_run
 
     if fault != "collective":
@@ -39,8 +40,9 @@ def main() -> None:
         dry_run(config, dp=2, cp=1)
     except DryRunError as e:
         print(f"caught: {e}")
-        raise SystemExit(1) from None
+        exit_now(1)
     print("not caught")
+    exit_now(0)
 
 
 if __name__ == "__main__":

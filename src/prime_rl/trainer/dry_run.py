@@ -32,6 +32,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from prime_rl.trainer.dist import exit_now
 from prime_rl.trainer.fake_gpu import FAKE_GPU, FakeMode, cuda_attention, install_fake_gpu
 
 _TENSOR_COLLECTIVES = (
@@ -317,7 +318,7 @@ def default_ranks(cp: int) -> int:
 
 def main_dry_run(config, ranks: int | None, prog: str = "trainer") -> None:
     """`trainer @ cfg.toml --fake-gpu [--ranks N]`: the dry run, one line either way; exit 1 if a
-    check fails, 2 if the rank count does not fit the config."""
+    check fails, 2 if the rank count does not fit the config. The process ends here (`exit_now`)."""
     from prime_rl.trainer.main import load_custom_loss
 
     cp = config.parallel.cp
@@ -329,7 +330,7 @@ def main_dry_run(config, ranks: int | None, prog: str = "trainer") -> None:
         report = dry_run(config, dp=ranks // cp, cp=cp, loss_fn=load_custom_loss(config))
     except DryRunError as e:
         sys.stderr.write(f"{prog}: fake-GPU dry run failed: {e}\n")
-        raise SystemExit(1) from None
+        exit_now(1)
     parts = [f"dp {report.dp} x cp {report.cp}"]
     if config.lora is not None:
         parts.append("LoRA")
@@ -341,3 +342,4 @@ def main_dry_run(config, ranks: int | None, prog: str = "trainer") -> None:
         f"{prog}: fake-GPU dry run passed: one step of {report.micro_batches} micro-batches of "
         f"{report.tokens} tokens on rank 0 ({', '.join(parts)}); losses: {', '.join(report.losses)}"
     )
+    exit_now(0)

@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dp < 1 or args.cp < 1 or args.seq_len < 2:
         ap.error("--dp and --cp must be at least 1 and --seq-len at least 2")
 
+    from prime_rl.trainer.dist import exit_now
     from prime_rl.trainer.dry_run import DryRunError
 
     t0 = time.perf_counter()
@@ -226,13 +227,13 @@ def main(argv: list[str] | None = None) -> None:
             fit = None if args.no_search else longest_fit(args, folder, budget, known)
         except (PlanError, DryRunError) as e:
             sys.stderr.write(f"plan-memory: error: {e}\n")
-            raise SystemExit(2) from None
+            exit_now(2)
     peak = known[args.seq_len]
     if args.json:
         print(
             json.dumps({"peak_bytes": peak, "longest_micro_batch": fit, "seconds": time.perf_counter() - t0})
         )
-        return
+        exit_now(0)
     where = "CPU process" if args.device == "cpu" else "GPU"
     setup = f"dp {args.dp} x cp {args.cp}" + (", LoRA" if args.lora else "") + (", AC" if args.ac else "")
     print(f"plan-memory: {args.model}, {args.dtype}, {setup}, micro-batches of {args.seq_len} tokens")
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         verdict = f"{fit} tokens" if fit else f"none (not even {STEP} tokens)"
         print(f"longest micro-batch that fits {usable}: {verdict} (searched up to {args.max_tokens})")
     print(f"({time.perf_counter() - t0:.1f}s)")
+    exit_now(0)
 
 
 if __name__ == "__main__":
