@@ -13,7 +13,8 @@ from prime_rl.defaults import DEFAULT_MODEL
 from prime_rl.inference.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
 from prime_rl.model.local import max_model_len
 from prime_rl.model.tiny import TinyModelConfig
-from prime_rl.orchestrator.config import CustomAdvantage, OrchestratorConfig
+from prime_rl.orchestrator.advantages.base import CustomAdvantage
+from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.preflight import check_orchestrator, check_rl, env_module_name
 from prime_rl.rl.config import RLConfig
 from prime_rl.trainer.config import SFTConfig, TrainerConfig
@@ -59,7 +60,7 @@ def test_boolean_flags_and_structured_values():
     assert config.model.activation_checkpointing is False
     config = parse_config(TrainerConfig, ["--optim.betas", "[0.8, 0.9]", "--ckpt.interval=3"])
     assert config.optim.betas == (0.8, 0.9) and config.ckpt.interval == 3
-    config = parse_config(OrchestratorConfig, ["--advantage", '{type = "custom", import_path = "m:f"}'])
+    config = parse_config(OrchestratorConfig, ["--advantage", '{type = "m:f"}'])
     assert isinstance(config.advantage, CustomAdvantage)
 
 

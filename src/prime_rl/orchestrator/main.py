@@ -7,12 +7,13 @@ import signal
 import sys
 
 from prime_rl.config import parse_config
+from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
 from prime_rl.environments import EnvError
 from prime_rl.logging_setup import setup_logging
+from prime_rl.orchestrator.advantages import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
-from prime_rl.orchestrator.loop.advantage import AdvantageError
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator, RunDirError
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
@@ -24,7 +25,7 @@ from prime_rl.transport import TransportError
 # Failures whose message says all the user needs: one line, no traceback. Exit status 2 for those
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
 # (failing rollouts whose most common reason is a server's are `retryable`).
-NEEDS_USER = (EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused)
+NEEDS_USER = (ContractError, EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused)
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)
 
 

@@ -413,43 +413,27 @@ class RLConfig(RootConfig):
         return self
 
     @model_validator(mode="after")
-    def _gae_trains_on_every_group(self):
-        # A critic fit only to groups whose rewards differ learns a biased value; and with GAE a
-        # group of equal rewards still has non-zero advantages (reward minus value).
-        if self.trainer.advantage.type == "gae":
-            if self.orchestrator.dynamic_sampling.enabled:
-                raise ValueError(
-                    "'trainer.advantage.type' = 'gae' trains the critic on every group, but "
-                    "'orchestrator.dynamic_sampling.enabled' drops groups whose rewards are all equal; "
-                    "turn one of them off"
-                )
-            dropping = [
-                f.type for f in self.orchestrator.filters if f.type == "zero_advantage" and not f.monitor_only
-            ]
-            if dropping:
-                raise ValueError(
-                    "'trainer.advantage.type' = 'gae' trains the critic on every group, but "
-                    "'orchestrator.filters' drops groups whose rollout advantages are all zero; set "
-                    "orchestrator.filters = [] (or the filter's monitor_only = true)"
-                )
+    def _orchestrator_feeds_the_trainer(self):
+        # The run contract, as the two processes also check it when started by hand.
+        from prime_rl.contract import problems
+        from prime_rl.orchestrator.config import contract_side as orchestrator_side
+        from prime_rl.trainer.config import contract_side as trainer_side
+
+        dp = self.deployment.world_size // self.trainer.parallel.cp
+        orch = self.orchestrator.model_copy(update={"trainer_ranks": dp})
+        found = problems(orchestrator_side(orch, session=""), trainer_side(self.trainer, dp))
+        if found:
+            raise ValueError(" ".join(p.rstrip(".") + "." for p in found).rstrip("."))
         return self
 
     @model_validator(mode="after")
-    def _teacher_advantages_reach_the_loss(self):
-        if self.teacher is None and self.orchestrator.teacher is None:
+    def _teacher_has_its_own_port(self):
+        if self.teacher is None:
             return self
-        dropping = [f for f in self.orchestrator.filters if f.type == "zero_advantage" and not f.monitor_only]
-        if dropping:
+        if any(f.type == "zero_advantage" and not f.monitor_only for f in self.orchestrator.filters):
             raise ValueError(
                 "a teacher gives every token its own advantage, but 'orchestrator.filters' drops groups whose "
                 "rewards are all equal, and the teacher's signal with them: set orchestrator.filters = []"
-            )
-        a = self.trainer.advantage
-        if a.type != "reinforce" or a.gamma != 1.0 or self.trainer.kl_reward.beta > 0:
-            raise ValueError(
-                "a teacher's per-token advantages reach the loss unchanged only with "
-                "'trainer.advantage.type' = 'reinforce', 'trainer.advantage.gamma' = 1 and no "
-                "'trainer.kl_reward'; the other estimators rebuild advantages from the rollout reward"
             )
         first, k = self.inference.server.port, self.deployment.inference_servers
         port = self.teacher.server.port if self.teacher is not None else None
