@@ -1,9 +1,10 @@
-"""The combined config of `uv run rl`: its fields and their validation, nothing else.
+"""The combined config of `uv run rl`: its fields and their validation. How it becomes processes,
+servers, ports and cores is `plan.py`'s.
 
-Invariant: a config that validates can be run as it is. The shared settings have one value in all
-three processes (handed down in `shared.py`), every sequence length (seq_len, each env's max_tokens)
-fits within the server's max_model_len, and the deployment names every role once. How the config
-becomes processes, servers, ports and cores is `plan.py`'s.
+Invariant: a shared setting (model, output dir, max steps, seq len, max async level) has one value in
+all three processes. It is set once at the top level and handed down (`shared.py`); a process section
+may repeat it only with the same value, and conflicting explicit values are an error that names both
+keys. Every sequence length (seq_len, each env's max_tokens) fits within the server's max_model_len.
 """
 
 from pathlib import Path
