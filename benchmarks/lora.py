@@ -53,9 +53,9 @@ def train(args) -> None:
     import torch
 
     from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.dist import World
-    from prime_rl.trainer.publish import Publisher
-    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.trainer.parallel.dist import World
+    from prime_rl.trainer.weights.publish import Publisher
+    from prime_rl.trainer.rl.trainer import Trainer
     from prime_rl.transport.packing import pack
 
     lora = {"rank": args.rank, "alpha": 2.0 * args.rank} if args.mode == "lora" else None

@@ -75,8 +75,8 @@ def samples(tokens: int, vocab: int) -> list:
 def probe(args) -> None:
     """One measurement in this process (a torchrun rank for cp > 1); writes {"gb", "s"} to --out."""
     from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.dist import close_world, exit_rank, init_world
-    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.trainer.parallel.dist import close_world, exit_rank, init_world
+    from prime_rl.trainer.rl.trainer import Trainer
     from prime_rl.transport.packing import pack
 
     world = init_world(args.cp)
@@ -127,7 +127,7 @@ def run_probe(model: Path, kind: str, tokens: int, cp: int = 1, ac: bool = False
 
 def plan(model: Path, tokens: int, ac: bool) -> float:
     """plan-memory's predicted peak (GiB, as the probes report) of the probe's trainer step on the CPU."""
-    cmd = [sys.executable, "-m", "prime_rl.trainer.plan_memory", "--model", str(model), "--seq-len", str(tokens),
+    cmd = [sys.executable, "-m", "prime_rl.trainer.gpu.plan_memory", "--model", str(model), "--seq-len", str(tokens),
            "--dtype", "float32", "--device", "cpu", "--no-search", "--json"] + (["--ac"] if ac else [])  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_bytes"]["total"] / 2**30

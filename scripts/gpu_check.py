@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.dist import World
-from prime_rl.trainer.dry_run import synthetic_samples
-from prime_rl.trainer.plan_memory import PRESETS
-from prime_rl.trainer.trainer import Trainer
+from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.gpu.dry_run import synthetic_samples
+from prime_rl.trainer.gpu.plan_memory import PRESETS
+from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.transport.packing import pack
 
 REAL_VOCAB = {**PRESETS["qwen3-0.6b"], "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
@@ -69,7 +69,7 @@ def parity(model: Path, tokens: int) -> dict:
 
 
 def planned(model: Path, tokens: int, dtype: str, ac: bool) -> int:
-    cmd = [sys.executable, "-m", "prime_rl.trainer.plan_memory", "--model", str(model), "--seq-len", str(tokens),
+    cmd = [sys.executable, "-m", "prime_rl.trainer.gpu.plan_memory", "--model", str(model), "--seq-len", str(tokens),
            "--dtype", dtype, "--no-search", "--json"] + (["--ac"] if ac else [])  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:

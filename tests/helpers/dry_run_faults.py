@@ -26,10 +26,10 @@ def cpu_loss(inputs, **kwargs):
 
 def main() -> None:
     fault, model = sys.argv[1], sys.argv[2]
-    from prime_rl.trainer import trainer
     from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.dist import exit_now
-    from prime_rl.trainer.dry_run import DryRunError, dry_run
+    from prime_rl.trainer.gpu.dry_run import DryRunError, dry_run
+    from prime_rl.trainer.parallel.dist import exit_now
+    from prime_rl.trainer.rl import trainer
 
     if fault != "collective":
         raise SystemExit(f"unknown fault {fault!r}")

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.dist import close_world, exit_rank, init_world
-from prime_rl.trainer.trainer import Trainer
+from prime_rl.trainer.parallel.dist import close_world, exit_rank, init_world
+from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
@@ -106,7 +106,7 @@ def main() -> None:
         if lora:  # publish the adapter, gathered from every rank, beside the output file
             from pathlib import Path
 
-            from prime_rl.trainer.publish import Publisher
+            from prime_rl.trainer.weights.publish import Publisher
 
             publisher = Publisher(
                 Path(out_file).parent / "published", model_path, world, keep=1, lora=config.lora

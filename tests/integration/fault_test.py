@@ -235,7 +235,7 @@ def run_children(rl: subprocess.Popen) -> dict[str, int]:
             for kind in ("inference", "trainer", "orchestrator"):
                 if kind in names:
                     out[kind] = c.pid
-            if "prime_rl.trainer.torchrun" in cmdline:
+            if "prime_rl.trainer.parallel.torchrun" in cmdline:
                 out["trainer"] = c.pid
             if "prime_rl.inference.vllm_server" in cmdline:
                 out["inference"] = c.pid

@@ -14,10 +14,10 @@ from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import Adapter, AdapterRefused, WeightSync, request_model
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.dist import World
 from prime_rl.trainer.logprobs import forward_logprobs
-from prime_rl.trainer.publish import Publisher
-from prime_rl.trainer.trainer import Trainer
+from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.rl.trainer import Trainer
+from prime_rl.trainer.weights.publish import Publisher
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
 from grad_worker import rank_micro_batches
@@ -95,7 +95,7 @@ def test_the_served_adapter_gives_the_trainers_logprobs(lora_server, tiny_model,
         # The adapter is not the base model: the base model's own samples score differently.
         assert mismatch_kl(trainer.model, base_samples) > 1e-2
     # `export-lora` of the last step: vLLM serves the merged model, without LoRA, as the trainer's.
-    from prime_rl.trainer.export_lora import main as export_lora
+    from prime_rl.trainer.weights.export_lora import main as export_lora
 
     export_lora(["--adapter", str(out / "weights" / "step_2"), "--output", str(runs / "merged")])
     with start_vllm(runs / "merged", runs / "merged-inference", 256) as merged:

@@ -17,8 +17,9 @@ from prime_rl.orchestrator.advantages.base import CustomAdvantage
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.preflight import check_orchestrator, check_rl, env_module_name
 from prime_rl.rl.config import RLConfig
-from prime_rl.trainer.config import SFTConfig, TrainerConfig
-from prime_rl.trainer.reward_model import RewardModelTrainConfig
+from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.reward_model.config import RewardModelTrainConfig
+from prime_rl.trainer.sft.config import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,11 +109,11 @@ def test_rl_rejects_conflicting_shared_values(capsys):
 
 
 def test_every_field_has_a_docstring():
-    from prime_rl.config.cli import _leaf_paths
-    from prime_rl.trainer.export_lora import ExportLoRAConfig
+    from prime_rl.config.schema import leaf_paths
+    from prime_rl.trainer.weights.export_lora import ExportLoRAConfig
 
     for cls in (RLConfig, TrainerConfig, OrchestratorConfig, TinyModelConfig, ExportLoRAConfig):
-        missing = [".".join(p) for p, info in _leaf_paths(cls) if not (info.description or "").strip()]
+        missing = [".".join(p) for p, info in leaf_paths(cls) if not (info.description or "").strip()]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
 
 

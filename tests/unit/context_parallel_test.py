@@ -11,9 +11,9 @@ import torch
 from pydantic import ValidationError
 
 from prime_rl.trainer.config import ModelConfig, TrainerConfig
-from prime_rl.trainer.context_parallel import shard_micro_batch
-from prime_rl.trainer.dist import World, WorldError, init_world
 from prime_rl.trainer.model import ModelLoadError, load_model
+from prime_rl.trainer.parallel.context_parallel import shard_micro_batch
+from prime_rl.trainer.parallel.dist import World, WorldError, init_world
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_grad_test import run_worker

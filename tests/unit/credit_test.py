@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from prime_rl.trainer.context_parallel import shard_micro_batch
-from prime_rl.trainer.dist import World
+from prime_rl.trainer.parallel.context_parallel import shard_micro_batch
+from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.rl.credit import Credit, compose, rollout_advantages
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack

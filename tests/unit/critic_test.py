@@ -12,7 +12,7 @@ import torch
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.main import train
 from prime_rl.trainer.model import ModelLoadError
-from prime_rl.trainer.trainer import Trainer
+from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
@@ -58,7 +58,7 @@ def gae_trainer(tiny_model, tmp_path):
 
 
 def _world():
-    from prime_rl.trainer.dist import World
+    from prime_rl.trainer.parallel.dist import World
 
     return World()
 

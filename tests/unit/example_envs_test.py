@@ -9,7 +9,7 @@ import sum_digits
 
 from prime_rl.config.cli import parse_config
 from prime_rl.rl.config import RLConfig
-from prime_rl.trainer.config import SFTConfig
+from prime_rl.trainer.sft.config import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

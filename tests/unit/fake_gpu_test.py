@@ -66,7 +66,9 @@ def test_ranks_must_be_a_multiple_of_cp(tiny_model, tmp_path):
 
 
 def plan(model: Path, *flags: str) -> dict:
-    out = run("-m", "prime_rl.trainer.plan_memory", "--model", str(model), "--json", "--no-search", *flags)
+    out = run(
+        "-m", "prime_rl.trainer.gpu.plan_memory", "--model", str(model), "--json", "--no-search", *flags
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
@@ -90,6 +92,6 @@ def test_plan_memory_splits_the_peak_and_follows_the_setup(tiny_model, device):
 
 
 def test_plan_memory_names_a_bad_model(tmp_path):
-    out = run("-m", "prime_rl.trainer.plan_memory", "--model", str(tmp_path / "nothing"))
+    out = run("-m", "prime_rl.trainer.gpu.plan_memory", "--model", str(tmp_path / "nothing"))
     assert out.returncode == 2
     assert "plan-memory: error: --model" in out.stderr and "Traceback" not in out.stderr

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from prime_rl.config import parse_config
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.dist import World
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.model import ModelLoadError, load_model
+from prime_rl.trainer.parallel.dist import World
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "helpers"))
@@ -111,7 +111,7 @@ def test_the_reference_is_the_base_model_with_the_adapters_off(tiny_model, tmp_p
     from transformers import AutoModelForCausalLM
 
     from prime_rl.trainer.lora import adapters_off
-    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.trainer.rl.trainer import Trainer
 
     world = World()
     trainer = Trainer(lora_config(tiny_model, tmp_path), world)
@@ -128,8 +128,8 @@ def test_the_reference_is_the_base_model_with_the_adapters_off(tiny_model, tmp_p
 
 
 def test_a_checkpoint_holds_the_adapter_and_resumes_it(tiny_model, tmp_path):
-    from prime_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
-    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.trainer.rl.trainer import Trainer
+    from prime_rl.trainer.weights.checkpoint import load_checkpoint, save_checkpoint
 
     config = lora_config(tiny_model, tmp_path)
     world = World()
@@ -156,8 +156,8 @@ def test_the_published_adapter_is_peft_format_and_exports_as_the_trained_model(t
     from transformers import AutoModelForCausalLM
 
     from prime_rl.trainer import lora
-    from prime_rl.trainer.publish import Publisher
-    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.trainer.rl.trainer import Trainer
+    from prime_rl.trainer.weights.publish import Publisher
 
     config = lora_config(tiny_model, tmp_path)
     world = World()
@@ -177,7 +177,7 @@ def test_the_published_adapter_is_peft_format_and_exports_as_the_trained_model(t
     assert len(tensors) == 2 * 7 * trainer.model.config.num_hidden_layers
 
     # `uv run export-lora` folds it into a full model that transformers loads without peft.
-    from prime_rl.trainer.export_lora import main as export_lora
+    from prime_rl.trainer.weights.export_lora import main as export_lora
 
     export_lora(["--adapter", str(folder), "--output", str(tmp_path / "merged")])
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
@@ -192,8 +192,8 @@ def test_the_published_adapter_is_peft_format_and_exports_as_the_trained_model(t
 
 
 def test_a_full_fine_tuning_checkpoint_does_not_load_into_adapters(tiny_model, tmp_path):
-    from prime_rl.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.trainer.rl.trainer import Trainer
+    from prime_rl.trainer.weights.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     world = World()
     full = Trainer(TrainerConfig(model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path), world)

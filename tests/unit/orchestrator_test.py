@@ -364,7 +364,7 @@ def test_zero_advantage_filter_sees_through_float_noise(tmp_path):
 
 
 def test_fresh_start_refuses_a_used_output_dir(tmp_path):
-    from prime_rl.orchestrator.loop.orchestrator import RunDirError
+    from prime_rl.orchestrator.loop.progress import RunDirError
 
     with FakeServer() as server:
         run(make_config(tmp_path, server, max_steps=1))

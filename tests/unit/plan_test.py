@@ -191,7 +191,7 @@ def test_the_trainer_command_on_one_machine_and_on_each_trainer_node(tmp_path):
     assert at(RLConfig(output_dir=tmp_path)).workers[0].command[-2:] == ["@", str(cfg)]
     ranks = at(RLConfig(output_dir=tmp_path, deployment={"trainer_ranks": 2})).workers[0].command
     args = dict(zip(ranks[3::2], ranks[4::2], strict=False))
-    assert ranks[1:3] == ["-m", "prime_rl.trainer.torchrun"] and args["--nproc-per-node"] == "2"
+    assert ranks[1:3] == ["-m", "prime_rl.trainer.parallel.torchrun"] and args["--nproc-per-node"] == "2"
     assert (args["--master-addr"], args["--master-port"]) == ("127.0.0.1", str(MACHINE.master_port))
     nodes = [{"host": "10.0.0.1", "roles": ["inference", "orchestrator"]},
              {"host": "10.0.0.2", "roles": ["trainer"]}, {"host": "10.0.0.3", "roles": ["trainer"]}]  # fmt: skip
@@ -202,7 +202,7 @@ def test_the_trainer_command_on_one_machine_and_on_each_trainer_node(tmp_path):
         )
         cmd = at(config, run_id="run-7").workers[0].command
         args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
-        assert cmd[1:3] == ["-m", "prime_rl.trainer.torchrun"]
+        assert cmd[1:3] == ["-m", "prime_rl.trainer.parallel.torchrun"]
         assert args["--nproc-per-node"] == "4" and args["--nnodes"] == "2"
         assert args["--rdzv-backend"] == "c10d" and args["--rdzv-endpoint"] == "10.0.0.2:29411"
         assert args["--rdzv-id"] == "run-7" and args["--rdzv-conf"] == f"is_host={is_host}"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.trainer.config import SFTConfig, SFTDataConfig
-from prime_rl.trainer.sft import SFTDataError, read_examples, run_sft, tokenize
+from prime_rl.trainer.sft.config import SFTConfig, SFTDataConfig
+from prime_rl.trainer.sft.main import SFTDataError, read_examples, run_sft, tokenize
 
 
 def test_completion_is_exactly_what_the_template_adds(tiny_model):

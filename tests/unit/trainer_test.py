@@ -390,8 +390,8 @@ def test_two_ranks_train_checkpoint_publish_and_resume(tiny_model, tmp_path):
 
 
 def test_token_stats_match_a_hand_computation():
-    from prime_rl.trainer.dist import World
-    from prime_rl.trainer.trainer import TokenStats
+    from prime_rl.trainer.parallel.dist import World
+    from prime_rl.trainer.rl.trainer import TokenStats
 
     stats = TokenStats()
     rows = stats.rows(["a", "b", "a"])  # three samples

@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from fake_server import FakeServer
 from prime_rl.net import free_port
-from prime_rl.trainer.broadcast import Broadcaster, BroadcastError
 from prime_rl.trainer.config import WeightBroadcastConfig
-from prime_rl.trainer.dist import World
-from prime_rl.trainer.publish import Publisher
+from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.weights.broadcast import Broadcaster, BroadcastError
+from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.weight_transfer import (
     chunk_bytes,
     join_group,

@@ -12,12 +12,9 @@ as one paragraph, and the process exits with status 2.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import sys
 import tomllib
-import types
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +22,9 @@ from typing import Any, TypeVar
 
 import tomli_w
 from pydantic import BaseModel, ValidationError
+
+from prime_rl.config.help import format_help
+from prime_rl.config.schema import allows, fields_of, is_structured, leaf_paths, lookup, model_members
 
 EXIT_USAGE = 2
 """Exit status for a bad command line or config, as argparse and most Unix tools use."""
@@ -53,90 +53,6 @@ class Sources:
         # A section validated as a whole: name whatever set keys inside it.
         inside = sorted({v for k, v in self.origin.items() if k[: len(path)] == path})
         return ", ".join(inside) if inside else "defaults"
-
-
-# --------------------------------------------------------------------------------------------------
-# Schema walking: which keys exist, and what type each leaf has.
-
-
-def _unwrap(annotation: Any) -> list[Any]:
-    """The concrete types an annotation may take (Optional, Union and Annotated removed)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _unwrap(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        out = []
-        for arg in typing.get_args(annotation):
-            out.extend(_unwrap(arg))
-        return out
-    return [annotation]
-
-
-def _is_model(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, BaseModel)
-
-
-def _model_members(annotation: Any) -> list[type[BaseModel]]:
-    return [tp for tp in _unwrap(annotation) if _is_model(tp)]
-
-
-def _fields_of(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
-    """Field name -> FieldInfo over one model, or over every member of a union of models (whose
-    `type` then takes any member's value: a plugin registry's built-ins or an import path)."""
-    out: dict[str, Any] = {}
-    for model in models:
-        for name, info in model.model_fields.items():
-            out.setdefault(name, info)
-    if len(models) > 1 and "type" in out:
-        kinds = [m.model_fields["type"].annotation for m in models if "type" in m.model_fields]
-        if len(kinds) > 1:
-            merged = copy.copy(out["type"])
-            merged.annotation = typing.Union[tuple(kinds)]  # noqa: UP007 (built at run time)
-            merged.description = "Selects a built-in by name" + (
-                ", or your own function as 'package.module:function'." if str in kinds else "."
-            )
-            out["type"] = merged
-    return out
-
-
-def _lookup(cls: type[BaseModel], path: Sequence[str]) -> Any | None:
-    """The FieldInfo at a dotted path, or None if no such field exists."""
-    models: list[type[BaseModel]] = [cls]
-    info = None
-    for i, key in enumerate(path):
-        fields = _fields_of(models)
-        if key not in fields:
-            return None
-        info = fields[key]
-        models = _model_members(info.annotation)
-        if not models and i < len(path) - 1:
-            return None
-    return info
-
-
-def _leaf_paths(cls: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
-    """Every field path under a model, depth first, sections included."""
-    out = []
-    for name, info in _fields_of([cls] if _is_model(cls) else cls).items():
-        path = (*prefix, name)
-        out.append((path, info))
-        members = _model_members(info.annotation)
-        if members:
-            out.extend(_leaf_paths(members, path))  # type: ignore[arg-type]
-    return out
-
-
-def _allows(info: Any, kind: type) -> bool:
-    return any(tp is kind for tp in _unwrap(info.annotation))
-
-
-def _is_structured(info: Any) -> bool:
-    """Whether a CLI value for this field must be written as a TOML value (list, table)."""
-    for tp in _unwrap(info.annotation):
-        origin = typing.get_origin(tp) or tp
-        if origin in (list, tuple, dict, set) or _is_model(origin):
-            return True
-    return False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,12 +103,12 @@ def _set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
 
 
 def _parse_flag_value(cls: type[BaseModel], path: tuple[str, ...], raw: str, flag: str) -> Any:
-    info = _lookup(cls, path)
+    info = lookup(cls, path)
     if info is None:
         return raw  # reported as an unknown key later, with suggestions
-    if raw.lower() in ("none", "null") and _allows(info, type(None)):
+    if raw.lower() in ("none", "null") and allows(info, type(None)):
         return None
-    if _is_structured(info):
+    if is_structured(info):
         try:
             return tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
@@ -233,11 +149,11 @@ def collect_sources(cls: type[BaseModel], argv: Sequence[str]) -> Sources:
                 value: Any = _parse_flag_value(cls, path, inline, f"--{key}")
             else:
                 negated = _negated(cls, path)
-                info = _lookup(cls, path)
+                info = lookup(cls, path)
                 takes_value = i < len(args) and not args[i].startswith(("--", "@"))
                 if negated is not None:
                     path, value = negated, False
-                elif info is not None and _allows(info, bool) and not takes_value:
+                elif info is not None and allows(info, bool) and not takes_value:
                     value = True
                 elif takes_value:
                     value = _parse_flag_value(cls, path, args[i], f"--{key}")
@@ -262,7 +178,7 @@ def collect_sources(cls: type[BaseModel], argv: Sequence[str]) -> Sources:
 
 def _negated(cls: type[BaseModel], path: tuple[str, ...]) -> tuple[str, ...] | None:
     """For `--no-a.b` or `--a.no-b` naming a boolean field `a.b`, return `a.b`."""
-    if _lookup(cls, path) is not None:
+    if lookup(cls, path) is not None:
         return None
     candidates = []
     if path[0].startswith("no_"):
@@ -270,8 +186,8 @@ def _negated(cls: type[BaseModel], path: tuple[str, ...]) -> tuple[str, ...] | N
     if path[-1].startswith("no_"):
         candidates.append((*path[:-1], path[-1][3:]))
     for cand in candidates:
-        info = _lookup(cls, cand)
-        if info is not None and _allows(info, bool):
+        info = lookup(cls, cand)
+        if info is not None and allows(info, bool):
             return cand
     return None
 
@@ -289,11 +205,11 @@ def _dotted(path: Sequence[Any]) -> str:
 
 def _check_unknown_keys(cls: type[BaseModel], sources: Sources) -> None:
     """Reject keys that name no field, with the closest known key as a suggestion."""
-    known = [".".join(p) for p, _ in _leaf_paths(cls)]
+    known = [".".join(p) for p, _ in leaf_paths(cls)]
     problems = []
 
     def walk(data: dict[str, Any], models: list[type[BaseModel]], prefix: tuple[str, ...]) -> None:
-        fields = _fields_of(models)
+        fields = fields_of(models)
         for key, value in data.items():
             path = (*prefix, key)
             moved = next((m.moved_keys[key] for m in models if key in getattr(m, "moved_keys", {})), None)
@@ -303,7 +219,7 @@ def _check_unknown_keys(cls: type[BaseModel], sources: Sources) -> None:
             if key not in fields:
                 problems.append(_unknown_key_message(path, list(fields), known, sources.where(path)))
                 continue
-            members = _model_members(fields[key].annotation)
+            members = model_members(fields[key].annotation)
             if members and isinstance(value, dict):
                 walk(value, members, path)
 
@@ -330,13 +246,13 @@ def _field_loc(cls: type[BaseModel], loc: Sequence[Any]) -> tuple[tuple[Any, ...
     (e.g. 'loss.ppo.clip_low' is the field 'loss.clip_low' of the member 'ppo'), and the last tag."""
     out, tag, models = [], None, [cls]
     for part in loc:
-        if isinstance(part, str) and models and part not in _fields_of(models):
+        if isinstance(part, str) and models and part not in fields_of(models):
             tag = part  # a union member's tag, not a field
             continue
         out.append(part)
         if isinstance(part, str):
-            info = _fields_of(models).get(part) if models else None
-            models = _model_members(info.annotation) if info is not None else []
+            info = fields_of(models).get(part) if models else None
+            models = model_members(info.annotation) if info is not None else []
     return tuple(out), tag
 
 
@@ -382,67 +298,6 @@ def build_config(cls: type[C], sources: Sources) -> C:
 def to_toml(config: BaseModel) -> str:
     """The config as TOML that, read back with `@`, gives the same config."""
     return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
-
-
-def _type_name(info: Any) -> str:
-    names = []
-    for tp in _unwrap(info.annotation):
-        if tp is type(None):
-            continue
-        origin = typing.get_origin(tp)
-        if origin is typing.Literal:
-            names.append("|".join(str(a) for a in typing.get_args(tp)))
-        else:
-            name = getattr(origin or tp, "__name__", str(tp))
-            names.append(
-                {"str": "STR", "int": "INT", "float": "FLOAT", "bool": "BOOL"}.get(name, name.upper())
-            )
-    return " | ".join(names) or "VALUE"
-
-
-def format_help(cls: type[BaseModel], prog: str, commands: str = "") -> str:
-    """`commands`: lines about flags of the program's own (not config), shown under the usage."""
-    doc = (cls.__doc__ or "").strip()
-    lines = [
-        f"usage: {prog} [@ config.toml ...] [--key value ...] [--dry-run] [--help]",
-        "",
-        doc,
-        "",
-        "TOML files compose left to right (later wins, tables deep-merge); flags override files.",
-        "Booleans: --key / --no-key. Lists and tables: --key '[1, 2]'. --dry-run prints the resolved config.",
-        *([commands] if commands else []),
-        "",
-    ]
-    for path, info in _leaf_paths(cls):
-        dotted = ".".join(path)
-        desc = (info.description or "").strip()
-        if _model_members(info.annotation) and not _is_structured_leaf(info):
-            lines.append(f"[{dotted}]  {desc}")
-            continue
-        flag = f"--{dotted}"
-        if _allows(info, bool):
-            flag += f" / --no-{dotted}"
-        else:
-            flag += f" {_type_name(info)}"
-        default = info.get_default(call_default_factory=True)
-        if info.is_required():
-            shown = " [required]"
-        else:
-            shown = "" if default is None or _is_model(type(default)) else f" [default: {_show(default)}]"
-        lines.append(f"  {flag}\n      {desc}{shown}")
-    return "\n".join(lines) + "\n"
-
-
-def _is_structured_leaf(info: Any) -> bool:
-    return any(typing.get_origin(tp) in (list, dict, tuple) for tp in _unwrap(info.annotation))
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, BaseModel):
-        return str(value.model_dump(mode="json"))
-    return repr(value)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from prime_rl.orchestrator.advantages import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
-from prime_rl.orchestrator.loop.orchestrator import Orchestrator, RunDirError
+from prime_rl.orchestrator.loop.orchestrator import Orchestrator
+from prime_rl.orchestrator.loop.progress import RunDirError
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 from prime_rl.orchestrator.loop.weights import AdapterRefused, WeightSyncError
 from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing

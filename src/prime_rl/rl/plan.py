@@ -192,7 +192,13 @@ def trainer_command(d: DeploymentConfig, config_path: Path, run_id: str, master_
     store; ranks are handed out by the rendezvous, and any mapping works: each rank pulls its own
     micro-batches)."""
     module = ["-m", "prime_rl.trainer.main", "@", str(config_path)]
-    torchrun = [sys.executable, "-m", "prime_rl.trainer.torchrun", "--nproc-per-node", str(d.trainer_ranks)]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "prime_rl.trainer.parallel.torchrun",
+        "--nproc-per-node",
+        str(d.trainer_ranks),
+    ]
     trainers = hosts(d, "trainer")
     if len(trainers) > 1:
         is_host = int(d.node == next(i for i, n in enumerate(d.nodes) if "trainer" in n.roles))

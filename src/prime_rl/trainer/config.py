@@ -1,7 +1,8 @@
-"""Configuration of the trainer (`uv run trainer`) and of SFT (`uv run sft`)."""
+"""Configuration of the trainer (`uv run trainer`); SFT and reward-model training have their own
+(`sft/config.py`, `reward_model/config.py`) and share the sections defined here."""
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -292,12 +293,15 @@ class TrainerConfig(RootConfig):
 
     @model_validator(mode="after")
     def _cp_fits_the_micro_batch(self):
-        if self.seq_len < 2 * self.parallel.cp:
-            raise ValueError(
-                f"parallel.cp = {self.parallel.cp} cuts each micro-batch into {2 * self.parallel.cp} "
-                f"chunks: seq_len = {self.seq_len} must be at least that"
-            )
+        check_cp_fits(self.seq_len, self.parallel.cp)
         return self
+
+
+def check_cp_fits(seq_len: int, cp: int) -> None:
+    if seq_len < 2 * cp:
+        raise ValueError(
+            f"parallel.cp = {cp} cuts each micro-batch into {2 * cp} chunks: seq_len = {seq_len} must be at least that"
+        )
 
 
 def contract_side(config: TrainerConfig, dp: int) -> TrainerSide:
@@ -312,46 +316,3 @@ def contract_side(config: TrainerConfig, dp: int) -> TrainerSide:
         if a.batch_normalize != "none"
         else None,
     )
-
-
-class SFTDataConfig(BaseConfig):
-    """Where SFT examples come from: a local JSONL, or an env's dataset (prompt + answer)."""
-
-    path: Path | None = None
-    """JSONL with {"messages": [...]} (trained on the assistant turns at the end) or {"prompt", "completion"};
-    a row may add "tools": [...] (OpenAI tool definitions, rendered by the chat template as in inference)."""
-
-    env_id: str | None = None
-    """Instead of a file: a verifiers env whose dataset rows give the prompt and `answer` the completion."""
-
-    env_args: dict[str, Any] = {}
-    """Keyword arguments of the env's load_environment."""
-
-    answer_format: str = "{answer}"
-    """With env_id: the completion text, where `{answer}` stands for the row's answer (e.g. "<answer>{answer}</answer>")."""
-
-    @field_validator("answer_format")
-    @classmethod
-    def _has_answer(cls, v: str) -> str:
-        if "{answer}" not in v:
-            raise ValueError("must contain {answer}, where the row's answer goes")
-        return v
-
-    num_examples: int | None = Field(default=None, ge=1)
-    """Use only the first this many examples."""
-
-    seed: int = 0
-    """Shuffle seed (each epoch is reshuffled)."""
-
-
-class SFTConfig(TrainerConfig):
-    """sft: supervised fine-tuning on chat examples (loss on completion tokens only), e.g. to warm up a model for RL."""
-
-    data: SFTDataConfig = SFTDataConfig()
-    """The examples."""
-
-    batch_size: int = Field(default=32, ge=1)
-    """Examples per optimizer step (over all ranks)."""
-
-    save_dir: Path | None = None
-    """Also save the final model as an HF folder here (default: <output_dir>/model)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from prime_rl.contract import ContractError, OrchestratorSide, TrainerSide, problems
-from prime_rl.trainer.dist import World
+from prime_rl.trainer.parallel.dist import World
 from prime_rl.transport.base import Receiver, TransportError
 from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import Hello, MicroBatch, decode, encode

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from prime_rl.disk import writing
-from prime_rl.trainer.dist import World
-from prime_rl.trainer.trainer import MicroBatchResult
+from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.rl.trainer import MicroBatchResult
 
 
 def _clean(values: list[float]) -> list[float | None]:

@@ -21,22 +21,22 @@ from prime_rl.layout import refusal_path
 from prime_rl.logging_setup import setup_logging
 from prime_rl.plugins import PluginError
 from prime_rl.preflight import check_trainer
-from prime_rl.trainer.checkpoint import (
+from prime_rl.trainer.config import TrainerConfig, contract_side
+from prime_rl.trainer.data import StepReceiver, share_with_cp_group
+from prime_rl.trainer.estimators import TokenAdvantageError
+from prime_rl.trainer.losses import LossFn
+from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, out_of_memory
+from prime_rl.trainer.model import ModelLoadError
+from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
+from prime_rl.trainer.rl.trainer import Trainer
+from prime_rl.trainer.weights.checkpoint import (
     CheckpointError,
     checkpoint_root,
     choose_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from prime_rl.trainer.config import TrainerConfig, contract_side
-from prime_rl.trainer.data import StepReceiver, share_with_cp_group
-from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
-from prime_rl.trainer.estimators import TokenAdvantageError
-from prime_rl.trainer.losses import LossFn
-from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, out_of_memory
-from prime_rl.trainer.model import ModelLoadError
-from prime_rl.trainer.publish import Publisher
-from prime_rl.trainer.trainer import Trainer
+from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.transport import TransportError, make_receiver
 from prime_rl.transport.config import resolve_run_id
 
@@ -91,7 +91,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         log.info("resumed from checkpoint step %d", start)
     broadcaster = None
     if config.weight_broadcast.type == "collective":
-        from prime_rl.trainer.broadcast import Broadcaster
+        from prime_rl.trainer.weights.broadcast import Broadcaster
 
         broadcaster = Broadcaster(config.weight_broadcast)
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, broadcaster, config.lora)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     argv, fake_gpu, ranks = fake_gpu_flags(sys.argv[1:] if argv is None else list(argv))
     config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer, commands=FAKE_GPU_HELP)
     if fake_gpu:
-        from prime_rl.trainer.dry_run import main_dry_run
+        from prime_rl.trainer.gpu.dry_run import main_dry_run
 
         setup_logging("trainer")
         return main_dry_run(config, ranks)

@@ -14,9 +14,9 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from prime_rl.trainer import lora as lora_layers
 from prime_rl.trainer.config import LoRAConfig, ModelConfig
-from prime_rl.trainer.context_parallel import cp_attention_problem, enable_cp_attention
-from prime_rl.trainer.dist import World
 from prime_rl.trainer.logprobs import attach_position_logprobs
+from prime_rl.trainer.parallel.context_parallel import cp_attention_problem, enable_cp_attention
+from prime_rl.trainer.parallel.dist import World
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -76,7 +76,7 @@ def instantiate(auto_cls, name: str, dtype: str, world: World) -> torch.nn.Modul
 def place(module: torch.nn.Module, world: World) -> None:
     """Move `module` to the training device (a dry run's meta module gets fake tensors there)."""
     if world.fake:
-        from prime_rl.trainer.fake_gpu import materialize
+        from prime_rl.trainer.gpu.fake_gpu import materialize
 
         materialize(module, world.device)
     else:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
-import random
 import signal
 import threading
 import time
@@ -32,20 +30,20 @@ from prime_rl.orchestrator.config import OrchestratorConfig, contract_side
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 from prime_rl.orchestrator.loop.eval import Evaluator
 from prime_rl.orchestrator.loop.examples import Env, ExampleSource
+from prime_rl.orchestrator.loop.handshake import wait_for_refusal
 from prime_rl.orchestrator.loop.health import ServerHealth
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup, PipelineConfig, StepBuild, build_step
 from prime_rl.orchestrator.loop.progress import (
     Progress,
     cursor_from_json,
     load_batch,
-    load_progress,
-    rng_from_json,
+    restore,
     rng_to_json,
     save_batch,
     save_progress,
 )
 from prime_rl.orchestrator.loop.records import step_records, write_jsonl
-from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting, Scheduler
+from prime_rl.orchestrator.loop.scheduler import Accounting, Scheduler
 from prime_rl.orchestrator.loop.sender import BatchSender
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.step_metrics import (
@@ -63,21 +61,6 @@ from prime_rl.transport.messages import MicroBatch, TrainingBatch
 from prime_rl.transport.packing import pack
 
 log = logging.getLogger("prime_rl.orchestrator")
-
-
-REFUSAL_POLL_S = 0.5
-"""How often to look for the trainer's refusal of the run contract."""
-
-
-def read_refusal(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-class RunDirError(RuntimeError):
-    """The output folder does not fit the requested start (fresh or resumed)."""
 
 
 @dataclass
@@ -108,32 +91,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ setup
 
-    def _restore(self) -> tuple[Progress, random.Random, Accounting]:
-        if not self.config.resume:
-            leftovers = [
-                p
-                for p in ("orchestrator/progress.json", "weights", "transport")
-                if (self.output_dir / p).exists()
-            ]
-            if leftovers:
-                raise RunDirError(
-                    f"output_dir '{self.output_dir}' holds a previous run ({', '.join(leftovers)}) and resume = false: "
-                    "choose a new output_dir, delete the old one, or set resume = true to continue it"
-                )
-        progress = load_progress(self.output_dir) if self.config.resume else None
-        if progress is None:
-            return Progress(), random.Random(self.config.seed), Accounting()
-        acc = Accounting.from_snapshot(progress.accounting)
-        # Rollouts that were in flight or waiting when the previous process died are gone: stale.
-        for env, n in acc.dispatched.items():
-            lost = n - sum(acc.buckets[b][env] for b in BUCKETS)
-            acc.add("stale", env, lost)
-        log.info("resuming at step %d from %s", progress.step, self.output_dir / "orchestrator")
-        return progress, rng_from_json(progress.rng_state), acc
-
     async def setup(self) -> Progress:
         c = self.config
-        progress, rng, acc = self._restore()
+        progress, rng, acc = restore(self.config)
         cursors = progress.cursors
         train, evals = await self.env_side.start()
         self.envs = [
@@ -214,7 +174,7 @@ class Orchestrator:
         a refusal from it stops the run with the trainer's line, whatever the run is doing."""
         self.sender = BatchSender(self.config)
         self.sender.hello(self.run_id, self.contract)
-        watch = asyncio.create_task(self._watch_refusal(asyncio.current_task()), name="contract")
+        watch = asyncio.create_task(self._stop_on_refusal(asyncio.current_task()), name="contract")
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -225,17 +185,9 @@ class Orchestrator:
             watch.cancel()
             await self.sender.close(deliver=False)  # a no-op after a clean end
 
-    async def _watch_refusal(self, main: asyncio.Task) -> None:
-        path = refusal_path(self.output_dir)
-        while True:
-            record = await asyncio.to_thread(read_refusal, path)
-            if record is not None and record.get("session") == self.contract.session:
-                self.refused = ContractError(
-                    f"the trainer refused this orchestrator's config: {record['message']}"
-                )
-                main.cancel()
-                return
-            await asyncio.sleep(REFUSAL_POLL_S)
+    async def _stop_on_refusal(self, main: asyncio.Task) -> None:
+        self.refused = await wait_for_refusal(refusal_path(self.output_dir), self.contract.session)
+        main.cancel()
 
     async def _run(self) -> None:
         try:

@@ -13,14 +13,18 @@ batches. Examples that were in flight at the crash are not drawn again (they cou
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prime_rl.orchestrator.loop.examples import Cursor
+from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting
 from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import TrainingBatch, decode, encode
+
+log = logging.getLogger("prime_rl.orchestrator")
 
 KEEP_BATCHES = 4
 """Saved batches kept before the oldest kept trainer checkpoint (a margin: that checkpoint is only
@@ -88,3 +92,30 @@ def rng_from_json(data: Any) -> random.Random:
 
 def cursor_from_json(data: list[int] | None) -> Cursor | None:
     return Cursor(*data) if data else None
+
+
+class RunDirError(RuntimeError):
+    """The output folder does not fit the requested start (fresh or resumed)."""
+
+
+def restore(config) -> tuple[Progress, random.Random, Accounting]:
+    """Where an orchestrator of this config starts: fresh, or from its progress checkpoint (the
+    rollouts in flight when the previous process died are counted as stale)."""
+    output_dir = Path(config.output_dir)
+    if not config.resume:
+        leftovers = [
+            p for p in ("orchestrator/progress.json", "weights", "transport") if (output_dir / p).exists()
+        ]
+        if leftovers:
+            raise RunDirError(
+                f"output_dir '{output_dir}' holds a previous run ({', '.join(leftovers)}) and resume = false: "
+                "choose a new output_dir, delete the old one, or set resume = true to continue it"
+            )
+    progress = load_progress(output_dir) if config.resume else None
+    if progress is None:
+        return Progress(), random.Random(config.seed), Accounting()
+    acc = Accounting.from_snapshot(progress.accounting)
+    for env, n in acc.dispatched.items():
+        acc.add("stale", env, n - sum(acc.buckets[b][env] for b in BUCKETS))
+    log.info("resuming at step %d from %s", progress.step, output_dir / "orchestrator")
+    return progress, rng_from_json(progress.rng_state), acc

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from prime_rl.config import BaseConfig
-from prime_rl.trainer.returns import TokenGrid
+from prime_rl.trainer.rl.returns import TokenGrid
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from prime_rl.trainer.estimators.base import (
     TokenAdvantageInputs,
     TokenAdvantageOutputs,
 )
-from prime_rl.trainer.returns import gae, terminal_rewards
+from prime_rl.trainer.rl.returns import gae, terminal_rewards
 
 
 class GAE(EstimatorBase):

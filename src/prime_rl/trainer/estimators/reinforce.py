@@ -17,7 +17,7 @@ from pydantic import Field
 
 from prime_rl.plugins import Builtin
 from prime_rl.trainer.estimators.base import EstimatorBase, TokenAdvantageInputs, TokenAdvantageOutputs
-from prime_rl.trainer.returns import discounted_returns
+from prime_rl.trainer.rl.returns import discounted_returns
 
 
 class Reinforce(EstimatorBase):

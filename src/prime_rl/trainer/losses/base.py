@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from prime_rl.config import BaseConfig
-from prime_rl.trainer.returns import sample_index
+from prime_rl.trainer.rl.returns import sample_index
 
 
 @dataclass

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from prime_rl.trainer.dist import World, all_reduce_sum
-from prime_rl.trainer.returns import sample_index
+from prime_rl.trainer.parallel.dist import World, all_reduce_sum
+from prime_rl.trainer.rl.returns import sample_index
 
 STD_EPS = 1e-6
 

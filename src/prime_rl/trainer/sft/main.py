@@ -18,13 +18,13 @@ from typing import Any, NamedTuple
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
-from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
-from prime_rl.trainer.config import SFTConfig, SFTDataConfig
-from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.losses import LossInputs, LossOutputs
 from prime_rl.trainer.main import NEEDS_USER, USER_ERRORS, resume_step
-from prime_rl.trainer.publish import Publisher
-from prime_rl.trainer.trainer import Trainer
+from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
+from prime_rl.trainer.rl.trainer import Trainer
+from prime_rl.trainer.sft.config import SFTConfig, SFTDataConfig
+from prime_rl.trainer.weights.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
+from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
@@ -155,7 +155,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
         if len(s) > config.seq_len:
             raise SFTDataError(f"{ex.where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
         samples.append(s)
-    trainer = Trainer(config, world, loss_fn=sft_loss)
+    trainer = Trainer(config.trainer_config(), world, loss_fn=sft_loss)
     start = resume_step(config, world)
     if start:
         load_checkpoint(

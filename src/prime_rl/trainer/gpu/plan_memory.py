@@ -93,7 +93,7 @@ def predict(args, folder: str, tokens: int) -> dict[str, int]:
     """Bytes per category at rank 0's peak for micro-batches of `tokens` tokens."""
     import torch
 
-    from prime_rl.trainer.dry_run import dry_run
+    from prime_rl.trainer.gpu.dry_run import dry_run
 
     device = torch.device("cpu") if args.device == "cpu" else None
     report = dry_run(trainer_config(args, folder, tokens), dp=args.dp, cp=args.cp,
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.dp < 1 or args.cp < 1 or args.seq_len < 2:
         ap.error("--dp and --cp must be at least 1 and --seq-len at least 2")
 
-    from prime_rl.trainer.dist import exit_now
-    from prime_rl.trainer.dry_run import DryRunError
+    from prime_rl.trainer.gpu.dry_run import DryRunError
+    from prime_rl.trainer.parallel.dist import exit_now
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:

@@ -1,4 +1,4 @@
-"""torchrun that keeps its ranks' exit status: `python -m prime_rl.trainer.torchrun <torchrun args>`.
+"""torchrun that keeps its ranks' exit status: `python -m prime_rl.trainer.parallel.torchrun <torchrun args>`.
 
 torchrun ends with status 1 whenever a rank fails. `rl` must tell an error that a restart would
 repeat (a rank's status 2: a config, model, checkpoint or disk error) from a crash or a kill, so this

@@ -32,8 +32,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from prime_rl.trainer.dist import exit_now
-from prime_rl.trainer.fake_gpu import FAKE_GPU, FakeMode, cuda_attention, install_fake_gpu
+from prime_rl.trainer.gpu.fake_gpu import FAKE_GPU, FakeMode, cuda_attention, install_fake_gpu
+from prime_rl.trainer.parallel.dist import exit_now
 
 _TENSOR_COLLECTIVES = (
     "all_reduce",
@@ -119,13 +119,13 @@ _LIBRARY_DIRS = tuple({os.path.dirname(os.path.dirname(torch.__file__)), os.path
 def _code_line(tb) -> str:
     """`file:line (code)` of the innermost frame in the project's or the user's code; when that is
     inside the World helpers of `dist.py`, their caller's line, which is the one to fix."""
-    from prime_rl.trainer import fake_gpu
+    from prime_rl.trainer.gpu import fake_gpu
 
     ours_not = {os.path.abspath(__file__), os.path.abspath(fake_gpu.__file__)}  # the dry run's machinery
     frames = [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) not in ours_not]
     ours = [f for f in frames if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS)]
     helper = None
-    while len(ours) > 1 and ours[-1].filename.endswith(os.path.join("trainer", "dist.py")):
+    while len(ours) > 1 and ours[-1].filename.endswith(os.path.join("parallel", "dist.py")):
         helper = helper or ours[-1]
         ours.pop()
     frame = (ours or frames or [None])[-1]
@@ -217,7 +217,7 @@ def fake_world(dp: int, cp: int, device: torch.device):
     """Rank 0 of a dp x cp world in a fake process group (collectives return at once)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from prime_rl.trainer.dist import arrange
+    from prime_rl.trainer.parallel.dist import arrange
 
     if dist.is_initialized():
         raise DryRunError("a process group already exists in this process; the dry run needs its own")
@@ -243,7 +243,7 @@ def dry_run(
     micro-batches of `tokens` (default: seq_len) synthetic tokens. Raises DryRunError (one line).
     `measure(trainer, micro_batches, step) -> dict` runs the step instead, its result the report's
     `peak` (plan-memory counts the step's memory so)."""
-    from prime_rl.trainer.trainer import Trainer
+    from prime_rl.trainer.rl.trainer import Trainer
 
     device = device or install_fake_gpu()
     cp = cp or config.parallel.cp

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from prime_rl.trainer.returns import sample_index
+from prime_rl.trainer.rl.returns import sample_index
 
 
 def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from prime_rl.disk import writing
 from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
-from prime_rl.trainer.dist import World
+from prime_rl.trainer.parallel.dist import World
 
 __all__ = ["checkpoint_root", "choose_checkpoint", "complete_steps", "load_checkpoint", "save_checkpoint"]
 

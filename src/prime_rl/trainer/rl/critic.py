@@ -12,9 +12,9 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from prime_rl.trainer.config import CriticConfig, LoRAConfig, ModelConfig
-from prime_rl.trainer.context_parallel import cp_attention_problem, enable_cp_attention
-from prime_rl.trainer.dist import World
 from prime_rl.trainer.model import DTYPES, ModelLoadError, add_adapters, building, instantiate, place
+from prime_rl.trainer.parallel.context_parallel import cp_attention_problem, enable_cp_attention
+from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 
 
 class ValueModel(torch.nn.Module):
@@ -86,3 +86,21 @@ def value_loss(
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
     plain, bounded = (values - returns) ** 2, (clipped - returns) ** 2
     return 0.5 * torch.maximum(plain, bounded) * mask, (bounded > plain) & mask
+
+
+def explained_variance(prepared: list, world: World) -> float:
+    """1 - Var(returns - old values) / Var(returns) over the step's model tokens on all ranks (of
+    the trainer's prepared micro-batches: their masks, returns and old values)."""
+    sums = world.scalars(0.0, 0.0, 0.0, 0.0, 0.0)
+    for p in prepared:
+        mask = p.t["loss_mask"] & p.t["owned"]
+        w = mask.double()
+        r, v = p.returns.double() * w, p.old_values.double() * w
+        d = r - v
+        sums += torch.stack([w.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()])
+    n, rs, rss, ds, dss = world.host(all_reduce_sum(sums, world))
+    if n < 2:
+        return float("nan")
+    var_r = rss / n - (rs / n) ** 2
+    var_d = dss / n - (ds / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else float("nan")

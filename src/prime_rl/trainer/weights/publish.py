@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from prime_rl.disk import writing
 from prime_rl.layout import BROADCAST, READY, marked_steps, step_dir, weights_root
 from prime_rl.trainer import lora as lora_files
-from prime_rl.trainer.broadcast import Broadcaster, BroadcastError
 from prime_rl.trainer.config import LoRAConfig
-from prime_rl.trainer.dist import World
+from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.weights.broadcast import Broadcaster, BroadcastError
 
 log = logging.getLogger(__name__)
 
