@@ -246,13 +246,16 @@ def orchestrator_cmd(tmp_path: Path, server_url: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_ctrl_c_stops_an_orchestrator_waiting_for_inference(tmp_path):
+# SIGTERM too: while it waited for inference, a loaded verifiers env's own handler ended it silently.
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_an_orchestrator_waiting_for_inference(tmp_path, sig):
     orch = Waiting(orchestrator_cmd(tmp_path, f"http://127.0.0.1:{free_port()}"), tmp_path / "orch.log")
     orch.wait_for(lambda: "checking inference at" in orch.output(), "the orchestrator to wait for inference")
-    orch.stop(signal.SIGINT)
+    orch.stop(sig)
 
 
-def test_ctrl_c_stops_an_orchestrator_waiting_for_the_trainer(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_an_orchestrator_waiting_for_the_trainer(tmp_path, sig):
     server = ServerProcess(delay_s=0.0)
     server.start()
     try:
@@ -260,7 +263,7 @@ def test_ctrl_c_stops_an_orchestrator_waiting_for_the_trainer(tmp_path):
         # Step 0 is committed, then sent: with no trainer to take it, the send waits.
         progress = tmp_path / "run" / "orchestrator" / "progress.json"
         orch.wait_for(progress.exists, "the orchestrator to wait for the trainer")
-        orch.stop(signal.SIGINT)
+        orch.stop(sig)
     finally:
         server.kill()
 
