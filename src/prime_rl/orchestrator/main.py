@@ -1,4 +1,4 @@
-"""`uv run orchestrator @ orch.toml`."""
+"""`uv run orchestrator @ orchestrator.toml` (e.g. configs/reverse_text/orchestrator.toml)."""
 
 import asyncio
 import os

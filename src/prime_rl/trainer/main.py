@@ -1,4 +1,5 @@
-"""`uv run trainer @ trainer.toml`; several ranks: `uv run torchrun --nproc-per-node N -m prime_rl.trainer.main @ ...`.
+"""`uv run trainer @ trainer.toml`; several ranks: `uv run python -m prime_rl.trainer.torchrun
+--nproc-per-node N -m prime_rl.trainer.main @ trainer.toml`.
 
 The loop per step: receive this rank's micro-batches, train, publish the weights of step + 1,
 export tokens and checkpoint when configured, log one line.
