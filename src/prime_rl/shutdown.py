@@ -45,7 +45,7 @@ class Stopped(BaseException):
 
 
 class _State:
-    lock = threading.Lock()
+    lock = threading.RLock()  # re-entered when a second signal's handler runs while the main thread holds it
     sig: signal.Signals | None = None
     raised = False
     said = False
