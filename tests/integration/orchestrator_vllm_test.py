@@ -16,9 +16,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_orchestrator_streams_micro_batches_from_real_rollouts(server, tmp_path):
-    base, model, _ = server
+    base, model, weights_dir = server
     port = free_port()
-    out = tmp_path / "run"
+    # A run folder under the server's weights dir, which it loads from (checked at start-up); no
+    # trainer publishes into it, so the server keeps its weights.
+    out = weights_dir / f"orchestrator-{tmp_path.name}"
     toml = tmp_path / "orch.toml"
     toml.write_text(
         f"""

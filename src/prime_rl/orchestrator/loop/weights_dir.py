@@ -50,10 +50,13 @@ async def check_weights_dirs(
 
 
 async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool) -> Path | None:
-    """Where `server` loads weights (or adapters) from, None if it does not say."""
+    """Where `server` loads weights (or adapters) from, None if it does not say. (A server without
+    LoRA says None for adapters: claiming the adapter's name reports that, in its own words.)"""
     route, key = (ADAPTERS_ROUTE, "root") if adapter else (WEIGHTS_ROUTE, "weights_dir")
     try:
         resp = await http.get(f"{server.root_url}{route}")
-        return Path(resp.json()[key]) if resp.status_code == 200 else None
+        if resp.status_code != 200 or (adapter and not resp.json().get("enabled")):
+            return None
+        return Path(resp.json()[key])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
