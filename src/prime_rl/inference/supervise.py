@@ -6,7 +6,7 @@ stopped while serving). On the first SIGINT or SIGTERM this process stops vLLM's
 (SIGTERM, then SIGKILL after STOP_WAIT_S), says one line and exits with 128 + the signal; vLLM's
 output from then on goes to `<output_dir>/inference/stop.log`, not the console. If this process is
 killed, vLLM gets SIGTERM (the parent-death signal), so no server outlives it. Otherwise vLLM's
-output passes through unchanged and its exit status is this process's.
+output passes through unchanged, byte for byte, and its exit status is this process's.
 """
 
 from __future__ import annotations
