@@ -49,7 +49,7 @@ def bare_step(model, optimizer, tensors) -> None:
         ids, pos = t["input_ids"], t["position_ids"]
         logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0, :-1].float()
         logp = F.log_softmax(logits, -1).gather(-1, ids[1:, None]).squeeze(-1)
-        loss = -(logp * t["advantages"][1:] * t["loss_mask"][1:]).sum() / tokens
+        loss = -(logp * t["rollout_advantages"][1:] * t["loss_mask"][1:]).sum() / tokens
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()

@@ -8,6 +8,8 @@
   written last, so only folders with `READY` are loaded. With the collective weight broadcast the
   folder holds only `BROADCAST` (the servers that took the weights in memory) and `READY`, unless the
   broadcast failed and the files were written instead.
+- `trainer/refused.json`: written by a trainer whose config cannot work with the orchestrator's
+  (the run contract); the orchestrator of that session stops with the same line.
 - `restarts.jsonl`: one record per process `rl` restarted (`deployment.max_restarts`): time,
   process, the status it died with, and its restart count.
 - `orchestrator/` (progress, metrics, saved batches), `trainer/` (metrics), `rollouts/step_<N>.jsonl`,
@@ -61,6 +63,12 @@ def latest_ready_step(root: Path) -> int | None:
     """The newest step with published weights under `root` (a `weights_root`), or None."""
     steps = marked_steps(root, READY)
     return steps[-1] if steps else None
+
+
+def refusal_path(output_dir: Path) -> Path:
+    """Where a trainer that refused the orchestrator's side of the run contract says why
+    (`prime_rl.contract`): JSON with the orchestrator's session and the one-line reason."""
+    return Path(output_dir) / "trainer" / "refused.json"
 
 
 def restarts_path(output_dir: Path) -> Path:

@@ -15,7 +15,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.config import ConfigError
-from prime_rl.orchestrator.config import CustomAdvantage
 
 if TYPE_CHECKING:
     from prime_rl.orchestrator.config import OrchestratorConfig
@@ -89,14 +88,19 @@ def import_path_problem(key: str, import_path: str) -> str | None:
     return None
 
 
+def plugin_problem(key: str, config: Any) -> str | None:
+    """Why the user's function that a plugin section names (`type` = an import path) cannot load."""
+    from prime_rl.plugins import is_import_path
+
+    return import_path_problem(f"{key}.type", config.type) if is_import_path(config.type) else None
+
+
 def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[str]:
     problems = [env_problem(f"{prefix}envs[{i}]", e.id, e.args) for i, e in enumerate(config.envs)]
     problems += [env_problem(f"{prefix}eval.envs[{i}]", e.id, e.args) for i, e in enumerate(config.eval.envs)]
     advantages = [(f"{prefix}advantage", config.advantage)]
     advantages += [(f"{prefix}envs[{i}].advantage", env.advantage) for i, env in enumerate(config.envs)]
-    for key, advantage in advantages:
-        if isinstance(advantage, CustomAdvantage):
-            problems.append(import_path_problem(f"{key}.import_path", advantage.import_path))
+    problems += [plugin_problem(key, advantage) for key, advantage in advantages if advantage is not None]
     if config.teacher is not None and config.teacher.model:
         problems.append(teacher_problem(f"{prefix}teacher.model", config.teacher.model, config.model.name))
     for i, env in enumerate(config.envs):
@@ -131,9 +135,10 @@ def reward_model_problem(key: str, path: str) -> str | None:
 
 
 def trainer_problems(config: TrainerConfig, prefix: str = "") -> list[str]:
-    paths = [("loss.custom_import_path", config.loss.custom_import_path),
-             ("advantage.import_path", config.advantage.import_path)]  # fmt: skip
-    problems = [import_path_problem(f"{prefix}{key}", path) for key, path in paths if path]
+    problems = [
+        plugin_problem(f"{prefix}loss", config.loss),
+        plugin_problem(f"{prefix}advantage", config.advantage),
+    ]
     if config.weight_broadcast.type == "collective" and not config.weight_broadcast.servers and not prefix:
         # (Under rl the servers are filled in from the deployment.)
         problems.append(

@@ -2,7 +2,7 @@
 
 import math
 
-from prime_rl.orchestrator.loop.advantage import AdvantageInputs, AdvantageOutputs
+from prime_rl.orchestrator.advantages import AdvantageInputs, AdvantageOutputs
 
 
 def scaled_rank(inputs: AdvantageInputs, scale: float = 1.0) -> AdvantageOutputs:

@@ -18,7 +18,7 @@ import torch
 
 def cpu_loss(inputs, **kwargs):
     """A user's loss plugin that builds a tensor without a device: it works on CPU, not on a GPU."""
-    from prime_rl.trainer.loss import LossOutputs
+    from prime_rl.trainer.losses import LossOutputs
 
     weight = torch.ones(inputs.loss_mask.shape[0])  # on the CPU, whatever the trainer's device
     return LossOutputs(-inputs.trainer_logprobs * inputs.advantages * inputs.loss_mask * weight)

@@ -37,6 +37,8 @@ from prime_rl.layout import checkpoint_root, complete_steps
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.loop.progress import load_batch
 from prime_rl.rl.config import RLConfig
+from prime_rl.rl.machine import here
+from prime_rl.rl.plan import plan
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.packing import pack
 from small_disk import small_disk
@@ -162,9 +164,10 @@ def test_inference_then_orchestrator_killed_and_restarted_while_the_trainer_runs
     # Synchronous, so the sampler's and the trainer's logprobs agree unless the weights differ.
     cfg = parse_config(RLConfig, ["@", str(toml), "--max-async-level", "0"])
     paths = {}
-    for name, c in zip(("inference", "orchestrator", "trainer"), cfg.resolved(), strict=True):
+    wired = plan(cfg, here(cfg))
+    for name in ("inference", "orchestrator", "trainer"):
         paths[name] = tmp_path / f"{name}.toml"
-        paths[name].write_text(to_toml(c))
+        paths[name].write_text(to_toml(getattr(wired, name)))
     run, logs = tmp_path / "run", tmp_path
     url = f"http://127.0.0.1:{cfg.inference.server.port}"
     procs = {}

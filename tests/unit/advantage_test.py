@@ -4,19 +4,18 @@ import math
 
 import pytest
 
-from prime_rl.orchestrator.config import (
-    CustomAdvantage,
-    GRPOAdvantage,
-    ReinforceBaselineAdvantage,
-    RLOOAdvantage,
-)
-from prime_rl.orchestrator.loop.advantage import (
+from prime_rl.orchestrator.advantages import (
+    ADVANTAGES,
     Advantage,
     AdvantageError,
     AdvantageInputs,
     AdvantageOutputs,
-    batch_whiten,
+    build_advantage,
 )
+from prime_rl.orchestrator.advantages.base import CustomAdvantage
+from prime_rl.orchestrator.advantages.grpo import GRPOAdvantage
+from prime_rl.orchestrator.advantages.reinforce_baseline import ReinforceBaselineAdvantage
+from prime_rl.orchestrator.advantages.rloo import RLOOAdvantage
 from prime_rl.orchestrator.rollout import Rollout
 
 
@@ -25,22 +24,24 @@ def group(*rewards: float) -> AdvantageInputs:
 
 
 def test_grpo_is_reward_minus_group_mean_optionally_std_normalized():
-    assert Advantage.from_config(GRPOAdvantage())(group(1, 0, 0, 1)).advantages == [0.5, -0.5, -0.5, 0.5]
-    out = Advantage.from_config(GRPOAdvantage(std_normalize=True))(group(1, 0, 0, 1)).advantages
+    assert build_advantage(GRPOAdvantage())(group(1, 0, 0, 1)).advantages == [0.5, -0.5, -0.5, 0.5]
+    out = build_advantage(GRPOAdvantage(std_normalize=True))(group(1, 0, 0, 1)).advantages
     assert all(math.isclose(abs(a), 1.0, rel_tol=1e-5) for a in out)
 
 
 def test_rloo_uses_the_mean_of_the_others():
-    assert Advantage.from_config(RLOOAdvantage())(group(1, 0, 0)).advantages == [1.0, -0.5, -0.5]
+    assert build_advantage(RLOOAdvantage())(group(1, 0, 0)).advantages == [1.0, -0.5, -0.5]
 
 
-def test_reinforce_baseline_whitens_over_the_batch():
-    fn = Advantage.from_config(ReinforceBaselineAdvantage())
-    assert fn.batch_normalize == "all" and Advantage.from_config(GRPOAdvantage()).batch_normalize == "none"
-    advs = fn(group(2, 0)).advantages + fn(group(1, 1)).advantages + [0.5]
-    out = batch_whiten(advs)
-    assert math.isclose(sum(out), 0.0, abs_tol=1e-9)
-    assert math.isclose(sum(x * x for x in out) / len(out), 1.0, rel_tol=1e-4)
+def test_reinforce_baseline_is_the_group_mean_baseline_and_asks_the_trainer_to_whiten():
+    fn = build_advantage(ReinforceBaselineAdvantage())
+    assert fn(group(2, 0)).advantages == [1.0, -1.0]
+    assert ReinforceBaselineAdvantage().expects_batch_normalization
+    assert not any(
+        b.config().expects_batch_normalization
+        for n, b in ADVANTAGES.builtins.items()
+        if n != "reinforce_baseline"
+    )
 
 
 def test_singleton_group_gets_zero_without_calling_the_function():
@@ -70,6 +71,6 @@ def test_bad_outputs_name_the_env_example_and_function(fn, message):
 
 def test_custom_import_path_errors():
     with pytest.raises(AdvantageError, match="must look like"):
-        Advantage.from_config(CustomAdvantage(import_path="nodots"))
+        build_advantage(CustomAdvantage(type="nodots:"))
     with pytest.raises(AdvantageError, match="cannot import"):
-        Advantage.from_config(CustomAdvantage(import_path="no_such_pkg.mod:fn"))
+        build_advantage(CustomAdvantage(type="no_such_pkg.mod:fn"))

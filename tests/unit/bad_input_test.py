@@ -99,18 +99,23 @@ def test_max_model_len_beyond_the_model_is_named(tmp_path, short_context_model, 
          ["orchestrator.eval.envs[0].id = 'custom-advantages'", "no function load_environment"]),
         (["--orchestrator.envs", '[{id = "reverse-text", args = {nope = 1}}]'],
          ["orchestrator.envs[0].args = {'nope': 1}", "unexpected keyword argument 'nope'"]),
-        (["--orchestrator.advantage", '{type = "custom", import_path = "no_such_module:fn"}'],
-         ["orchestrator.advantage.import_path = 'no_such_module:fn'", "cannot import 'no_such_module'"]),
-        (["--trainer.loss.custom-import-path", "custom_advantages:no_such_fn"],
-         ["trainer.loss.custom_import_path = 'custom_advantages:no_such_fn'", "no function 'no_such_fn'"]),
-        (["--trainer.advantage", '{type = "custom", import_path = "custom_advantages:no_such_fn"}'],
-         ["trainer.advantage.import_path = 'custom_advantages:no_such_fn'", "no function 'no_such_fn'"]),
+        (["--orchestrator.advantage.type", "no_such_module:fn"],
+         ["orchestrator.advantage.type = 'no_such_module:fn'", "cannot import 'no_such_module'"]),
+        (["--trainer.loss.type", "custom_advantages:no_such_fn"],
+         ["trainer.loss.type = 'custom_advantages:no_such_fn'", "no function 'no_such_fn'"]),
+        (["--trainer.advantage.type", "custom_advantages:no_such_fn"],
+         ["trainer.advantage.type = 'custom_advantages:no_such_fn'", "no function 'no_such_fn'"]),
         (["--trainer.advantage.gamma", "1.5"], ["'trainer.advantage.gamma' = '1.5'", "less than or equal to 1"]),
-        (["--trainer.advantage.lam", "-0.1"], ["'trainer.advantage.lam' = '-0.1'", "greater than or equal to 0"]),
+        (["--trainer.advantage.type", "gae", "--trainer.advantage.lam", "-0.1"],
+         ["'trainer.advantage.lam' = '-0.1'", "greater than or equal to 0"]),
+        (["--trainer.advantage.lam", "0.5"], ["'trainer.advantage.lam' = '0.5'", "not a setting of type = 'reinforce'"]),
         (["--trainer.critic.path", "./no_such_critic"], ["'trainer.critic.path' = './no_such_critic'", "no model folder"]),
-        (["--trainer.advantage.type", "gae"], ["'gae' trains the critic on every group", "orchestrator.filters = []"]),
+        (["--trainer.advantage.type", "gae"], ["'trainer.advantage.type' = 'gae' trains the critic on every group",
+                                               "'orchestrator.filters[0].type' = 'zero_advantage' drops groups"]),
         (["--trainer.advantage.type", "gae", "--orchestrator.filters", "[]", "--orchestrator.dynamic-sampling.enabled",
-          "true"], ["'orchestrator.dynamic_sampling.enabled' drops groups"]),
+          "true"], ["'orchestrator.dynamic_sampling.enabled' = true drops groups"]),
+        (["--orchestrator.advantage.type", "reinforce_baseline"],
+         ["'orchestrator.advantage.type' = 'reinforce_baseline' is whitened", "'trainer.advantage.batch_normalize'"]),
         (["--seq-len", "2048", "--orchestrator.envs", '[{id = "reverse-text", sampling.max_tokens = 1024}]'],
          ["'seq_len' = 2048", "'orchestrator.envs[0].sampling.max_tokens' = 1024", "max_model_len' = 1024"]),
     ],
@@ -123,8 +128,8 @@ def test_orchestrator_and_trainer_alone_check_env_ids_and_import_paths(tmp_path)
     out = run_until_error("orchestrator", "--envs", '[{id = "no-such-env"}]', cwd=tmp_path)
     assert_clear_error(out, 2, "envs[0].id = 'no-such-env'", "no module 'no_such_env'")
     # (Not timed: the trainer imports torch, seconds on a slow machine, before it parses its config.)
-    out = run("trainer", "--loss.custom-import-path", "no_such_module:loss", cwd=tmp_path)
-    assert_clear_error(out, 2, "loss.custom_import_path = 'no_such_module:loss'", "cannot import")
+    out = run("trainer", "--loss.type", "no_such_module:loss", cwd=tmp_path)
+    assert_clear_error(out, 2, "loss.type = 'no_such_module:loss'", "cannot import")
 
 
 @pytest.mark.parametrize(
@@ -139,7 +144,7 @@ def test_bad_custom_advantage_is_named(tmp_path, import_path, phrases):
         out = run(
             "orchestrator", "--output-dir", "out", "--max-steps", "1", "--batch-size", "8",
             "--envs", '[{id = "reverse-text", group_size = 4}]',
-            "--advantage", f'{{type = "custom", import_path = "{import_path}"}}',
+            "--advantage.type", import_path,
             "--client.base-urls", f'["{server.base_url}"]', "--transport.type", "filesystem",
             cwd=tmp_path,
         )  # fmt: skip
@@ -189,7 +194,7 @@ def test_a_zmq_peer_from_another_run_is_refused(tmp_path, tiny_model):
     sender = ZmqSender(f"tcp://127.0.0.1:{port}", timeout_s=120)
     # The trainer connects and waits; the message it gets was stamped by another run.
     a = np.array
-    mb = MicroBatch.from_arrays(Header("someone-else", 0), 0, 1, a([1, 2]), a([0, 1]), a([0, 1]), a([0.0, 1.0]),
+    mb = MicroBatch.from_arrays(Header("someone-else", 0), 0, 1, a([1, 2]), a([0, 1]), a([0, 1]),
                                 a([0.0, -1.0]), [2], ["env"])  # fmt: skip
     threading.Thread(target=sender.send, args=(mb,), daemon=True).start()
     out = run("trainer", "--model.name", tiny_model, "--output-dir", "out", "--transport.port", port,

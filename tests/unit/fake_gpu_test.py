@@ -37,7 +37,7 @@ def test_dry_run_dp2_cp2_with_lora_critic_and_checkpointing(tiny_model, tmp_path
     line = out.stdout.strip().splitlines()[-1]
     assert "fake-GPU dry run passed" in line
     assert "dp 2 x cp 2, LoRA, activation checkpointing, critic" in line
-    for loss in ("ppo (token ratio)", "gspo", "cpgd", "kl penalty"):
+    for loss in ("losses: ppo, cpgd", "gspo", "kl penalty"):
         assert loss in line
 
 
@@ -50,9 +50,7 @@ def test_a_cpu_tensor_in_a_collective_fails_with_one_line(tiny_model):
 
 
 def test_a_cpu_tensor_in_a_device_op_of_a_loss_plugin_fails_with_one_line(tiny_model, tmp_path):
-    cfg = trainer_toml(
-        tmp_path / "t.toml", tiny_model, '[loss]\ncustom_import_path = "dry_run_faults:cpu_loss"\n'
-    )
+    cfg = trainer_toml(tmp_path / "t.toml", tiny_model, '[loss]\ntype = "dry_run_faults:cpu_loss"\n')
     out = run("-m", "prime_rl.trainer.main", "@", str(cfg), "--fake-gpu", "--ranks", "2", cwd=HELPER.parent)
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("trainer:")]

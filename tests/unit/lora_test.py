@@ -203,36 +203,6 @@ def test_a_full_fine_tuning_checkpoint_does_not_load_into_adapters(tiny_model, t
         load_checkpoint(tmp_path / "ckpt", 1, adapters.model, adapters.optimizer, adapters.scheduler, world)
 
 
-def test_rl_serves_and_samples_the_trainers_adapter(tiny_model, tmp_path):
-    from prime_rl.rl.config import RLConfig
-
-    config = RLConfig(model=str(tiny_model), output_dir=tmp_path / "run-a", trainer={"lora": {"rank": 16}})
-    inference, orchestrator, trainer = config.resolved()
-    assert (
-        inference.lora is not None and inference.lora.max_rank == 16
-    )  # the smallest rank vLLM takes that holds it
-    assert orchestrator.lora_adapter == "run-a" and trainer.lora.rank == 16
-    assert all(s.lora == inference.lora for s in config.policy_servers())
-    full = RLConfig(model=str(tiny_model), output_dir=tmp_path / "run-b").resolved()
-    assert full[0].lora is None and full[1].lora_adapter is None
-
-
-def test_rl_on_a_running_server_starts_no_inference(tiny_model, tmp_path):
-    from prime_rl.rl.config import RLConfig
-
-    config = RLConfig(
-        model=str(tiny_model),
-        output_dir=tmp_path / "run-a",
-        trainer={"lora": {"rank": 8}},
-        orchestrator={"lora_adapter": "alice"},
-        deployment={"inference_urls": ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000"]},
-    )
-    _, orchestrator, _ = config.resolved()
-    assert orchestrator.client.base_urls == ["http://10.0.0.5:8000/v1", "http://10.0.0.6:8000/v1"]
-    assert orchestrator.lora_adapter == "alice"
-    assert config.deployment.roles() == {"orchestrator", "trainer"}
-
-
 @pytest.mark.parametrize(
     "args, key",
     [

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from prime_rl.trainer.config import LossConfig
-from prime_rl.trainer.loss import LossInputs, rl_loss
+from prime_rl.trainer.losses import LossInputs, build_loss
+from prime_rl.trainer.losses.cpgd import CPGDLoss
+from prime_rl.trainer.losses.ppo import PPOLoss
 
 RATIOS = [1.5, 0.5, 1.0]
 ADVANTAGES = [1.0, -1.0, 2.0]
@@ -28,7 +29,7 @@ def inputs() -> LossInputs:
 
 def test_ppo_by_hand():
     x = inputs()
-    out = rl_loss(x, LossConfig(clip_low=0.2, clip_high=0.28, mask_low=0.0, mask_high=100.0))
+    out = build_loss(PPOLoss(clip_low=0.2, clip_high=0.28, mask_low=0.0, mask_high=100.0))(x)
     # min(r A, clip(r) A): 1.28 * 1, 0.8 * -1 (the pessimistic side), 1 * 2
     torch.testing.assert_close(out.token_loss, torch.tensor([-1.28, 0.8, -2.0]))
     out.token_loss.sum().backward()
@@ -40,10 +41,8 @@ def test_ppo_by_hand():
 
 def test_cpgd_by_hand():
     x = inputs()
-    config = LossConfig(
-        type="cpgd", clip_low=0.2, clip_high=0.28, drift_coef=0.1, mask_low=0.0, mask_high=100.0
-    )
-    out = rl_loss(x, config)
+    config = CPGDLoss(clip_low=0.2, clip_high=0.28, drift_coef=0.1, mask_low=0.0, mask_high=100.0)
+    out = build_loss(config)(x)
     drift = [r - 1 - math.log(r) for r in RATIOS]
     want = [
         -math.log(1.28) * 1.0 + 0.1 * drift[0],  # log 1.5 clipped to log 1.28
@@ -62,6 +61,6 @@ def test_both_losses_agree_on_policy(loss_type):
     x = inputs()
     x = LossInputs(x.sampling_logprobs.clone().requires_grad_(True), *[getattr(x, f) for f in
                    ("sampling_logprobs", "advantages", "loss_mask", "entropy", "sample_lens")])  # fmt: skip
-    out = rl_loss(x, LossConfig(type=loss_type))
+    out = build_loss({"ppo": PPOLoss, "cpgd": CPGDLoss}[loss_type]())(x)
     out.token_loss.sum().backward()
     torch.testing.assert_close(x.trainer_logprobs.grad, -torch.tensor(ADVANTAGES))

@@ -8,19 +8,20 @@ import math
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from fake_server import FakeServer, Reply, user_text
 from prime_rl.environments import EnvError
 from prime_rl.monitor import read_metrics
+from prime_rl.orchestrator.advantages import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.loop.advantage import AdvantageError
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.sender import BatchSender
 from prime_rl.orchestrator.main import make_orchestrator
 from prime_rl.transport.file_transport import FileReceiver
-from prime_rl.transport.messages import MicroBatch
+from prime_rl.transport.messages import MicroBatch, decode
 
 
 def make_config(tmp_path: Path, server: FakeServer, **overrides) -> OrchestratorConfig:
@@ -207,7 +208,7 @@ def test_custom_advantage_plugin_is_called_with_kwargs(tmp_path, env_workers):
     with FakeServer(script) as server:
         config = make_config(
             tmp_path, server, env_workers=env_workers, max_steps=1, max_inflight_rollouts=4,
-            advantage={"type": "custom", "import_path": "custom_advantages:scaled_rank", "kwargs": {"scale": 2.0}},
+            advantage={"type": "custom_advantages:scaled_rank", "kwargs": {"scale": 2.0}},
         )  # fmt: skip
         run(config)
     recs = rollouts(config, 0)
@@ -232,9 +233,7 @@ def test_custom_advantage_plugin_is_called_with_kwargs(tmp_path, env_workers):
 )
 def test_bad_custom_advantage_is_a_clear_error(tmp_path, import_path, message):
     with FakeServer() as server:
-        config = make_config(
-            tmp_path, server, max_steps=1, advantage={"type": "custom", "import_path": import_path}
-        )
+        config = make_config(tmp_path, server, max_steps=1, advantage={"type": import_path})
         with pytest.raises(AdvantageError, match=message) as exc:
             run(config)
     assert "custom_advantages" in str(exc.value) or "no_such_module" in str(exc.value)
@@ -273,7 +272,10 @@ def test_resume_continues_at_the_next_step_and_resends_the_last_batch(tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]  # appended: no step repeated or skipped
     assert_accounting(metrics)
     after = (Path(first.output_dir) / "transport" / "step_000001" / "rank_0" / "0000.msgpack").read_bytes()
-    assert after == before  # the re-sent batch of step 1 is the saved one, not a new one
+    # The re-sent batch of step 1 is the saved one, not a new one, under the new orchestrator's contract.
+    old, new = decode(before), decode(after)
+    assert msgspec.structs.replace(old, orchestrator=None) == msgspec.structs.replace(new, orchestrator=None)
+    assert old.orchestrator.session != new.orchestrator.session
     assert {mb.header.step for mb in received(second, 4)} == {0, 1, 2, 3}
 
 

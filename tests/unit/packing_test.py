@@ -9,13 +9,15 @@ from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack, pack_bins
 
 
-def sample(n_prompt: int, n_completion: int, env: str = "e", temperature: float = 1.0) -> TrainingSample:
+def sample(
+    n_prompt: int, n_completion: int, env: str = "e", temperature: float = 1.0, advantage: float = 0.25
+) -> TrainingSample:
     return TrainingSample(
         prompt_ids=[1] * n_prompt,
         completion_ids=[2] * n_completion,
         completion_mask=[1] * n_completion,
         completion_logprobs=[-0.5] * n_completion,
-        advantage=0.25,
+        advantage=advantage,
         reward=1.0,
         env_name=env,
         temperature=temperature,
@@ -71,12 +73,14 @@ def test_filler_micro_batches_carry_no_loss():
     assert [len(mbs) for mbs in pack([], 64, 2, "r", 0)] == [1, 1]
 
 
-def test_loss_mask_advantages_and_logprobs_are_aligned_to_tokens():
-    mb = pack([sample(3, 2)], seq_len=64, num_ranks=1, run_id="r", step=0)[0][0]
+def test_loss_mask_and_logprobs_are_aligned_to_tokens_and_advantages_travel_per_sample():
+    mb = pack([sample(3, 2), sample(2, 1, advantage=-1.0)], seq_len=64, num_ranks=1, run_id="r", step=0)[0][0]
     a = mb.arrays()
-    assert list(a["loss_mask"]) == [0, 0, 0, 1, 1]
-    assert list(a["logprobs"]) == [0, 0, 0, -0.5, -0.5]
-    assert list(a["advantages"]) == [0.25] * 5
+    assert mb.sample_lens == [5, 3]
+    assert list(a["loss_mask"]) == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert list(a["logprobs"]) == [0, 0, 0, -0.5, -0.5, 0, 0, -0.5]
+    # one field, one meaning: the rollout's scalar advantage per sample; no per-token terms here
+    assert mb.advantages == [0.25, -1.0] and "token_advantages" not in a
 
 
 def test_different_temperatures_never_share_a_micro_batch():

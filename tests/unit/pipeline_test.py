@@ -1,19 +1,11 @@
 """The pipeline from finished groups to a step's batch: advantages, filters, batch hooks, samples."""
 
-import math
-
-from prime_rl.orchestrator.config import GRPOAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage
-from prime_rl.orchestrator.loop.advantage import Advantage
-from prime_rl.orchestrator.loop.pipeline import (
-    FinishedGroup,
-    PipelineConfig,
-    batch_normalize,
-    build_step,
-    score_group,
-)
+from prime_rl.orchestrator.advantages import build_advantage
+from prime_rl.orchestrator.advantages.grpo import GRPOAdvantage
+from prime_rl.orchestrator.loop.pipeline import FinishedGroup, PipelineConfig, build_step, score_group
 from prime_rl.orchestrator.rollout import Rollout, Turn
 
-GRPO = Advantage.from_config(GRPOAdvantage())
+GRPO = build_advantage(GRPOAdvantage())
 CONFIG = PipelineConfig(seq_len=64, min_group_size=2, filters=(("zero_advantage", False),))
 
 
@@ -51,44 +43,6 @@ def test_too_small_and_overlong_and_truncated():
         FinishedGroup("e", 7, (rollout(1.0, truncated=True), rollout(0.0))), GRPO, truncating
     )
     assert scored.filtered == {0}
-
-
-def whiten(xs):
-    m = sum(xs) / len(xs)
-    std = math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
-    return [(x - m) / (std + 1e-6) for x in xs]
-
-
-def test_batch_normalize_pools_the_trained_rollouts_of_every_all_env():
-    rb = Advantage.from_config(ReinforceBaselineAdvantage())  # batch_normalize = "all"
-    a, _ = score_group(group(2.0, 0.0, env="a"), rb, CONFIG)
-    rloo_all = Advantage.from_config(RLOOAdvantage(batch_normalize="all"))
-    b, _ = score_group(group(1.0, 0.0, 0.0, env="c"), rloo_all, CONFIG)
-    flat, _ = score_group(group(1.0, 1.0, env="a"), rb, CONFIG)  # filtered: not in the pool
-    other, _ = score_group(group(1.0, 0.0, env="b"), GRPO, CONFIG)  # "none": untouched
-    out = batch_normalize([a, b, flat, other], {"a": rb, "b": GRPO, "c": rloo_all})
-    raw = [1.0, -1.0, 1.0, -0.5, -0.5]
-    got = [x for g in out[:2] for x in g.advantages]
-    assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(got, whiten(raw), strict=True))
-    assert out[2].advantages == flat.advantages and out[3].advantages == other.advantages
-    assert a.advantages == (1.0, -1.0)  # the input is unchanged
-
-
-def test_batch_normalize_per_env_keeps_the_envs_apart():
-    per_env = Advantage.from_config(GRPOAdvantage(batch_normalize="env"))
-    g1, _ = score_group(group(3.0, 0.0, env="a"), per_env, CONFIG)
-    g2, _ = score_group(group(1.0, 0.0, 0.0, 0.0, env="a"), per_env, CONFIG)
-    g3, _ = score_group(group(0.2, 0.0, env="b"), per_env, CONFIG)
-    out = batch_normalize([g1, g2, g3], {"a": per_env, "b": per_env})
-    pool_a = list(g1.advantages) + list(g2.advantages)
-    got_a = [x for g in out[:2] for x in g.advantages]
-    assert all(math.isclose(x, y, abs_tol=1e-9) for x, y in zip(got_a, whiten(pool_a), strict=True))
-    assert all(
-        math.isclose(x, y, abs_tol=1e-9)
-        for x, y in zip(out[2].advantages, whiten(list(g3.advantages)), strict=True)
-    )
-    # pooled with env a, env b's +-0.1 would stay small; alone it becomes +-1
-    assert math.isclose(abs(out[2].advantages[0]), 1.0, rel_tol=1e-4)
 
 
 def test_build_step_counts_every_rollout_once_and_samples_only_the_trained():

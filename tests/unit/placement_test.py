@@ -1,7 +1,7 @@
 """How `rl` splits the machine's cores between vLLM and the trainer."""
 
 from prime_rl.rl.config import DeploymentConfig
-from prime_rl.rl.launcher import placement
+from prime_rl.rl.placement import placement
 
 
 def test_vllm_cpu_and_trainer_get_separate_cores_by_default():
@@ -44,25 +44,3 @@ def test_two_servers_on_two_cores_take_one_core_each_and_the_trainer_shares_the_
     assert (p.server_omp_cpus, p.trainer_cpus) == ([[0, 1], [2, 3]], [4, 5, 6, 7])
     p = placement(DeploymentConfig(inference_servers=3, inference_cpus=[0, 1]), [0, 1, 2], cpu_build=True)
     assert p.server_omp_cpus == [[0], [1], [0]]
-
-
-def test_the_trainer_command_on_one_machine_and_on_each_trainer_node(tmp_path):
-    from prime_rl.rl.config import RLConfig
-    from prime_rl.rl.launcher import trainer_command
-
-    cfg = tmp_path / "trainer.toml"
-    assert trainer_command(RLConfig(), cfg, "r")[-2:] == ["@", str(cfg)]
-    nodes = [{"host": "10.0.0.1", "roles": ["inference", "orchestrator"]},
-             {"host": "10.0.0.2", "roles": ["trainer"]}, {"host": "10.0.0.3", "roles": ["trainer"]}]  # fmt: skip
-    for node, is_host in ((1, 1), (2, 0)):
-        config = RLConfig(
-            deployment={"nodes": nodes, "node": node, "trainer_ranks": 4, "rendezvous_port": 29411}
-        )
-        cmd = trainer_command(config, cfg, "run-7")
-        args = dict(zip(cmd[3::2], cmd[4::2], strict=False))
-        assert cmd[1:3] == ["-m", "prime_rl.trainer.torchrun"]
-        assert args["--nproc-per-node"] == "4" and args["--nnodes"] == "2"
-        assert args["--rdzv-backend"] == "c10d" and args["--rdzv-endpoint"] == "10.0.0.2:29411"
-        assert args["--rdzv-id"] == "run-7" and args["--rdzv-conf"] == f"is_host={is_host}"
-        assert args["--local-addr"] == f"10.0.0.{node + 1}"
-        assert cmd[-3:] == ["prime_rl.trainer.main", "@", str(cfg)]

@@ -67,10 +67,10 @@ def test_token_advantages_are_weighted_teacher_minus_student_on_model_tokens_onl
     assert sample.token_advantages == [2 * 0.25, 2 * -2.0, 0.0, 0.0, 2 * 1.0]
     (plain,) = rollout_to_samples(two_turn_rollout(), advantage=0.5)
     assert plain.token_advantages == []
-    # Packed, each token's advantage is the rollout's plus its own term; prompt tokens get the rollout's.
+    # Packed, the rollout's advantage and the teacher's per-token terms travel apart.
     mb = pack([sample], seq_len=64, num_ranks=1, run_id="r", step=0)[0][0]
-    a = mb.arrays()["advantages"]
-    assert np.allclose(a, [0.5, 0.5, 1.0, -3.5, 0.5, 0.5, 2.5])
+    assert mb.advantages == [0.5]
+    assert np.allclose(mb.arrays()["token_advantages"], [0.0, 0.0, 0.5, -4.0, 0.0, 0.0, 2.0])
 
 
 class FlakyTeacher(BaseHTTPRequestHandler):

@@ -300,7 +300,7 @@ def test_nan_loss_skips_the_step_and_stops_after_n(tiny_model, tmp_path):
         model={"name": str(tiny_model)}, output_dir=str(tmp_path / "out"), max_steps=4, seq_len=128, max_nan_steps=2,
         transport={"type": "filesystem", "dir": str(data), "run_id": "n", "timeout_s": 30},
     )  # fmt: skip
-    from prime_rl.trainer.loss import LossOutputs
+    from prime_rl.trainer.losses import LossOutputs
 
     def nan_loss(inputs):
         return LossOutputs(inputs.trainer_logprobs * float("nan"))

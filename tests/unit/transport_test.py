@@ -26,10 +26,11 @@ def micro_batch(
         input_ids=rng.integers(0, 512, n),
         position_ids=np.concatenate([np.arange(n // 2), np.arange(n - n // 2)]),
         loss_mask=rng.integers(0, 2, n),
-        advantages=rng.standard_normal(n),
         logprobs=-rng.random(n),
         sample_lens=[n // 2, n - n // 2],
         env_names=["reverse-text", "sum-digits"],
+        advantages=rng.standard_normal(2).tolist(),
+        token_advantages=rng.standard_normal(n),
     )
 
 
@@ -38,6 +39,7 @@ def assert_same(a: MicroBatch, b: MicroBatch) -> None:
     for key, value in a.arrays().items():
         np.testing.assert_array_equal(value, b.arrays()[key])
     assert (a.sample_lens, a.env_names) == (b.sample_lens, b.env_names)
+    assert (a.advantages, a.rewards, a.orchestrator) == (b.advantages, b.rewards, b.orchestrator)
 
 
 def test_messages_round_trip_through_msgpack():

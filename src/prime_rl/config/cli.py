@@ -12,6 +12,7 @@ as one paragraph, and the process exits with status 2.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import sys
 import tomllib
@@ -80,11 +81,21 @@ def _model_members(annotation: Any) -> list[type[BaseModel]]:
 
 
 def _fields_of(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
-    """Field name -> FieldInfo over one model, or over every member of a union of models."""
+    """Field name -> FieldInfo over one model, or over every member of a union of models (whose
+    `type` then takes any member's value: a plugin registry's built-ins or an import path)."""
     out: dict[str, Any] = {}
     for model in models:
         for name, info in model.model_fields.items():
             out.setdefault(name, info)
+    if len(models) > 1 and "type" in out:
+        kinds = [m.model_fields["type"].annotation for m in models if "type" in m.model_fields]
+        if len(kinds) > 1:
+            merged = copy.copy(out["type"])
+            merged.annotation = typing.Union[tuple(kinds)]  # noqa: UP007 (built at run time)
+            merged.description = "Selects a built-in by name" + (
+                ", or your own function as 'package.module:function'." if str in kinds else "."
+            )
+            out["type"] = merged
     return out
 
 
@@ -285,6 +296,10 @@ def _check_unknown_keys(cls: type[BaseModel], sources: Sources) -> None:
         fields = _fields_of(models)
         for key, value in data.items():
             path = (*prefix, key)
+            moved = next((m.moved_keys[key] for m in models if key in getattr(m, "moved_keys", {})), None)
+            if key not in fields and moved:
+                problems.append(f"'{'.'.join(path)}' (from {sources.where(path)}) is gone: {moved}.")
+                continue
             if key not in fields:
                 problems.append(_unknown_key_message(path, list(fields), known, sources.where(path)))
                 continue
@@ -310,11 +325,29 @@ def _unknown_key_message(path: tuple[str, ...], siblings: list[str], known: list
     return f"unknown key '{dotted}' (from {where}): there is no such setting in {section}.{hint}"
 
 
+def _field_loc(cls: type[BaseModel], loc: Sequence[Any]) -> tuple[tuple[Any, ...], str | None]:
+    """The error location without the tags pydantic inserts for the member of a union of sections
+    (e.g. 'loss.ppo.clip_low' is the field 'loss.clip_low' of the member 'ppo'), and the last tag."""
+    out, tag, models = [], None, [cls]
+    for part in loc:
+        if isinstance(part, str) and models and part not in _fields_of(models):
+            tag = part  # a union member's tag, not a field
+            continue
+        out.append(part)
+        if isinstance(part, str):
+            info = _fields_of(models).get(part) if models else None
+            models = _model_members(info.annotation) if info is not None else []
+    return tuple(out), tag
+
+
 def _validation_message(cls: type[BaseModel], err: ValidationError, sources: Sources) -> str:
     lines = []
     seen = set()  # a shared setting handed down to several sections fails once per section
     for e in err.errors(include_url=False):
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc, tag = _field_loc(cls, loc)
+        if e["type"] == "extra_forbidden" and tag is not None:
+            e = {**e, "msg": f"not a setting of type = {tag!r}"}
         dotted = _dotted(loc)
         str_path = tuple(p for p in loc if isinstance(p, str))
         where = sources.where(str_path) if loc else "the config"

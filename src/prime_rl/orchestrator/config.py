@@ -1,11 +1,12 @@
 """Configuration of the orchestrator (`uv run orchestrator`)."""
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
+from prime_rl.contract import OrchestratorSide, Setting
 from prime_rl.defaults import (
     DEFAULT_MAX_ASYNC_LEVEL,
     DEFAULT_MAX_STEPS,
@@ -15,6 +16,8 @@ from prime_rl.defaults import (
 )
 from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
+from prime_rl.orchestrator.advantages import AdvantageConfig
+from prime_rl.orchestrator.advantages.grpo import GRPOAdvantage
 from prime_rl.orchestrator.envs.reward_model import RewardModelConfig
 from prime_rl.orchestrator.envs.rewards import RewardsConfig
 from prime_rl.orchestrator.envs.teacher import TeacherConfig
@@ -47,61 +50,6 @@ class SamplingConfig(BaseConfig):
 
     extra_body: dict[str, Any] = {}
     """Extra vLLM request fields, merged into the request as is (e.g. {min_tokens = 1})."""
-
-
-BatchNormalize = Literal["none", "all", "env"]
-
-
-class _AdvantageBase(BaseConfig):
-    batch_normalize: BatchNormalize = "none"
-    """After every group of the step is scored: whiten the advantages of the step's trained rollouts,
-    (a - mean) / (std + 1e-6). 'all' pools every env that sets 'all'; 'env' pools each env alone."""
-
-
-class GRPOAdvantage(_AdvantageBase):
-    """Reward minus the group mean, optionally divided by the group std."""
-
-    type: Literal["grpo"] = "grpo"
-    """Selects this advantage function."""
-
-    std_normalize: bool = False
-    """Divide by the group's reward std (plus a small epsilon)."""
-
-
-class RLOOAdvantage(_AdvantageBase):
-    """Reward minus the mean of the other rollouts of the group (leave-one-out baseline)."""
-
-    type: Literal["rloo"] = "rloo"
-    """Selects this advantage function."""
-
-
-class ReinforceBaselineAdvantage(_AdvantageBase):
-    """Reward minus the group mean, then whitened over the whole step's batch (REINFORCE++-baseline)."""
-
-    type: Literal["reinforce_baseline"] = "reinforce_baseline"
-    """Selects this advantage function."""
-
-    batch_normalize: BatchNormalize = "all"
-    """As for every estimator; this one defaults to 'all'."""
-
-
-class CustomAdvantage(_AdvantageBase):
-    """A user function `fn(AdvantageInputs, **kwargs) -> AdvantageOutputs`, named by import path."""
-
-    type: Literal["custom"] = "custom"
-    """Selects a custom advantage function."""
-
-    import_path: str
-    """Where the function lives, as 'package.module:function'."""
-
-    kwargs: dict[str, Any] = {}
-    """Keyword arguments passed to the function on every call."""
-
-
-AdvantageConfig = Annotated[
-    GRPOAdvantage | RLOOAdvantage | ReinforceBaselineAdvantage | CustomAdvantage,
-    Field(discriminator="type"),
-]
 
 
 class EnvConfig(BaseConfig):
@@ -400,3 +348,30 @@ class OrchestratorConfig(RootConfig):
                 f"taken at the sampling temperature; {', '.join(hot)} must be 1.0"
             )
         return self
+
+
+def contract_side(config: OrchestratorConfig, session: str) -> OrchestratorSide:
+    """The settings of this config that the trainer's depend on (`prime_rl.contract`)."""
+    drops = None
+    if config.dynamic_sampling.enabled:
+        drops = Setting.of("orchestrator.dynamic_sampling.enabled", True)
+    for i, f in enumerate(config.filters):
+        if drops is None and f.type == "zero_advantage" and not f.monitor_only:
+            drops = Setting.of(f"orchestrator.filters[{i}].type", f.type)
+    normalized = None
+    for key, a in [("orchestrator.advantage", config.advantage)] + [
+        (f"orchestrator.envs[{i}].advantage", e.advantage) for i, e in enumerate(config.envs)
+    ]:
+        if normalized is None and a is not None and a.expects_batch_normalization:
+            normalized = Setting.of(f"{key}.type", a.type)
+    scale = None
+    if config.teacher is not None and config.teacher.advantage_weight not in (0.0, 1.0):
+        scale = Setting.of("orchestrator.teacher.advantage_weight", config.teacher.advantage_weight)
+    return OrchestratorSide(
+        session=session,
+        seq_len=config.seq_len,
+        trainer_ranks=Setting.of("orchestrator.trainer_ranks", config.trainer_ranks),
+        drops_uniform_groups=drops,
+        advantage_scale=scale,
+        expects_normalization=normalized,
+    )

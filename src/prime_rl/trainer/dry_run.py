@@ -288,25 +288,22 @@ def _micro_batches(trainer, tokens: int, count: int) -> list:
 def _each_loss(trainer, mb, config, loss_fn) -> list[str]:
     """Forward and backward of every built-in loss (and the configured plugin) on one micro-batch's
     tensors: the step itself ran only the configured one."""
-    from prime_rl.trainer.loss import LossInputs, rl_loss
+    from prime_rl.trainer.losses import LOSSES, LossInputs, build_loss
 
     t = trainer._tensors(mb)
     lp = torch.zeros_like(t["logprobs"], requires_grad=True)
-    inputs = LossInputs(lp, t["logprobs"], t["advantages"], t["loss_mask"], torch.zeros_like(lp),
+    inputs = LossInputs(lp, t["logprobs"], t["rollout_advantages"], t["loss_mask"], torch.zeros_like(lp),
                         mb.sample_lens, torch.zeros_like(lp))  # fmt: skip
-    variants = {
-        "ppo (token ratio)": {"type": "ppo", "ratio_type": "token"},
-        "ppo (gspo: sequence ratio)": {"type": "ppo", "ratio_type": "sequence"},
-        "cpgd": {"type": "cpgd"},
-        "ppo + kl penalty, top-entropy mask": {"type": "ppo", "kl_coef": 0.1, "top_entropy_fraction": 0.5},
-    }
+    variants = {name: b.config() for name, b in LOSSES.builtins.items()}
+    ppo = LOSSES.builtins["ppo"].config
+    variants["ppo (gspo: sequence ratio)"] = ppo(ratio_type="sequence")
+    variants["ppo + kl penalty, top-entropy mask"] = ppo(kl_coef=0.1, top_entropy_fraction=0.5)
     done = []
-    for name, overrides in variants.items():
-        loss_config = config.loss.model_copy(update=overrides)
-        rl_loss(inputs, loss_config).token_loss.sum().backward()
+    for name, loss_config in variants.items():
+        build_loss(loss_config)(inputs).token_loss.sum().backward()
         done.append(name)
-    if loss_fn is not None:
-        loss_fn(inputs).token_loss.sum().backward()
+    if loss_fn is not None or config.loss.type not in LOSSES.builtins:
+        (loss_fn or trainer.loss_fn)(inputs).token_loss.sum().backward()
         done.append("the configured plugin")
     return done
 
@@ -319,15 +316,13 @@ def default_ranks(cp: int) -> int:
 def main_dry_run(config, ranks: int | None, prog: str = "trainer") -> None:
     """`trainer @ cfg.toml --fake-gpu [--ranks N]`: the dry run, one line either way; exit 1 if a
     check fails, 2 if the rank count does not fit the config. The process ends here (`exit_now`)."""
-    from prime_rl.trainer.main import load_custom_loss
-
     cp = config.parallel.cp
     ranks = ranks or default_ranks(cp)
     if ranks % cp:
         sys.stderr.write(f"{prog}: error: --ranks {ranks} is not a multiple of trainer.parallel.cp = {cp}\n")
         raise SystemExit(2)
     try:
-        report = dry_run(config, dp=ranks // cp, cp=cp, loss_fn=load_custom_loss(config))
+        report = dry_run(config, dp=ranks // cp, cp=cp)
     except DryRunError as e:
         sys.stderr.write(f"{prog}: fake-GPU dry run failed: {e}\n")
         exit_now(1)
@@ -336,7 +331,7 @@ def main_dry_run(config, ranks: int | None, prog: str = "trainer") -> None:
         parts.append("LoRA")
     if config.model.activation_checkpointing:
         parts.append("activation checkpointing")
-    if config.advantage.type == "gae":
+    if config.advantage.uses_critic:
         parts.append("critic")
     print(
         f"{prog}: fake-GPU dry run passed: one step of {report.micro_batches} micro-batches of "

@@ -44,7 +44,8 @@ def _write(path: Path, step: int, results: list[MicroBatchResult], rank: int) ->
             trainer_lp = r.trainer_logprobs.float().cpu()
             ratio = torch.exp(trainer_lp - torch.from_numpy(a["logprobs"].copy()))
             start = 0
-            for n, env in zip(r.mb.sample_lens, r.mb.env_names, strict=True):
+            advantages = r.advantages.float().cpu()
+            for i, (n, env) in enumerate(zip(r.mb.sample_lens, r.mb.env_names, strict=True)):
                 sl = slice(start, start + n)
                 record = {
                     "step": step,
@@ -53,7 +54,9 @@ def _write(path: Path, step: int, results: list[MicroBatchResult], rank: int) ->
                     "env": env,
                     "input_ids": a["input_ids"][sl].tolist(),
                     "loss_mask": a["loss_mask"][sl].tolist(),
-                    "advantages": _clean(a["advantages"][sl].tolist()),
+                    "rollout_advantage": _clean([r.mb.advantages[i]])[0],
+                    "reward": _clean([r.mb.rewards[i]])[0],
+                    "advantages": _clean(advantages[sl].tolist()),
                     "sampling_logprobs": _clean(a["logprobs"][sl].tolist()),
                     "trainer_logprobs": _clean(trainer_lp[sl].tolist()),
                     "ratio": _clean(ratio[sl].tolist()),

@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 
 from prime_rl.config import parse_config
+from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
+from prime_rl.layout import refusal_path
 from prime_rl.logging_setup import setup_logging
-from prime_rl.plugins import PluginError, load_function
+from prime_rl.plugins import PluginError
 from prime_rl.preflight import check_trainer
 from prime_rl.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.checkpoint import (
@@ -29,14 +31,15 @@ from prime_rl.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.config import TrainerConfig, contract_side
 from prime_rl.trainer.data import StepReceiver, share_with_cp_group
 from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
-from prime_rl.trainer.estimator import TokenAdvantageError
+from prime_rl.trainer.estimators import TokenAdvantageError
+from prime_rl.trainer.losses import LossFn
 from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, out_of_memory
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.publish import Publisher
-from prime_rl.trainer.trainer import LossFn, Trainer
+from prime_rl.trainer.trainer import Trainer
 from prime_rl.transport import TransportError, make_receiver, transport_dir
 from prime_rl.transport.config import resolve_run_id
 from prime_rl.transport.zmq_transport import rank_address
@@ -66,13 +69,6 @@ def resume_step(config: TrainerConfig, world: World) -> int:
     return choice[0]
 
 
-def load_custom_loss(config: TrainerConfig) -> LossFn | None:
-    if not config.loss.custom_import_path:
-        return None
-    fn = load_function(config.loss.custom_import_path, key="loss.custom_import_path")
-    return lambda inputs: fn(inputs, **config.loss.custom_kwargs)
-
-
 def estimator_summary(metrics: dict[str, float]) -> str:
     """The critic's and the KL controller's figures for the step's log line, when they exist."""
     parts = []
@@ -96,7 +92,7 @@ def transport_source(config: TrainerConfig, output_dir: Path) -> str:
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
     world = world or init_world(config.parallel.cp)
     output_dir = Path(config.output_dir)
-    trainer = Trainer(config, world, loss_fn or load_custom_loss(config))
+    trainer = Trainer(config, world, loss_fn)
     start = resume_step(config, world)
     critic = (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None
     if start:
@@ -116,6 +112,8 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         receiver = StepReceiver(
             make_receiver(config.transport, run_id, world.dp_rank, output_dir, start_step=start),
             config.seq_len,
+            contract_side(config, world.dp),
+            refusal_path(output_dir),
         )
     metrics_log = None
     if world.is_main:
@@ -196,6 +194,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
 
 # One line, no traceback; NEEDS_USER exit with status 2 (`rl` never retries them), the rest with 1.
 NEEDS_USER = (
+    ContractError,
     OutOfMemory,
     ModelLoadError,
     NaNLossError,

@@ -21,7 +21,7 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.trainer.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
 from prime_rl.trainer.config import SFTConfig, SFTDataConfig
 from prime_rl.trainer.dist import World, init_world, init_world_or_exit, run_rank
-from prime_rl.trainer.loss import sft_loss
+from prime_rl.trainer.losses import LossInputs, LossOutputs
 from prime_rl.trainer.main import NEEDS_USER, USER_ERRORS, resume_step
 from prime_rl.trainer.publish import Publisher
 from prime_rl.trainer.trainer import Trainer
@@ -29,6 +29,11 @@ from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
 log = logging.getLogger("prime_rl.sft")
+
+
+def sft_loss(inputs: LossInputs) -> LossOutputs:
+    """Cross-entropy on the loss tokens (the completion)."""
+    return LossOutputs(-inputs.trainer_logprobs * inputs.loss_mask)
 
 
 class SFTDataError(ValueError):

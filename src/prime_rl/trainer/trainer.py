@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -30,16 +29,16 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.context_parallel import SequenceShard, shard_micro_batch
 from prime_rl.trainer.critic import load_critic, value_loss
 from prime_rl.trainer.dist import World, all_reduce_max, all_reduce_sum
-from prime_rl.trainer.estimator import TokenAdvantageError, TokenAdvantageInputs, TokenEstimator
+from prime_rl.trainer.estimators import TokenAdvantageError, TokenAdvantageInputs, build_estimator
 from prime_rl.trainer.kl_reward import KLController, kl_rewards
 from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, position_logprobs
 from prime_rl.trainer.lora import adapters_off
-from prime_rl.trainer.loss import LossInputs, LossOutputs, rl_loss, sample_ids
+from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.model import load_model
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
+from prime_rl.trainer.returns import sample_index
+from prime_rl.trainer.rl.credit import Credit, compose, rollout_advantages
 from prime_rl.transport.messages import MicroBatch
-
-LossFn = Callable[[LossInputs], LossOutputs]
 
 
 @dataclass
@@ -120,6 +119,8 @@ class MicroBatchResult:
     token_loss: torch.Tensor
     """Of the whole micro-batch (the same on every rank of a cp group)."""
     masks: dict[str, torch.Tensor]
+    advantages: torch.Tensor
+    """The per-token advantages the loss saw (`rl/credit.py`)."""
 
 
 @dataclass
@@ -159,24 +160,27 @@ class Trainer:
             self.ref_model.requires_grad_(False)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
-        self.loss_fn: LossFn = loss_fn or (lambda inputs: rl_loss(inputs, config.loss))
-        self.estimator = TokenEstimator.from_config(config.advantage)
+        self.loss_fn: LossFn = loss_fn or build_loss(config.loss)
+        self.estimator = build_estimator(config.advantage)
         self.kl = KLController(config.kl_reward.beta, config.kl_reward.target, config.kl_reward.horizon)
         self.critic = self.critic_optimizer = None
-        if config.advantage.type == "gae":
+        if config.advantage.uses_critic:
             self.critic = load_critic(config.critic, config.model, world, config.lora, config.seed)
             self.critic_optimizer = build_optimizer(self.critic, config.critic.optim)
 
     def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         dev = self.world.device
         a = mb.arrays()
-        return {
+        t = {
             "input_ids": torch.from_numpy(a["input_ids"].astype("int64")).to(dev),
             "position_ids": torch.from_numpy(a["position_ids"].astype("int64")).to(dev),
             "loss_mask": torch.from_numpy(a["loss_mask"].astype(bool)).to(dev),
-            "advantages": torch.from_numpy(a["advantages"].copy()).to(dev),
             "logprobs": torch.from_numpy(a["logprobs"].copy()).to(dev),
+            "rollout_advantages": rollout_advantages(mb.advantages, mb.sample_lens, dev),
         }
+        if "token_advantages" in a:
+            t["token_advantages"] = torch.from_numpy(a["token_advantages"].copy()).to(dev)
+        return t
 
     def _shard(self, mb: MicroBatch) -> SequenceShard:
         w = self.world
@@ -229,8 +233,9 @@ class Trainer:
     @torch.no_grad()
     def prepare(self, micro_batches: list[MicroBatch]) -> tuple[list[Prepared], dict[str, float]]:
         """First pass, without gradients: reference logprobs and old values where needed, then each
-        micro-batch's per-token advantages (and returns), whitened over all ranks when configured."""
-        out, kl_sum, samples = [], self.world.scalars(0.0)[0], 0
+        micro-batch's per-token advantages, composed from the estimator's and the orchestrator's
+        terms in one place (`rl/credit.py`)."""
+        out, credits, kl_sum, samples = [], [], self.world.scalars(0.0)[0], 0
         lead = self.world.cp_rank == 0
         for mb in micro_batches:
             t = self._tensors(mb)
@@ -242,7 +247,7 @@ class Trainer:
                 ref = self._reference_logprobs(t, shard, mb.temperature)
             if self.critic is not None:
                 values = self._values(t, shard) * mask
-            kl_reward = torch.zeros_like(t["advantages"])
+            kl_reward = torch.zeros_like(t["logprobs"])
             if self.config.kl_reward.beta > 0:
                 kl_reward, kl = kl_rewards(
                     t["logprobs"], ref, mask, self.kl.beta, self.config.kl_reward.estimator
@@ -254,7 +259,7 @@ class Trainer:
                 TokenAdvantageInputs(
                     loss_mask=mask,
                     sample_lens=mb.sample_lens,
-                    rollout_advantages=t["advantages"],
+                    rollout_advantages=t["rollout_advantages"],
                     rollout_rewards=torch.tensor(mb.rewards, device=mask.device),
                     kl_rewards=kl_reward,
                     kl_in_reward=self.config.kl_reward.beta > 0,
@@ -264,11 +269,13 @@ class Trainer:
             )
             if self.critic is not None and est.returns is None:
                 raise TokenAdvantageError(f"estimator '{self.estimator.name}' gave no returns for the critic")
-            t["advantages"] = est.advantages
+            credits.append(Credit(est.advantages, mask, t["owned"], mb.sample_lens, mb.env_names,
+                                  t.get("token_advantages")))  # fmt: skip
             out.append(Prepared(mb, t, shard, ref, values, est.returns))
-        mode = self.config.advantage.batch_normalize
-        if mode != "none":
-            whiten_advantages(out, mode, self.world)
+        for p, advantages in zip(
+            out, compose(credits, self.config.advantage.batch_normalize, self.world), strict=True
+        ):
+            p.t["advantages"] = advantages
         metrics: dict[str, float] = {}
         if self.config.kl_reward.beta > 0:
             both = self.world.host(
@@ -313,7 +320,9 @@ class Trainer:
             self._record(stats, mb, t, lp.detach(), entropy, out)
             if self.critic is not None:
                 self._critic_backward(stats, p, denom)
-            results.append(MicroBatchResult(mb, lp.detach(), out.token_loss.detach(), out.masks))
+            results.append(
+                MicroBatchResult(mb, lp.detach(), out.token_loss.detach(), out.masks, t["advantages"])
+            )
         if self.world.distributed:
             # FSDP2 averaged the reduce-scattered gradients over all dp x cp ranks; the loss is
             # already divided by the global count, so undo that average.
@@ -329,7 +338,7 @@ class Trainer:
         loss, clipped = value_loss(values, p.old_values, p.returns, mask, self.config.critic.value_clip)
         ((loss * p.t["owned"]).sum() / denom).backward()
         mask = mask & p.t["owned"]
-        rows = stats.rows(p.mb.env_names)[sample_ids(p.mb.sample_lens, mask.device)]
+        rows = stats.rows(p.mb.env_names)[sample_index(p.mb.sample_lens, mask.device)]
         stats.add("critic/value_loss", rows, loss, mask)
         stats.add("critic/value_clipped", rows, clipped.float(), mask)
         stats.add("critic/value", rows, values.detach(), mask)
@@ -338,7 +347,7 @@ class Trainer:
         self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs
     ) -> None:
         mask = t["loss_mask"] & t["owned"]
-        rows = stats.rows(mb.env_names)[sample_ids(mb.sample_lens, mask.device)]  # env row per token
+        rows = stats.rows(mb.env_names)[sample_index(mb.sample_lens, mask.device)]  # env row per token
         d = torch.where(mask, lp - t["logprobs"], 0.0)
         stats.add("loss", rows, out.token_loss, mask)
         stats.add("entropy", rows, entropy, mask)
@@ -426,38 +435,6 @@ def _loss_tokens_per_sample(mb: MicroBatch) -> list[int]:
     mask = mb.arrays()["loss_mask"].astype(bool)
     ends = np.cumsum(mb.sample_lens)
     return [int(mask[e - n : e].sum()) for e, n in zip(ends, mb.sample_lens, strict=True)]
-
-
-def whiten_advantages(prepared: list[Prepared], mode: str, world: World) -> None:
-    """(A - mean) / (std + eps) over the model tokens of every micro-batch on every rank: one pool
-    ('all') or one per env ('env'). Moments are summed over ranks, so every rank uses the same."""
-    names = sorted({e for p in prepared for e in p.mb.env_names if e}) if mode == "env" else ["all"]
-    if world.distributed and mode == "env":
-        gathered: list = [None] * world.world_size
-        dist.all_gather_object(gathered, names)
-        names = sorted({e for g in gathered for e in g})
-    index = {e: i for i, e in enumerate(names)}
-    dev = world.device
-    moments = torch.zeros(len(names), 3, dtype=torch.float64, device=dev)
-    rows_of = []
-    for p in prepared:
-        mask = p.t["loss_mask"]
-        per_sample = torch.tensor(
-            [index.get(e, 0) if mode == "env" else 0 for e in p.mb.env_names], device=dev
-        )
-        rows = per_sample[sample_ids(p.mb.sample_lens, dev)]
-        counted = (mask & p.t["owned"]).to(torch.float64)  # each token once over the cp group
-        a = torch.where(mask, p.t["advantages"].to(torch.float64), 0.0)
-        moments.index_add_(0, rows, torch.stack([counted, a * counted, a * a * counted], dim=1))
-        rows_of.append(rows)
-    moments = all_reduce_sum(moments, world)
-    n = moments[:, 0].clamp(min=1)
-    mean = moments[:, 1] / n
-    std = (moments[:, 2] / n - mean**2).clamp(min=0).sqrt()
-    for p, rows in zip(prepared, rows_of, strict=True):
-        a = p.t["advantages"]
-        whitened = ((a - mean[rows]) / (std[rows] + 1e-6)).to(a.dtype)
-        p.t["advantages"] = torch.where(p.t["loss_mask"], whitened, a)
 
 
 def explained_variance(prepared: list[Prepared], world: World) -> float:

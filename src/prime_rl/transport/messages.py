@@ -13,6 +13,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from prime_rl.contract import OrchestratorSide
+
 ID_DTYPE = np.dtype("<i4")
 MASK_DTYPE = np.dtype("u1")
 FLOAT_DTYPE = np.dtype("<f4")
@@ -45,7 +47,8 @@ class TrainingSample(msgspec.Struct):
     policy_version: int = 0
     temperature: float = 1.0
     token_advantages: list[float] = []
-    """Per completion token, added to `advantage` (on-policy distillation); empty: none."""
+    """Per completion token, a term added to the trainer's advantages after normalization (a
+    teacher's distillation term, weight included); empty: none."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -79,6 +82,10 @@ class MicroBatch(msgspec.Struct, tag=True):
     restart at 0 for each one. Per-token arrays are raw bytes; use `from_arrays` and `arrays`.
     A micro-batch with `loss_mask` all zero is filler, so that every rank runs the same number of
     micro-batches in a step.
+
+    Credit assignment travels as separate fields, each with one meaning: the rollout's scalar
+    `advantages` and its `rewards` per sample, and per-token `token_advantages` (distillation); the
+    trainer composes them in one place (`trainer/rl/credit.py`).
     """
 
     header: Header
@@ -89,15 +96,22 @@ class MicroBatch(msgspec.Struct, tag=True):
     input_ids: bytes
     position_ids: bytes
     loss_mask: bytes
-    advantages: bytes
     logprobs: bytes
+    """Sampling logprobs from inference, per token (0 on tokens the policy did not sample)."""
     sample_lens: list[int]
     env_names: list[str]
     """Env name of each sample, parallel to `sample_lens`."""
+    advantages: list[float]
+    """Each sample's rollout advantage (the orchestrator's advantage function), parallel to `sample_lens`."""
+    rewards: list[float]
+    """Each sample's rollout reward, parallel to `sample_lens` (token-level estimators need it)."""
     temperature: float = 1.0
     """Sampling temperature of these tokens (the trainer computes logprobs at it)."""
-    rewards: list[float] = []
-    """Each sample's rollout reward, parallel to `sample_lens` (token-level estimators need it)."""
+    token_advantages: bytes = b""
+    """Per token, a term the trainer adds to its advantages after normalization: a teacher's
+    distillation term on sampled tokens, 0 elsewhere. Empty: none in this micro-batch."""
+    orchestrator: OrchestratorSide | None = None
+    """The sender's side of the run contract, checked by the trainer (`prime_rl.contract`)."""
 
     @classmethod
     def from_arrays(
@@ -108,13 +122,16 @@ class MicroBatch(msgspec.Struct, tag=True):
         input_ids: np.ndarray,
         position_ids: np.ndarray,
         loss_mask: np.ndarray,
-        advantages: np.ndarray,
         logprobs: np.ndarray,
         sample_lens: list[int],
         env_names: list[str],
-        temperature: float = 1.0,
+        advantages: list[float] | None = None,
         rewards: list[float] | None = None,
+        temperature: float = 1.0,
+        token_advantages: np.ndarray | None = None,
+        orchestrator: OrchestratorSide | None = None,
     ) -> MicroBatch:
+        zeros = [0.0] * len(sample_lens)
         return cls(
             header=header,
             index=index,
@@ -122,23 +139,30 @@ class MicroBatch(msgspec.Struct, tag=True):
             input_ids=np.ascontiguousarray(input_ids, dtype=ID_DTYPE).tobytes(),
             position_ids=np.ascontiguousarray(position_ids, dtype=ID_DTYPE).tobytes(),
             loss_mask=np.ascontiguousarray(loss_mask, dtype=MASK_DTYPE).tobytes(),
-            advantages=np.ascontiguousarray(advantages, dtype=FLOAT_DTYPE).tobytes(),
             logprobs=np.ascontiguousarray(logprobs, dtype=FLOAT_DTYPE).tobytes(),
             sample_lens=list(sample_lens),
             env_names=list(env_names),
+            advantages=zeros if advantages is None else [float(a) for a in advantages],
+            rewards=zeros if rewards is None else [float(r) for r in rewards],
             temperature=temperature,
-            rewards=[0.0] * len(sample_lens) if rewards is None else [float(r) for r in rewards],
+            token_advantages=b""
+            if token_advantages is None
+            else np.ascontiguousarray(token_advantages, dtype=FLOAT_DTYPE).tobytes(),
+            orchestrator=orchestrator,
         )
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """Per-token arrays as read-only numpy views of the message's bytes (no copy)."""
-        return {
+        """Per-token arrays as read-only numpy views of the message's bytes (no copy);
+        'token_advantages' only when the micro-batch has them."""
+        out = {
             "input_ids": np.frombuffer(self.input_ids, dtype=ID_DTYPE),
             "position_ids": np.frombuffer(self.position_ids, dtype=ID_DTYPE),
             "loss_mask": np.frombuffer(self.loss_mask, dtype=MASK_DTYPE),
-            "advantages": np.frombuffer(self.advantages, dtype=FLOAT_DTYPE),
             "logprobs": np.frombuffer(self.logprobs, dtype=FLOAT_DTYPE),
         }
+        if self.token_advantages:
+            out["token_advantages"] = np.frombuffer(self.token_advantages, dtype=FLOAT_DTYPE)
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -152,31 +176,38 @@ class MicroBatch(msgspec.Struct, tag=True):
             "input_ids": len(self.input_ids) // ID_DTYPE.itemsize,
             "position_ids": len(self.position_ids) // ID_DTYPE.itemsize,
             "loss_mask": len(self.loss_mask) // MASK_DTYPE.itemsize,
-            "advantages": len(self.advantages) // FLOAT_DTYPE.itemsize,
             "logprobs": len(self.logprobs) // FLOAT_DTYPE.itemsize,
         }
+        if self.token_advantages:
+            sizes["token_advantages"] = len(self.token_advantages) // FLOAT_DTYPE.itemsize
         bad = {k: v for k, v in sizes.items() if v != n}
         if bad or any(
-            len(getattr(self, k)) % 4 for k in ("input_ids", "position_ids", "advantages", "logprobs")
+            len(getattr(self, k)) % 4 for k in ("input_ids", "position_ids", "logprobs", "token_advantages")
         ):
             raise ValueError(f"{where}: per-token fields disagree in length: {sizes}")
         if sum(self.sample_lens) != n:
             raise ValueError(f"{where}: sample_lens add up to {sum(self.sample_lens)}, but it has {n} tokens")
-        if len(self.env_names) != len(self.sample_lens):
-            raise ValueError(
-                f"{where}: {len(self.env_names)} env_names for {len(self.sample_lens)} samples (one per sample)"
-            )
-        if len(self.rewards) != len(self.sample_lens):
-            raise ValueError(
-                f"{where}: {len(self.rewards)} rewards for {len(self.sample_lens)} samples (one per sample)"
-            )
+        for name in ("env_names", "advantages", "rewards"):
+            if len(getattr(self, name)) != len(self.sample_lens):
+                raise ValueError(
+                    f"{where}: {len(getattr(self, name))} {name} for {len(self.sample_lens)} samples (one per sample)"
+                )
         if seq_len is not None and n > seq_len:
             raise ValueError(f"{where}: {n} tokens is longer than seq_len = {seq_len}")
         if not 0 <= self.index < self.count:
             raise ValueError(f"{where}: index must be in [0, count = {self.count})")
 
 
-Message = TrainingBatch | MicroBatch
+class Hello(msgspec.Struct, tag=True):
+    """The orchestrator's first message to each trainer rank, sent as it starts (before any
+    rollout): its side of the run contract, so that a trainer whose config cannot work with it
+    stops at once rather than at the first step (`prime_rl.contract`)."""
+
+    header: Header
+    orchestrator: OrchestratorSide
+
+
+Message = TrainingBatch | MicroBatch | Hello
 """Everything the transports carry."""
 
 _encoder = msgspec.msgpack.Encoder()

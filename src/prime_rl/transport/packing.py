@@ -14,6 +14,7 @@ from itertools import chain, repeat
 
 import numpy as np
 
+from prime_rl.contract import OrchestratorSide
 from prime_rl.transport.messages import FLOAT_DTYPE, ID_DTYPE, MASK_DTYPE, Header, MicroBatch, TrainingSample
 
 FILLER_TOKENS = 1
@@ -69,25 +70,24 @@ def bin_arrays(b: Bin) -> dict[str, np.ndarray]:
     samples, n = b.samples, b.tokens
     lens = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
     starts = np.repeat(np.cumsum(lens) - lens, lens)
-    advantages = np.repeat(np.array([s.advantage for s in samples], dtype=FLOAT_DTYPE), lens)
+    out = {
+        "input_ids": np.fromiter(chain.from_iterable(chain(s.prompt_ids, s.completion_ids) for s in samples),
+                                 dtype=ID_DTYPE, count=n),
+        "position_ids": np.arange(n, dtype=ID_DTYPE) - starts.astype(ID_DTYPE),
+        "loss_mask": np.fromiter(chain.from_iterable(chain(repeat(0, len(s.prompt_ids)), s.completion_mask)
+                                                     for s in samples), dtype=MASK_DTYPE, count=n),
+        "logprobs": np.fromiter(chain.from_iterable(chain(repeat(0.0, len(s.prompt_ids)), s.completion_logprobs)
+                                                    for s in samples), dtype=FLOAT_DTYPE, count=n),
+    }  # fmt: skip
     if any(s.token_advantages for s in samples):
-        advantages += np.fromiter(
+        out["token_advantages"] = np.fromiter(
             chain.from_iterable(
                 chain(repeat(0.0, len(s.prompt_ids)), s.token_advantages or repeat(0.0, len(s.completion_ids)))
                 for s in samples
             ),
             dtype=FLOAT_DTYPE, count=n,
         )  # fmt: skip
-    return {
-        "input_ids": np.fromiter(chain.from_iterable(chain(s.prompt_ids, s.completion_ids) for s in samples),
-                                 dtype=ID_DTYPE, count=n),
-        "position_ids": np.arange(n, dtype=ID_DTYPE) - starts.astype(ID_DTYPE),
-        "loss_mask": np.fromiter(chain.from_iterable(chain(repeat(0, len(s.prompt_ids)), s.completion_mask)
-                                                     for s in samples), dtype=MASK_DTYPE, count=n),
-        "advantages": advantages,
-        "logprobs": np.fromiter(chain.from_iterable(chain(repeat(0.0, len(s.prompt_ids)), s.completion_logprobs)
-                                                    for s in samples), dtype=FLOAT_DTYPE, count=n),
-    }  # fmt: skip
+    return out
 
 
 def filler_arrays(pad_id: int) -> dict[str, np.ndarray]:
@@ -95,15 +95,21 @@ def filler_arrays(pad_id: int) -> dict[str, np.ndarray]:
         "input_ids": np.full(FILLER_TOKENS, pad_id),
         "position_ids": np.arange(FILLER_TOKENS),
         "loss_mask": np.zeros(FILLER_TOKENS),
-        "advantages": np.zeros(FILLER_TOKENS, dtype=np.float32),
         "logprobs": np.zeros(FILLER_TOKENS, dtype=np.float32),
     }
 
 
 def pack(
-    samples: list[TrainingSample], seq_len: int, num_ranks: int, run_id: str, step: int, pad_id: int = 0
+    samples: list[TrainingSample],
+    seq_len: int,
+    num_ranks: int,
+    run_id: str,
+    step: int,
+    pad_id: int = 0,
+    orchestrator: OrchestratorSide | None = None,
 ) -> list[list[MicroBatch]]:
-    """The micro-batches of one step, as one list per trainer rank."""
+    """The micro-batches of one step, as one list per trainer rank, each carrying `orchestrator`
+    (the sender's side of the run contract)."""
     ranks = assign_ranks(pack_bins(samples, seq_len), num_ranks)
     count = max(1, max(len(r) for r in ranks))  # a step with nothing to train still reaches every rank
     out: list[list[MicroBatch]] = []
@@ -115,17 +121,13 @@ def pack(
                 b = rank_bins[index]
                 arrays = bin_arrays(b)
                 lens, envs = [len(s) for s in b.samples], [s.env_name for s in b.samples]
-                rewards = [s.reward for s in b.samples]
+                advantages, rewards = [s.advantage for s in b.samples], [s.reward for s in b.samples]
                 temperature = b.samples[0].temperature
             else:
-                arrays, lens, envs, rewards, temperature = (
-                    filler_arrays(pad_id),
-                    [FILLER_TOKENS],
-                    [""],
-                    [0.0],
-                    1.0,
-                )
+                arrays, lens, envs, temperature = filler_arrays(pad_id), [FILLER_TOKENS], [""], 1.0
+                advantages = rewards = [0.0]
             mbs.append(MicroBatch.from_arrays(header, index, count, **arrays, sample_lens=lens, env_names=envs,
-                                              temperature=temperature, rewards=rewards))  # fmt: skip
+                                              advantages=advantages, rewards=rewards, temperature=temperature,
+                                              orchestrator=orchestrator))  # fmt: skip
         out.append(mbs)
     return out

@@ -85,6 +85,10 @@ class AsyncZmqSender(_Pusher):
         except (TimeoutError, zmq.Again):
             raise self._timeout(message) from None
 
+    async def send_when_connected(self, message: Message) -> None:
+        """Send without a time limit: it waits for the trainer to connect (cancel it to give up)."""
+        await self._sock.send(encode(message), copy=False)
+
 
 class ZmqReceiver:
     """Connects a PULL socket to one rank's address and returns that run's messages in order."""

@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import random
 import signal
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl import shutdown
+from prime_rl.contract import ContractError
 from prime_rl.disk import writing
-from prime_rl.layout import checkpoint_root, complete_steps, restart_counts, weights_root
+from prime_rl.layout import checkpoint_root, complete_steps, refusal_path, restart_counts, weights_root
 from prime_rl.monitor import MetricsLogger, forget_steps_from
-from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.loop.advantage import Advantage
+from prime_rl.orchestrator.advantages import build_advantage
+from prime_rl.orchestrator.config import OrchestratorConfig, contract_side
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 from prime_rl.orchestrator.loop.eval import Evaluator
 from prime_rl.orchestrator.loop.examples import Env, ExampleSource
@@ -64,6 +67,17 @@ from prime_rl.transport.packing import pack
 log = logging.getLogger("prime_rl.orchestrator")
 
 
+REFUSAL_POLL_S = 0.5
+"""How often to look for the trainer's refusal of the run contract."""
+
+
+def read_refusal(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 class RunDirError(RuntimeError):
     """The output folder does not fit the requested start (fresh or resumed)."""
 
@@ -90,6 +104,9 @@ class Orchestrator:
         self.prev_acc = Accounting()
         self.stopped_by: signal.Signals | None = None
         """The signal that cancelled the run, if one did."""
+        self.contract = contract_side(config, session=uuid.uuid4().hex[:12])
+        self.refused: ContractError | None = None
+        """The trainer's refusal of this orchestrator's contract, if it cancelled the run."""
 
     # ------------------------------------------------------------------ setup
 
@@ -127,8 +144,14 @@ class Orchestrator:
             for spec in train
         ]
         self.advantages = {
-            e.config.resolved_name: Advantage.from_config(e.config.advantage or c.advantage)
-            for e in self.envs
+            e.config.resolved_name: build_advantage(
+                *(
+                    (e.config.advantage, f"orchestrator.envs[{i}].advantage")
+                    if e.config.advantage
+                    else (c.advantage, "orchestrator.advantage")
+                )
+            )
+            for i, e in enumerate(self.envs)
         }
         self.temperatures = {e.name: e.config.sampling.temperature for e in self.envs}
         self.pool = ServerPool(c.client)
@@ -153,7 +176,6 @@ class Orchestrator:
         self.health = ServerHealth(
             self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s
         )
-        self.sender = BatchSender(c)
         self._forget_uncommitted(progress.step)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
@@ -195,7 +217,35 @@ class Orchestrator:
     # ------------------------------------------------------------------ loop
 
     async def run(self) -> None:
+        """The whole run. The trainer gets this orchestrator's side of the run contract first, and
+        a refusal from it stops the run with the trainer's line, whatever the run is doing."""
         self._take_signals()
+        self.sender = BatchSender(self.config)
+        self.sender.hello(self.run_id, self.contract)
+        watch = asyncio.create_task(self._watch_refusal(asyncio.current_task()), name="contract")
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if self.refused is not None:
+                raise self.refused from None
+            raise
+        finally:
+            watch.cancel()
+            await self.sender.close(deliver=False)  # a no-op after a clean end
+
+    async def _watch_refusal(self, main: asyncio.Task) -> None:
+        path = refusal_path(self.output_dir)
+        while True:
+            record = await asyncio.to_thread(read_refusal, path)
+            if record is not None and record.get("session") == self.contract.session:
+                self.refused = ContractError(
+                    f"the trainer refused this orchestrator's config: {record['message']}"
+                )
+                main.cancel()
+                return
+            await asyncio.sleep(REFUSAL_POLL_S)
+
+    async def _run(self) -> None:
         try:
             progress = await self.setup()
         except BaseException:
@@ -261,7 +311,12 @@ class Orchestrator:
 
     def _pack(self, batch: TrainingBatch) -> list[list[MicroBatch]]:
         return pack(
-            batch.samples, self.config.seq_len, self.config.trainer_ranks, self.run_id, batch.header.step
+            batch.samples,
+            self.config.seq_len,
+            self.config.trainer_ranks,
+            self.run_id,
+            batch.header.step,
+            orchestrator=self.contract,
         )
 
     async def _step(self, step: int) -> None:

@@ -1,14 +1,15 @@
 """From a step's finished groups to its training batch: the one path, in pure steps.
 
-    finished group ─ score_group ─▶ ScoredGroup (advantages, filters) ─ batch_normalize ─▶
-    ─ samples ─▶ TrainingBatch, with the step's counts beside it (build_step)
+    finished group ─ score_group ─▶ ScoredGroup (advantages, filters) ─ samples ─▶ TrainingBatch,
+    with the step's counts beside it (build_step)
 
 Every step returns new values and changes none of its inputs; the orchestrator runs `build_step`
 in a worker thread, once per step, so user code (advantage functions) never runs on the event loop.
 
 Invariants: every rollout of the input groups is in the result exactly once, counted as trained or
 filtered for its env; an advantage that reaches a sample was validated (`advantage.py`); a filtered
-rollout gets no sample; batch normalization sees only the rollouts that train.
+rollout gets no sample. Normalization over the batch is not done here: it happens once, in the
+trainer (`trainer.advantage.batch_normalize`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from prime_rl.orchestrator.loop.advantage import Advantage, AdvantageInputs, batch_whiten
+from prime_rl.orchestrator.advantages import Advantage, AdvantageInputs
 from prime_rl.orchestrator.loop.samples import rollout_to_samples, sample_lengths
 from prime_rl.orchestrator.rollout import Rollout
 from prime_rl.transport.messages import Header, TrainingBatch, TrainingSample
@@ -102,26 +103,6 @@ def score_group(
     return ScoredGroup(env, group.example_id, rollouts, advantages, frozenset(drop), rewards), counts
 
 
-def batch_normalize(groups: list[ScoredGroup], advantages: dict[str, Advantage]) -> list[ScoredGroup]:
-    """Whiten the step's trained advantages in pools: one pool of every env whose estimator says
-    `batch_normalize = "all"`, one per env that says "env"; envs that say "none" are left alone."""
-    pools: dict[str, list[tuple[int, int]]] = {}  # pool -> (group index, rollout index)
-    for gi, g in enumerate(groups):
-        mode = advantages[g.env_name].batch_normalize
-        if mode == "none":
-            continue
-        key = "all" if mode == "all" else f"env:{g.env_name}"
-        pools.setdefault(key, []).extend((gi, ri) for ri in range(len(g.rollouts)) if ri not in g.filtered)
-    if not pools:
-        return groups
-    new = [list(g.advantages) for g in groups]
-    for where in pools.values():
-        values = batch_whiten([groups[gi].advantages[ri] for gi, ri in where])
-        for (gi, ri), a in zip(where, values, strict=True):
-            new[gi][ri] = a
-    return [replace(g, advantages=tuple(a)) for g, a in zip(groups, new, strict=True)]
-
-
 @dataclass(frozen=True)
 class StepBuild:
     """A step's batch with what it cost to make it."""
@@ -148,7 +129,6 @@ def build_step(
         s, counts = score_group(g, advantages[g.env_name], config)
         scored.append(s)
         filter_counts.update(counts)  # keeps zero counts: a filter that hit nothing logs 0
-    scored = batch_normalize(scored, advantages)
     samples: list[TrainingSample] = []
     buckets = {"trained": Counter(), "filtered": Counter()}
     for g in scored:

@@ -1,14 +1,18 @@
 """Stream each trainer rank its micro-batches: over zmq (async, back-pressured by the high-water
-mark) or through the filesystem transport (in a worker thread, off the event loop)."""
+mark) or through the filesystem transport (in a worker thread, off the event loop).
+
+Over zmq each rank first gets a `Hello` (the run contract), sent as soon as the rank connects; the
+filesystem transport has none: its micro-batches carry the contract as every micro-batch does."""
 
 from __future__ import annotations
 
 import asyncio
 
+from prime_rl.contract import OrchestratorSide
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.transport import transport_dir
 from prime_rl.transport.file_transport import FileSender
-from prime_rl.transport.messages import MicroBatch
+from prime_rl.transport.messages import Header, Hello, MicroBatch
 from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
 
 
@@ -26,6 +30,13 @@ class BatchSender:
         else:
             self._zmq = None
             self._files = FileSender(transport_dir(t, config.output_dir))
+        self._hellos: list[asyncio.Task] = []
+
+    def hello(self, run_id: str, side: OrchestratorSide) -> None:
+        """Greet every rank as it connects (in the background: a trainer may start much later)."""
+        for r, sender in enumerate(self._zmq or []):
+            message = Hello(Header(run_id, -1, r), side)
+            self._hellos.append(asyncio.create_task(sender.send_when_connected(message), name=f"hello-{r}"))
 
     async def send(self, per_rank: list[list[MicroBatch]]) -> None:
         if self._zmq is not None:
@@ -42,5 +53,8 @@ class BatchSender:
 
     async def close(self, deliver: bool) -> None:
         """Close the sockets; with `deliver`, first wait (up to the timeout) for queued micro-batches."""
-        for s in self._zmq or []:
+        for task in self._hellos:
+            task.cancel()
+        zmq, self._zmq = self._zmq, []  # closing twice (after a failed start) is a no-op
+        for s in zmq or []:
             await asyncio.to_thread(s.close, None if deliver else 0.0)

@@ -1,12 +1,11 @@
-"""Token-level advantage estimators: per-token advantages (and returns) from each sample's reward.
+"""What every token-level advantage estimator shares: its inputs and outputs, its config's common
+fields, and the check of what it returns (`Estimator`).
 
 Contract: `fn(TokenAdvantageInputs, **kwargs) -> TokenAdvantageOutputs`, for one packed micro-batch.
-Built-ins: `reinforce` (discounted returns of the per-token reward) and `gae` (with the critic's
-values); a custom one is named by import path in `[trainer.advantage]`. This is the second kind of
-estimator: the first, per-rollout `advantage_fn -> list[float]`, runs in the orchestrator, and
-`reinforce` with gamma = 1 hands its output through unchanged.
+This is the second kind of estimator: the first, per-rollout `advantage_fn -> list[float]`, runs in
+the orchestrator, and `reinforce` with gamma = 1 hands its output through unchanged.
 
-Invariant: advantages and returns are finite, of shape [T], and 0 outside the loss mask; a custom
+Invariant: advantages and returns are finite, of shape [T], and 0 outside the loss mask; an
 estimator that breaks this raises `TokenAdvantageError` naming it.
 """
 
@@ -14,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from prime_rl.plugins import load_function
-from prime_rl.trainer.config import TokenAdvantageConfig
-from prime_rl.trainer.returns import TokenGrid, discounted_returns, gae, terminal_rewards
+from prime_rl.config import BaseConfig
+from prime_rl.trainer.returns import TokenGrid
 
 
 @dataclass(frozen=True)
@@ -57,47 +56,48 @@ class TokenAdvantageError(ValueError):
     """A token-level estimator returned something unusable."""
 
 
-def reinforce(inputs: TokenAdvantageInputs, gamma: float = 1.0) -> TokenAdvantageOutputs:
-    mask = inputs.loss_mask
-    kl = inputs.kl_in_reward if inputs.kl_in_reward is not None else bool(inputs.kl_rewards.any())
-    if gamma == 1.0 and not kl:
-        return TokenAdvantageOutputs(inputs.rollout_advantages * mask)  # the common case, exactly
-    grid = inputs.grid
-    # The rollout advantage, constant over the sample, is its terminal reward: discounted too.
-    rewards = torch.where(grid.last_token(), inputs.rollout_advantages.float(), 0.0) + inputs.kl_rewards
-    return TokenAdvantageOutputs(discounted_returns(grid, rewards, gamma))
+class EstimatorBase(BaseConfig):
+    """Settings every token-level estimator shares (read by the trainer around the estimator)."""
+
+    moved_keys: ClassVar[dict[str, str]] = {
+        "import_path": "name your estimator in 'type' = 'package.module:function'"
+    }
+
+    batch_normalize: Literal["none", "all", "env"] = "none"
+    """The one normalization of the advantages: whiten the estimator's per-token advantages over the
+    step's model tokens on all ranks, over every env ('all') or per env ('env'), before per-token
+    terms (distillation) are added. GAE and REINFORCE++ usually want 'all'."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the trainer builds and trains a critic for this estimator (its `values`)."""
+        return False
 
 
-def gae_estimator(
-    inputs: TokenAdvantageInputs, gamma: float = 1.0, lam: float = 0.95
-) -> TokenAdvantageOutputs:
-    if inputs.values is None:
-        raise TokenAdvantageError("advantage.type = 'gae' needs the critic's values")
-    grid = inputs.grid
-    rewards = terminal_rewards(grid, inputs.rollout_rewards) + inputs.kl_rewards
-    advantages, returns = gae(grid, rewards, inputs.values, gamma, lam)
-    return TokenAdvantageOutputs(advantages, returns)
+class CustomEstimator(EstimatorBase):
+    """Your own estimator: `fn(TokenAdvantageInputs, **kwargs) -> TokenAdvantageOutputs`."""
 
+    type: str
+    """Where the function lives, as 'package.module:function'."""
 
-TokenAdvantageFn = Callable[..., TokenAdvantageOutputs]
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments passed to the function on every call."""
+
+    critic: bool = False
+    """Train a critic (`[trainer.critic]`): the function then gets `values` and must return `returns`."""
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.critic
 
 
 @dataclass(frozen=True)
-class TokenEstimator:
+class Estimator:
     """A configured token-level estimator, validated on every call."""
 
     name: str
-    fn: TokenAdvantageFn
-    kwargs: dict
-
-    @classmethod
-    def from_config(cls, config: TokenAdvantageConfig) -> TokenEstimator:
-        if config.type == "custom":
-            fn = load_function(config.import_path, key="trainer.advantage.import_path")
-            return cls(config.import_path, fn, dict(config.kwargs))
-        if config.type == "gae":
-            return cls("gae", gae_estimator, {"gamma": config.gamma, "lam": config.lam})
-        return cls("reinforce", reinforce, {"gamma": config.gamma})
+    fn: Callable[..., TokenAdvantageOutputs]
+    kwargs: dict[str, Any]
 
     def __call__(
         self, inputs: TokenAdvantageInputs, host: Callable[[torch.Tensor], object] = torch.Tensor.tolist

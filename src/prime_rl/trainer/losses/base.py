@@ -1,0 +1,148 @@
+"""What every RL loss shares: its inputs and outputs, its config's common fields, and the frame
+that runs it (`frame`): the importance ratio, the trust masks, the KL penalty.
+
+Invariant: a loss returns the per-token loss *before* normalization; the trainer sums it over the
+loss tokens and divides by the global loss-token count (all ranks, all micro-batches of the step),
+so the gradient is that of the per-token mean over the whole global batch. Tokens that a mask drops
+(ratio out of bounds, low entropy) contribute 0 but stay in the count.
+
+The importance ratio compares the trainer's logprobs (current weights, sampling temperature) with
+the sampling logprobs from inference: ratio = exp(trainer - sampling), per token or per sample
+(GSPO). Masking drops tokens whose ratio says trainer and sampler disagree too much to trust them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from prime_rl.config import BaseConfig
+from prime_rl.trainer.returns import sample_index
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch, all of shape [T]."""
+
+    trainer_logprobs: torch.Tensor
+    """Differentiable."""
+    sampling_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    """Bool: the tokens that train. In a loss called by the frame: the sampled tokens the trust
+    masks kept."""
+    entropy: torch.Tensor
+    sample_lens: list[int]
+    ref_logprobs: torch.Tensor | None = None
+    """Logprobs of the frozen starting model, when a KL penalty is configured."""
+    log_ratio: torch.Tensor | None = None
+    """log(trainer / sampling) per token, or per sample with `ratio_type = 'sequence'` (then the same
+    on each of its tokens, gradients flowing per token); differentiable, 0 outside the loss mask.
+    Set by the frame."""
+
+
+@dataclass
+class LossOutputs:
+    token_loss: torch.Tensor
+    """Per-token loss (the frame zeroes it outside the kept tokens)."""
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Bool per-token flags for metrics (e.g. 'clipped_high'): their share of the loss tokens is logged."""
+
+
+class LossBase(BaseConfig):
+    """Settings every RL loss shares (read by the frame around the loss)."""
+
+    moved_keys: ClassVar[dict[str, str]] = {
+        "custom_import_path": "name your loss in 'type' = 'package.module:function'",
+        "custom_kwargs": "your loss's keyword arguments are 'kwargs'",
+    }
+
+    ratio_type: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or one per sample (geometric mean of its token ratios, GSPO-style)."""
+
+    mask_low: float = Field(default=0.125, ge=0)
+    """Tokens whose ratio is below this are masked out of the loss (trainer and sampler disagree)."""
+
+    mask_high: float = Field(default=8.0, gt=0)
+    """Tokens whose ratio is above this are masked out of the loss."""
+
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of a KL penalty to the frozen starting model (0 disables it and the reference model)."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of the KL to the reference model."""
+
+    top_entropy_fraction: float = Field(default=1.0, gt=0, le=1)
+    """Train only on this fraction of loss tokens with the highest entropy (per micro-batch)."""
+
+
+class CustomLoss(LossBase):
+    """Your own loss: `fn(LossInputs, **kwargs) -> LossOutputs`, run inside the frame (it gets the
+    trust-masked tokens and the importance log-ratio; the KL penalty is added after it)."""
+
+    type: str
+    """Where the function lives, as 'package.module:function'."""
+
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments passed to the function on every call."""
+
+
+def importance_log_ratio(inputs: LossInputs, ratio_type: str) -> torch.Tensor:
+    log_ratio = (inputs.trainer_logprobs - inputs.sampling_logprobs) * inputs.loss_mask
+    if ratio_type == "token":
+        return log_ratio
+    # GSPO: one ratio per sample (mean log-ratio over its loss tokens), gradients flowing per token.
+    ids = sample_index(inputs.sample_lens, log_ratio.device)
+    n = len(inputs.sample_lens)
+    sums = torch.zeros(n, device=log_ratio.device).index_add(0, ids, log_ratio.detach())
+    counts = torch.zeros(n, device=log_ratio.device).index_add(0, ids, inputs.loss_mask.float())
+    seq = (sums / counts.clamp(min=1))[ids]
+    return seq + log_ratio - log_ratio.detach()
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    return torch.exp(-d) + d - 1  # k3: unbiased, always >= 0
+
+
+def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The masked tokens whose entropy is at least the (1 - fraction) quantile of the masked
+    tokens' entropies (linear interpolation, as torch.quantile), computed without a host sync."""
+    if fraction >= 1.0:
+        return mask
+    e = entropy.float()
+    ordered = torch.sort(torch.where(mask, e, torch.inf)).values  # the masked values come first
+    n = mask.sum()
+    pos = (1.0 - fraction) * (n - 1).clamp(min=0).to(e.dtype)
+    lo = pos.floor().long().view(1)
+    hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+    threshold = torch.lerp(ordered.index_select(0, lo), ordered.index_select(0, hi), pos - lo)
+    return mask & (e >= threshold)
+
+
+def frame(inputs: LossInputs, config: LossBase, loss, **kwargs) -> LossOutputs:
+    """Run one loss (`loss(inputs, **kwargs)`) inside what every loss shares: the importance
+    log-ratio, the trust masks (`mask_low`, `mask_high`, `top_entropy_fraction`) and the KL
+    penalty to the reference model."""
+    mask = inputs.loss_mask
+    log_ratio = importance_log_ratio(inputs, config.ratio_type)
+    r = torch.exp(log_ratio.detach())
+    masked_low = mask & (r < config.mask_low)
+    masked_high = mask & (r > config.mask_high)
+    keep = top_entropy_mask(inputs.entropy, mask & ~masked_low & ~masked_high, config.top_entropy_fraction)
+    out = loss(replace(inputs, loss_mask=keep, log_ratio=log_ratio), **kwargs)
+    token_loss = out.token_loss
+    if config.kl_coef > 0 and inputs.ref_logprobs is not None:
+        token_loss = token_loss + config.kl_coef * kl_penalty(
+            inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator
+        )
+    masks = {"masked_low": masked_low, "masked_high": masked_high, **out.masks}
+    return LossOutputs(token_loss * keep, masks)

@@ -1,0 +1,91 @@
+"""Credit assignment in the trainer: the one place where the separate terms that travel with a
+micro-batch become the per-token advantages the loss sees.
+
+    A_t = normalize(estimate_t) + d_t
+
+- estimate_t: the token-level estimator's advantage (`[trainer.advantage]`), from the sample's
+  rollout advantage (the orchestrator's advantage function), its reward, the KL-in-reward penalty
+  and the critic's values;
+- normalize: the one normalization of the run (`trainer.advantage.batch_normalize`): whitening
+  over the step's model tokens on all ranks, in one pool or one per env; the orchestrator does none;
+- d_t: per-token terms from the orchestrator (a teacher's distillation term, its weight applied),
+  added after normalization so that the weight keeps its meaning.
+
+Invariant: every function here returns new tensors and changes none of its inputs; advantages are
+0 outside the loss mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from prime_rl.trainer.dist import World, all_reduce_sum
+from prime_rl.trainer.returns import sample_index
+
+STD_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Credit:
+    """One micro-batch's terms, per token ([T] tensors)."""
+
+    estimate: torch.Tensor
+    """The estimator's advantages (0 outside the loss mask)."""
+    loss_mask: torch.Tensor
+    owned: torch.Tensor
+    """The tokens this rank counts (context parallelism: each token is owned by one rank)."""
+    sample_lens: list[int]
+    env_names: list[str]
+    token_terms: torch.Tensor | None = None
+    """Per-token terms added after normalization (distillation); None: none."""
+
+
+def rollout_advantages(
+    advantages: Sequence[float], sample_lens: list[int], device: torch.device
+) -> torch.Tensor:
+    """Each sample's scalar rollout advantage on every one of its tokens."""
+    return torch.tensor(advantages, dtype=torch.float32, device=device)[sample_index(sample_lens, device)]
+
+
+def whiten(items: list[Credit], mode: str, world: World) -> list[torch.Tensor]:
+    """(A - mean) / (std + eps) of the estimates over the model tokens of every micro-batch on every
+    rank: one pool ('all') or one per env ('env'). Moments are summed over ranks, so every rank uses
+    the same."""
+    names = sorted({e for c in items for e in c.env_names if e}) if mode == "env" else ["all"]
+    if world.distributed and mode == "env":
+        gathered: list = [None] * world.world_size
+        dist.all_gather_object(gathered, names)
+        names = sorted({e for g in gathered for e in g})
+    index = {e: i for i, e in enumerate(names)}
+    dev = world.device
+    moments = torch.zeros(len(names), 3, dtype=torch.float64, device=dev)
+    rows_of = []
+    for c in items:
+        per_sample = torch.tensor([index.get(e, 0) if mode == "env" else 0 for e in c.env_names], device=dev)
+        rows = per_sample[sample_index(c.sample_lens, dev)]
+        counted = (c.loss_mask & c.owned).to(torch.float64)  # each token once over the cp group
+        a = torch.where(c.loss_mask, c.estimate.to(torch.float64), 0.0)
+        moments.index_add_(0, rows, torch.stack([counted, a * counted, a * a * counted], dim=1))
+        rows_of.append(rows)
+    moments = all_reduce_sum(moments, world)
+    n = moments[:, 0].clamp(min=1)
+    mean = moments[:, 1] / n
+    std = (moments[:, 2] / n - mean**2).clamp(min=0).sqrt()
+    out = []
+    for c, rows in zip(items, rows_of, strict=True):
+        whitened = ((c.estimate - mean[rows]) / (std[rows] + STD_EPS)).to(c.estimate.dtype)
+        out.append(torch.where(c.loss_mask, whitened, c.estimate))
+    return out
+
+
+def compose(items: list[Credit], normalize: str, world: World) -> list[torch.Tensor]:
+    """The advantages the loss sees, per micro-batch: A_t = normalize(estimate_t) + d_t."""
+    estimates = [c.estimate for c in items] if normalize == "none" else whiten(items, normalize, world)
+    return [
+        a if c.token_terms is None else a + torch.where(c.loss_mask, c.token_terms, 0.0)
+        for a, c in zip(estimates, items, strict=True)
+    ]
