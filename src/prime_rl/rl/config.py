@@ -296,7 +296,8 @@ class RLConfig(RootConfig):
         from prime_rl.orchestrator.config import contract_side as orchestrator_side
         from prime_rl.trainer.config import contract_side as trainer_side
 
-        dp = self.deployment.world_size // self.trainer.parallel.cp
+        d = self.deployment
+        dp = d.trainer_ranks * (sum("trainer" in n.roles for n in d.nodes) or 1) // self.trainer.parallel.cp
         orch = self.orchestrator.model_copy(update={"trainer_ranks": dp})
         found = problems(orchestrator_side(orch, session=""), trainer_side(self.trainer, dp))
         if found:
