@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from prime_rl.net import free_port
+from prime_rl.transport.messages import MicroBatch
 from prime_rl.transport.zmq_transport import ZmqReceiver
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,9 @@ sampling = {{ temperature = 1.0, max_tokens = 24 }}
     try:
         mbs = []
         while not (mbs and mbs[-1].header.step == 1 and mbs[-1].index == mbs[-1].count - 1):
-            mbs.append(receiver.recv())
+            message = receiver.recv()
+            if isinstance(message, MicroBatch):  # (the orchestrator's Hello comes first)
+                mbs.append(message)
         output, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()

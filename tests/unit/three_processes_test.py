@@ -9,6 +9,8 @@ from prime_rl.config.cli import parse_config
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.config import RLConfig
+from prime_rl.rl.machine import here
+from prime_rl.rl.plan import plan
 from prime_rl.trainer.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +40,8 @@ def test_the_three_configs_agree_on_what_they_share(three):
 def test_they_run_what_rl_toml_runs(three, monkeypatch):
     monkeypatch.chdir(REPO)
     rl = parse_config(RLConfig, ["@", str(CONFIGS / "rl.toml")])
-    r_inference, r_orch, r_trainer = rl.resolved()
+    wired = plan(rl, here(rl))  # the three configs `rl` writes and starts
+    r_inference, r_orch, r_trainer = wired.inference, wired.orchestrator, wired.trainer
     inference, trainer, orch = three
     ours = {"output_dir": inference.output_dir}
     assert inference == r_inference.model_copy(update=ours)
