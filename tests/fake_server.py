@@ -56,6 +56,10 @@ class FakeServer:
     """Append i "+" to the text of choice i of an `n` request ("cba", "cba+", ...)."""
     ignore_n: bool = False
     """Answer an `n` request with one choice, as a server without `n` support would."""
+    weights_dir: str | None = None
+    """The folder `GET /prime_rl/weights` says weights load from (unset: it does not say)."""
+    adapters_root: str | None = None
+    """Serve `GET /prime_rl/adapters` as a LoRA server with this root (unset: no such route)."""
 
     def __post_init__(self):
         app = FastAPI()
@@ -73,7 +77,14 @@ class FakeServer:
 
         @app.get("/prime_rl/weights")
         async def weights():
-            return {"step": self.loads[-1]["step"] if self.loads else 0}
+            folder = {"weights_dir": self.weights_dir} if self.weights_dir else {}
+            return {"step": self.loads[-1]["step"] if self.loads else 0, **folder}
+
+        @app.get("/prime_rl/adapters")
+        async def adapters():
+            if self.adapters_root is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return {"enabled": True, "max_rank": 8, "root": self.adapters_root, "adapters": {}}
 
         @app.post("/fake/broadcast")
         async def broadcast(req: Request):

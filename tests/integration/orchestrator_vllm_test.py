@@ -10,15 +10,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from prime_rl.net import free_port
+from prime_rl.transport.messages import MicroBatch
 from prime_rl.transport.zmq_transport import ZmqReceiver
 
 pytestmark = pytest.mark.slow
 
 
 def test_orchestrator_streams_micro_batches_from_real_rollouts(server, tmp_path):
-    base, model, _ = server
+    base, model, weights_dir = server
     port = free_port()
-    out = tmp_path / "run"
+    # A run folder under the server's weights dir, which it loads from (checked at start-up); no
+    # trainer publishes into it, so the server keeps its weights.
+    out = weights_dir / f"orchestrator-{tmp_path.name}"
     toml = tmp_path / "orch.toml"
     toml.write_text(
         f"""
@@ -55,7 +58,9 @@ sampling = {{ temperature = 1.0, max_tokens = 24 }}
     try:
         mbs = []
         while not (mbs and mbs[-1].header.step == 1 and mbs[-1].index == mbs[-1].count - 1):
-            mbs.append(receiver.recv())
+            message = receiver.recv()
+            if isinstance(message, MicroBatch):  # (the orchestrator's Hello comes first)
+                mbs.append(message)
         output, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()

@@ -89,7 +89,9 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     assert route(tmp_path).status_code == 403  # outside the weights dir
     assert httpx.post(f"{base}/prime_rl/load_weights", json={"x": 1}).status_code == 400
     assert route(step_dir).json()["step"] == 1
-    assert httpx.get(f"{base}/prime_rl/weights").json() == {"step": 1, "workers": 1, "dtype": "float32"}
+    assert httpx.get(f"{base}/prime_rl/weights").json() == {
+        "step": 1, "workers": 1, "dtype": "float32", "weights_dir": str(weights_dir.resolve())
+    }  # fmt: skip
 
     client = OpenAI(base_url=f"{base}/v1", api_key="local", max_retries=0, timeout=60)
 

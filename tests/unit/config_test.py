@@ -15,7 +15,7 @@ from prime_rl.model.local import max_model_len
 from prime_rl.model.tiny import TinyModelConfig
 from prime_rl.orchestrator.advantages.base import CustomAdvantage
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.preflight import check_orchestrator, check_rl, env_module_name
+from prime_rl.preflight import check_orchestrator, check_rl, check_trainer, env_module_name
 from prime_rl.rl.config import RLConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.reward_model.config import RewardModelTrainConfig
@@ -228,7 +228,8 @@ def test_every_shipped_config_parses_and_passes_the_checks(path, monkeypatch):
         parse_config(RLConfig, ["@", str(path.parent / "rl.toml"), "@", str(path), *built], check=check_rl)
         return
     kind = "sft.toml" if path.name.endswith("sft.toml") else path.name
-    cls, check = {"rl.toml": (RLConfig, check_rl), "orch.toml": (OrchestratorConfig, check_orchestrator),
+    cls, check = {"rl.toml": (RLConfig, check_rl), "orchestrator.toml": (OrchestratorConfig, check_orchestrator),
+                  "trainer.toml": (TrainerConfig, check_trainer), "inference.toml": (InferenceConfig, None),
                   "sft.toml": (SFTConfig, None), "reward_model.toml": (RewardModelTrainConfig, None)}[kind]  # fmt: skip
     parse_config(cls, ["@", str(path)], check=check)
 

@@ -6,7 +6,8 @@ its own adapter of the one base model.
   previous step's. 409 when another run holds the name or the server was started without LoRA,
   403 for a path outside the adapters root, 404 for a folder without `READY`, 400 for a bad body.
 - `POST /prime_rl/unload_adapter {"name", "owner"}`: release the name (a finished run).
-- `GET /prime_rl/adapters`: `{"enabled": bool, "max_rank": R, "adapters": {name: {"owner", "step"}}}`.
+- `GET /prime_rl/adapters`: `{"enabled": bool, "max_rank": R, "root": DIR, "adapters": {name: {"owner",
+  "step"}}}` (`root`: the adapters root, resolved).
 
 Invariants: a name belongs to one owner from its claim to its release, so no run ever samples from
 another's adapter. Loading happens between two engine steps (an engine utility call), so it never
@@ -108,6 +109,7 @@ def make_adapter_router(root: Path) -> APIRouter:
         return {
             "enabled": bool(rank),
             "max_rank": rank,
+            "root": str(root),
             "adapters": {n: {"owner": s.owner, "step": s.step} for n, s in served.items()},
         }
 

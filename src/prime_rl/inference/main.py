@@ -1,14 +1,28 @@
-"""`uv run inference @ infer.toml`: vLLM's OpenAI-compatible server for the policy."""
+"""`uv run inference @ infer.toml`: vLLM's OpenAI-compatible server for the policy.
 
-import os
+vLLM runs as this process's child (`supervise.py`): Ctrl-C or SIGTERM stops it within seconds, with
+one line and no traceback, whether it is starting or serving.
+"""
+
+from pathlib import Path
 
 from prime_rl.config import parse_config
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.server import server_command, server_env
+from prime_rl.inference.supervise import run_server
+from prime_rl.logging_setup import setup_logging
+from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(InferenceConfig, argv, prog="inference")
-    cmd = server_command(config)
-    # Replace this process, so that signals (Ctrl-C, the rl launcher's SIGTERM) reach vLLM directly.
-    os.execve(cmd[0], cmd, server_env(config))
+    setup_logging("inference")
+    take_signals()
+    try:
+        config = parse_config(InferenceConfig, argv, prog="inference")
+        env = server_env(config)  # creates <output_dir>/inference
+        code = run_server(server_command(config), env, Path(config.output_dir) / "inference")
+    except Stopped:
+        exit_stopped()
+    if stopping() is not None:
+        exit_stopped()
+    raise SystemExit(code)

@@ -13,9 +13,10 @@ Routes added (nothing else: vLLM's development endpoints stay off):
   this update and load the tensors as they arrive (`weight_transfer.py`), resume, answer `{"step": N}`.
   The trainer sends it (`weight_broadcast.type = "collective"`). A failed update (500) aborts the
   requests in flight and leaves the step at BROKEN (-2) until an update succeeds.
-- `GET /prime_rl/weights`: `{"step": N, "workers": W, "dtype": D}`, the step of the weights being
-  served (0 = as started), the workers that join a broadcast group, and the dtype they compute in
-  (a broadcast sends floating-point weights in it).
+- `GET /prime_rl/weights`: `{"step": N, "workers": W, "dtype": D, "weights_dir": DIR}`, the step of
+  the weights being served (0 = as started), the workers that join a broadcast group, the dtype they
+  compute in (a broadcast sends floating-point weights in it), and the folder weights load from
+  (resolved), which the orchestrator checks against its own at start-up.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def make_router(weights_dir: Path) -> APIRouter:
         config = getattr(request.app.state, "vllm_config", None)
         workers = config.parallel_config.world_size if config is not None else 1
         dtype = str(config.model_config.dtype).removeprefix("torch.") if config is not None else None
-        return {"step": getattr(request.app.state, "prime_rl_step", 0), "workers": workers, "dtype": dtype}
+        step = getattr(request.app.state, "prime_rl_step", 0)
+        return {"step": step, "workers": workers, "dtype": dtype, "weights_dir": str(root)}
 
     return router
 

@@ -1,9 +1,7 @@
-"""`uv run orchestrator @ orch.toml`."""
+"""`uv run orchestrator @ orchestrator.toml` (e.g. configs/reverse_text/orchestrator.toml)."""
 
 import asyncio
-import logging
 import os
-import signal
 import sys
 
 from prime_rl.config import parse_config
@@ -19,14 +17,19 @@ from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.progress import RunDirError
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 from prime_rl.orchestrator.loop.weights import AdapterRefused, WeightSyncError
+from prime_rl.orchestrator.loop.weights_dir import WeightsDirMismatch
 from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing
 from prime_rl.preflight import check_orchestrator
+from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
 from prime_rl.transport import TransportError
 
 # Failures whose message says all the user needs: one line, no traceback. Exit status 2 for those
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
 # (failing rollouts whose most common reason is a server's are `retryable`).
-NEEDS_USER = (ContractError, EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused)
+NEEDS_USER = (
+    ContractError, EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused,
+    WeightsDirMismatch,
+)  # fmt: skip
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)
 
 
@@ -38,18 +41,19 @@ def make_orchestrator(config: OrchestratorConfig) -> Orchestrator:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(OrchestratorConfig, argv, prog="orchestrator", check=check_orchestrator)
+    # Ctrl-C or SIGTERM stops the orchestrator within seconds from here on, with one line: before
+    # its loop runs through `prime_rl.shutdown`, then through the loop (`Orchestrator._take_signals`).
     setup_logging("orchestrator")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    orchestrator = make_orchestrator(config)
+    take_signals()
     try:
-        asyncio.run(orchestrator.run())
+        config = parse_config(OrchestratorConfig, argv, prog="orchestrator", check=check_orchestrator)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        asyncio.run(make_orchestrator(config).run())
     except USER_ERRORS as e:
+        if stopping() is not None:  # an error the stop caused
+            exit_stopped()
         sys.stderr.write(f"orchestrator: error: {e}\n")
         needs_user = isinstance(e, NEEDS_USER) and not getattr(e, "retryable", False)
         raise SystemExit(2 if needs_user else 1) from None
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        # A signal during setup, before the orchestrator takes SIGINT/SIGTERM, is a KeyboardInterrupt.
-        sig = orchestrator.stopped_by or signal.SIGINT
-        logging.getLogger("prime_rl").info("stopped by %s", sig.name)
-        raise SystemExit(128 + sig) from None
+    except (Stopped, KeyboardInterrupt, asyncio.CancelledError):
+        exit_stopped()

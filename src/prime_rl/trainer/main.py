@@ -1,4 +1,5 @@
-"""`uv run trainer @ trainer.toml`; several ranks: `uv run torchrun --nproc-per-node N -m prime_rl.trainer.main @ ...`.
+"""`uv run trainer @ trainer.toml`; several ranks: `uv run python -m prime_rl.trainer.parallel.torchrun
+--nproc-per-node N -m prime_rl.trainer.main @ trainer.toml`.
 
 The loop per step: receive this rank's micro-batches, train, publish the weights of step + 1,
 export tokens and checkpoint when configured, log one line.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from prime_rl.layout import refusal_path
 from prime_rl.logging_setup import setup_logging
 from prime_rl.plugins import PluginError
 from prime_rl.preflight import check_trainer
+from prime_rl.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.config import TrainerConfig, contract_side
 from prime_rl.trainer.data import StepReceiver, share_with_cp_group
 from prime_rl.trainer.estimators import TokenAdvantageError
@@ -37,8 +40,9 @@ from prime_rl.trainer.weights.checkpoint import (
     save_checkpoint,
 )
 from prime_rl.trainer.weights.publish import Publisher
-from prime_rl.transport import TransportError, make_receiver
+from prime_rl.transport import TransportError, make_receiver, transport_dir
 from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.zmq_transport import rank_address
 
 log = logging.getLogger("prime_rl.trainer")
 
@@ -78,6 +82,13 @@ def estimator_summary(metrics: dict[str, float]) -> str:
     return " | " + " | ".join(parts) if parts else ""
 
 
+def transport_source(config: TrainerConfig, output_dir: Path) -> str:
+    """Where the first rank's micro-batches come from, for the line that says the trainer waits."""
+    if config.transport.type == "zmq":
+        return rank_address(config.transport, 0)
+    return str(transport_dir(config.transport, output_dir))
+
+
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
     world = world or init_world(config.parallel.cp)
     output_dir = Path(config.output_dir)
@@ -113,6 +124,8 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         metrics_log = MetricsLogger(
             output_dir / "trainer" / "metrics.jsonl", config.wandb, config=config.model_dump(mode="json")
         )
+    if metrics_log is not None:  # (no console marker: `rl` keeps this line in the trainer's log)
+        log.info("ready for the orchestrator's micro-batches (%s)", transport_source(config, output_dir))
     nan_streak = 0
     t0, t_ckpt = time.perf_counter(), 0.0
     try:
@@ -222,14 +235,22 @@ def fake_gpu_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv, fake_gpu, ranks = fake_gpu_flags(sys.argv[1:] if argv is None else list(argv))
-    config = parse_config(TrainerConfig, argv, prog="trainer", check=check_trainer, commands=FAKE_GPU_HELP)
-    if fake_gpu:
-        from prime_rl.trainer.gpu.dry_run import main_dry_run
+    # Ctrl-C or SIGTERM stops the trainer within seconds wherever it waits (the orchestrator's data,
+    # the other ranks, a checkpoint), with one line: the first rank's (`prime_rl.shutdown`).
+    setup_logging("trainer")
+    take_signals(announce=os.environ.get("RANK", "0") == "0")
+    try:
+        argv, fake_gpu, ranks = fake_gpu_flags(sys.argv[1:] if argv is None else list(argv))
+        config = parse_config(
+            TrainerConfig, argv, prog="trainer", check=check_trainer, commands=FAKE_GPU_HELP
+        )
+        if fake_gpu:
+            from prime_rl.trainer.gpu.dry_run import main_dry_run
 
-        setup_logging("trainer")
-        return main_dry_run(config, ranks)
-    world = init_world_or_exit(config.parallel.cp, "trainer")
+            return main_dry_run(config, ranks)
+        world = init_world_or_exit(config.parallel.cp, "trainer")
+    except Stopped:  # before the ranks' work (`run_rank` says the line from there on)
+        exit_stopped()
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
     run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS, NEEDS_USER)
 

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_rl import shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.layout import checkpoint_root, complete_steps, refusal_path, restart_counts, weights_root
@@ -54,6 +55,7 @@ from prime_rl.orchestrator.loop.step_metrics import (
     step_line,
 )
 from prime_rl.orchestrator.loop.weights import Adapter, WeightSync
+from prime_rl.orchestrator.loop.weights_dir import check_weights_dirs
 from prime_rl.orchestrator.messages import EnvSide
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
 from prime_rl.transport.config import resolve_run_id
@@ -96,6 +98,7 @@ class Orchestrator:
         progress, rng, acc = restore(self.config)
         cursors = progress.cursors
         train, evals = await self.env_side.start()
+        self._take_signals()  # again: loading a verifiers env replaces the handlers
         self.envs = [
             Env(spec, ExampleSource(spec.dataset, c.seed, cursor_from_json(cursors.get(spec.name))))
             for spec in train
@@ -114,6 +117,7 @@ class Orchestrator:
         self.pool = ServerPool(c.client)
         log.info("checking inference at %s", ", ".join(c.client.base_urls))
         await self.pool.wait_healthy()
+        await check_weights_dirs(self.pool, self.output_dir, adapter=c.lora_adapter is not None)
         self.pipeline = PipelineConfig(
             c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip,
             c.teacher.advantage_weight if c.teacher else 1.0, c.teacher.weight if c.teacher else 0.0,
@@ -137,11 +141,11 @@ class Orchestrator:
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
         )
         self.evaluator = Evaluator(c, evals, self.pool, self.env_side, self.metrics) if evals else None
-        self._take_signals()
         return progress
 
     def _take_signals(self) -> None:
-        """SIGINT/SIGTERM cancel the run, which then stops cleanly (envs torn down, sockets closed).
+        """SIGINT/SIGTERM cancel the run, which then stops cleanly (envs torn down, sockets closed)
+        within `shutdown.GRACE_S`, or is ended then; a second signal changes nothing.
 
         Loading a verifiers env replaces these handlers with ones that schedule its teardown as a
         task and exit at once, so that teardown never ran ("Task was destroyed but it is pending").
@@ -151,7 +155,10 @@ class Orchestrator:
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
 
         def interrupt(sig: signal.Signals) -> None:
+            if self.stopped_by is not None:  # a cancelled cleanup would leave env workers behind
+                return
             self.stopped_by = sig
+            shutdown.arm(sig)
             task.cancel()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,6 +179,7 @@ class Orchestrator:
     async def run(self) -> None:
         """The whole run. The trainer gets this orchestrator's side of the run contract first, and
         a refusal from it stops the run with the trainer's line, whatever the run is doing."""
+        self._take_signals()
         self.sender = BatchSender(self.config)
         self.sender.hello(self.run_id, self.contract)
         watch = asyncio.create_task(self._stop_on_refusal(asyncio.current_task()), name="contract")

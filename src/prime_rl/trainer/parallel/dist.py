@@ -23,16 +23,17 @@ with the device a known number of times.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from prime_rl.shutdown import Stopped, exit_now, say_stopped, stopping
 
 FAKE_HOST_VALUE = 1.0
 """What `World.host` reads from a fake tensor: finite and non-zero, so a dry run takes the branches
@@ -174,21 +175,30 @@ def run_rank(
     needs_user: tuple[type[BaseException], ...] = (),
 ) -> None:
     """Run a rank's work and end the process: a user error is one line on stderr and exit status 2
-    if it is one of `needs_user` (a restart would fail the same way), else 1; the process group is
-    destroyed in any case; a distributed rank always leaves through `exit_rank`."""
+    if it is one of `needs_user` (a restart would fail the same way), else 1; a SIGINT or SIGTERM
+    is the stop's one line and 128 + the signal (`prime_rl.shutdown`), also when what it raised is
+    an error the stop caused (a peer rank gone); the process group is destroyed in any case; a
+    distributed rank always leaves through `exit_rank`."""
     code = 0
     try:
         fn()
+    except Stopped:
+        pass
     except user_errors as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
+        if stopping() is None:
+            sys.stderr.write(f"{prog}: error: {e}\n")
         code = 2 if isinstance(e, needs_user) else 1
     except Exception:
-        if not world.distributed:
+        if not world.distributed and stopping() is None:
             raise
-        traceback.print_exc()
+        if stopping() is None:
+            traceback.print_exc()
         code = 1
     finally:
         close_world(world)
+    if stopping() is not None:
+        say_stopped()
+        code = 128 + stopping()
     exit_rank(world, code)
 
 
@@ -208,13 +218,3 @@ def exit_rank(world: World, code: int) -> None:
         exit_now(code)
     if code:
         raise SystemExit(code)
-
-
-def exit_now(code: int) -> NoReturn:
-    """End the process at once, logs and output flushed, skipping interpreter finalization (see
-    `exit_rank`; the fake-GPU dry run needs it too: its device's autograd worker thread can be torn
-    down while the interpreter shuts down, which aborts the process after a passing run)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -1,0 +1,102 @@
+"""`uv run inference`: vLLM's server as a child of this process, which stops it on Ctrl-C or SIGTERM.
+
+Invariant: vLLM runs in a session of its own, so the terminal's Ctrl-C reaches this process only
+(left to itself, vLLM printed a traceback when stopped while starting and exited with status 0 when
+stopped while serving). On the first SIGINT or SIGTERM this process stops vLLM's whole process group
+(SIGTERM, then SIGKILL after STOP_WAIT_S), says one line and exits with 128 + the signal; vLLM's
+output from then on goes to `<output_dir>/inference/stop.log`, not the console. If this process is
+killed, vLLM gets SIGTERM (the parent-death signal), so no server outlives it. Otherwise vLLM's
+output passes through unchanged, byte for byte, and its exit status is this process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+from prime_rl import shutdown
+
+STOP_WAIT_S = 3.0
+"""How long vLLM may take to stop on SIGTERM before its process group is killed (it took 0.5 s
+serving the tiny model; within `shutdown.GRACE_S`)."""
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # In the child, before exec: SIGTERM when the thread that started it (our main thread) ends.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _Pump:
+    """Copies a child's stream to ours, or to a file once the stop began (byte for byte: vLLM's
+    progress bars rewrite their line)."""
+
+    def __init__(self, source: BinaryIO, sink: BinaryIO):
+        self.source, self.sink = source, sink
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def redirect(self, sink: BinaryIO) -> None:
+        with self.lock:
+            self.sink = sink
+
+    def _run(self) -> None:
+        while chunk := os.read(self.source.fileno(), 65536):
+            with self.lock, contextlib.suppress(OSError, ValueError):  # a closed console or log
+                self.sink.write(chunk)
+                self.sink.flush()
+
+
+def run_server(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """Run vLLM's server until it exits (its status) or this process is stopped (128 + signal)."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True, preexec_fn=_die_with_parent,
+    )  # fmt: skip
+    shutdown.at_deadline(lambda: _kill_group(proc, signal.SIGKILL))
+    pumps: list[_Pump] = []
+    try:
+        pumps += [_Pump(proc.stdout, sys.stdout.buffer), _Pump(proc.stderr, sys.stderr.buffer)]
+        code = proc.wait()
+    except shutdown.Stopped:
+        log = (run_dir / "stop.log").open("ab")
+        for pump in pumps:
+            pump.redirect(log)
+        _stop(proc)
+        return 128 + (shutdown.stopping() or signal.SIGINT)
+    for pump in pumps:  # the rest of what it wrote, before the status
+        pump.thread.join(timeout=5)
+    return code
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the group; SIGKILL whatever of it is left after STOP_WAIT_S. The rest of the group
+    (the engine, its workers, the resource tracker that frees their shared memory) is waited for too:
+    killed mid-cleanup, the tracker would leave the shared memory behind."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    _kill_group(proc, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_WAIT_S)
+    while _kill_group(proc, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _kill_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> bool:
+    """Send `sig` to the child's process group; False once the group is gone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

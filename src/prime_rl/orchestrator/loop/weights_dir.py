@@ -1,0 +1,62 @@
+"""Start-up check: every inference server accepts the folder this run's weights are published in.
+
+A server loads weights only from under its weights dir (`<inference output_dir>/weights`), and LoRA
+adapters only from under its adapters root (`inference.lora.runs_root`, by default that same dir).
+The orchestrator asks it to load `<orchestrator output_dir>/weights/step_<N>`, where the trainer
+publishes them. Invariant: the loop starts only when every server that says where it loads from
+accepts that folder. A mismatch (the three processes started by hand with different output dirs)
+is one line naming both settings, at start-up, instead of a refused reload after the first step.
+A server that does not say (a plain vLLM server, an older prime_rl one) is not checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+
+from prime_rl.layout import weights_root
+from prime_rl.orchestrator.loop.servers import Server, ServerPool
+from prime_rl.orchestrator.loop.weights import ADAPTERS_ROUTE, WEIGHTS_ROUTE, WeightSyncError
+
+
+class WeightsDirMismatch(WeightSyncError):
+    """A server would refuse to load this run's weights: the processes' output dirs disagree."""
+
+
+async def check_weights_dirs(
+    pool: ServerPool, output_dir: Path, adapter: bool, timeout_s: float = 30.0
+) -> None:
+    """Raise `WeightsDirMismatch` for the first server that would refuse `<output_dir>/weights`."""
+    published = weights_root(output_dir).resolve()
+    async with httpx.AsyncClient(timeout=timeout_s) as http:
+        roots = await asyncio.gather(*(_accepted_root(http, s, adapter) for s in pool.servers))
+    for server, root in zip(pool.servers, roots, strict=True):
+        if root is None or published == root or root in published.parents:
+            continue
+        what = "adapters" if adapter else "weights"
+        setting = (
+            "inference.lora.runs_root, by default <inference.output_dir>/weights"
+            if adapter
+            else "<inference.output_dir>/weights"
+        )
+        raise WeightsDirMismatch(
+            f"orchestrator.output_dir = '{output_dir}': the trainer publishes this run's {what} in "
+            f"{published}, but the inference server at {server.root_url} loads {what} only from under "
+            f"{root} ({setting}): start `inference` with the same --output-dir as the orchestrator "
+            "and the trainer"
+        )
+
+
+async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool) -> Path | None:
+    """Where `server` loads weights (or adapters) from, None if it does not say. (A server without
+    LoRA says None for adapters: claiming the adapter's name reports that, in its own words.)"""
+    route, key = (ADAPTERS_ROUTE, "root") if adapter else (WEIGHTS_ROUTE, "weights_dir")
+    try:
+        resp = await http.get(f"{server.root_url}{route}")
+        if resp.status_code != 200 or (adapter and not resp.json().get("enabled")):
+            return None
+        return Path(resp.json()[key])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
