@@ -54,8 +54,8 @@ def train(args) -> None:
 
     from prime_rl.trainer.config import TrainerConfig
     from prime_rl.trainer.parallel.dist import World
-    from prime_rl.trainer.weights.publish import Publisher
     from prime_rl.trainer.rl.trainer import Trainer
+    from prime_rl.trainer.weights.publish import Publisher
     from prime_rl.transport.packing import pack
 
     lora = {"rank": args.rank, "alpha": 2.0 * args.rank} if args.mode == "lora" else None

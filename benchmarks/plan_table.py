@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from prime_rl.trainer.parallel.dist import exit_now
 from prime_rl.trainer.gpu.plan_memory import GIB, longest_fit, model_folder
+from prime_rl.trainer.parallel.dist import exit_now
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.parallel.dist import init_world
 from prime_rl.trainer.logprobs import full_logits_logprobs
+from prime_rl.trainer.parallel.dist import init_world
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack

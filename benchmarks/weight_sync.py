@@ -37,9 +37,9 @@ from prime_rl.net import free_port
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync
-from prime_rl.trainer.weights.broadcast import Broadcaster
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.parallel.dist import init_world
+from prime_rl.trainer.weights.broadcast import Broadcaster
 from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.weight_transfer import (
     join_group,

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.gpu.dry_run import synthetic_samples
 from prime_rl.trainer.gpu.plan_memory import PRESETS
+from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.transport.packing import pack
 
