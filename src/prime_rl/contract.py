@@ -50,15 +50,14 @@ class OrchestratorSide(msgspec.Struct, frozen=True):
     """Random per orchestrator start: a refusal names the session it answers."""
     seq_len: int
     """The longest micro-batch it packs."""
-    trainer_ranks: Setting
-    """The data-parallel trainer ranks it spreads micro-batches over."""
+    trainer_ranks: int
+    """The data-parallel trainer ranks it spreads micro-batches over (`orchestrator.trainer_ranks`)."""
     drops_uniform_groups: Setting | None = None
     """What drops groups whose rewards are all equal (dynamic sampling, the zero-advantage filter)."""
     advantage_scale: Setting | None = None
     """A factor other than 1 on every rollout advantage (a teacher's `advantage_weight`)."""
     expects_normalization: Setting | None = None
     """An advantage function defined with batch whitening after it (REINFORCE++-baseline)."""
-    seq_len_key: str = "orchestrator.seq_len"
 
 
 class TrainerSide(msgspec.Struct, frozen=True):
@@ -72,8 +71,6 @@ class TrainerSide(msgspec.Struct, frozen=True):
     value, and under GAE a group of equal rewards still has non-zero advantages."""
     normalizes: Setting | None = None
     """Batch normalization of the advantages, which undoes any scale on them."""
-    seq_len_key: str = "trainer.seq_len"
-    dp_key: str = "trainer ranks / 'trainer.parallel.cp'"
 
 
 def problems(orchestrator: OrchestratorSide, trainer: TrainerSide) -> list[str]:
@@ -96,13 +93,13 @@ def problems(orchestrator: OrchestratorSide, trainer: TrainerSide) -> list[str]:
         )
     if orchestrator.seq_len > trainer.seq_len:
         out.append(
-            f"'{orchestrator.seq_len_key}' = {orchestrator.seq_len} packs micro-batches longer than "
-            f"'{trainer.seq_len_key}' = {trainer.seq_len}: set them equal"
+            f"'orchestrator.seq_len' = {orchestrator.seq_len} packs micro-batches longer than "
+            f"'trainer.seq_len' = {trainer.seq_len}: set them equal"
         )
-    if int(orchestrator.trainer_ranks.value) != trainer.dp:
+    if orchestrator.trainer_ranks != trainer.dp:
         out.append(
-            f"{orchestrator.trainer_ranks} sends to that many data-parallel trainer ranks, but the trainer has "
-            f"{trainer.dp} ({trainer.dp_key}): set them equal"
+            f"'orchestrator.trainer_ranks' = {orchestrator.trainer_ranks} sends to that many data-parallel "
+            f"trainer ranks, but the trainer has {trainer.dp} (its ranks / 'trainer.parallel.cp'): set them equal"
         )
     return out
 

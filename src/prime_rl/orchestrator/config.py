@@ -370,7 +370,7 @@ def contract_side(config: OrchestratorConfig, session: str) -> OrchestratorSide:
     return OrchestratorSide(
         session=session,
         seq_len=config.seq_len,
-        trainer_ranks=Setting.of("orchestrator.trainer_ranks", config.trainer_ranks),
+        trainer_ranks=config.trainer_ranks,
         drops_uniform_groups=drops,
         advantage_scale=scale,
         expects_normalization=normalized,
