@@ -1,4 +1,4 @@
-"""The README's table of `plan-memory` predictions: the longest micro-batch that fits one GPU.
+"""The table of `plan-memory` predictions in docs/gpu.md: the longest micro-batch that fits one GPU.
 
     uv run python benchmarks/plan_table.py [--models qwen3-8b qwen3-32b] [--gpu-gib 80] [--ranks 8]
 

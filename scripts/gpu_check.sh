@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The trainer's CUDA path on a real GPU (see scripts/gpu_check.py): CPU/CUDA parity of one step and
 # plan-memory against torch.cuda.max_memory_allocated. Run from the repo root on a CUDA machine that
-# has torch, transformers and peft. Python packages it lacks can sit as wheels in .whl/ (the README's
-# "Checking the CUDA path on a GPU" lists them); they are installed to /tmp/site first.
+# has torch, transformers and peft. Python packages it lacks can sit as wheels in .whl/ (docs/gpu.md,
+# "On a GPU", lists them); they are installed to /tmp/site first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"

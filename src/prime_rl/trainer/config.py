@@ -34,7 +34,7 @@ class ModelConfig(BaseConfig):
 
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: activation memory of one layer instead
-    of all of them, for about a third more compute (figures in the README's Trainer section)."""
+    of all of them, for about a third more compute (figures in docs/trainer.md, "Memory")."""
 
     logprob_chunk_tokens: int | None = Field(default=None, ge=1)
     """Tokens whose logits exist at once when computing logprobs and entropy, in forward and backward:

@@ -47,5 +47,5 @@ def out_of_memory(
     first = " ".join(str(error).split())[:160]
     return OutOfMemory(
         f"step {step} ran out of {where} memory on micro-batches of up to {tokens} tokens ({first}). "
-        f"To fit, try: {'; '.join(advice(config, ranks))}. See the README's 'Memory' section."
+        f"To fit, try: {'; '.join(advice(config, ranks))}. See 'Memory' in docs/trainer.md."
     )
