@@ -20,7 +20,8 @@ import time
 from sum_digits import preference_pairs
 
 from prime_rl.model.reward import load_reward_model
-from prime_rl.orchestrator.envs.reward_model import RewardModelConfig, RewardModels, reward_function
+from prime_rl.orchestrator.envs.reward_model import RewardModels, reward_function
+from prime_rl.orchestrator.envs_config import RewardModelConfig
 
 MODEL = "models/sum_digits-rm"
 

@@ -54,6 +54,18 @@ def load_function(import_path: str, key: str) -> Callable[..., Any]:
     return fn
 
 
+def plugin_problem(key: str, config: Any) -> str | None:
+    """Why the user's function that the plugin section `key` names (`type` = an import path) cannot
+    load, for a process's preflight; None when it loads, or for a built-in (its config validated it)."""
+    if not is_import_path(config.type):
+        return None
+    try:
+        load_function(config.type, key=f"{key}.type")
+    except PluginError as e:
+        return str(e)
+    return None
+
+
 @dataclass(frozen=True)
 class Builtin:
     """A built-in: its name (the `type` that selects it), its function and its config."""

@@ -151,7 +151,8 @@ def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(s
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
     from prime_rl.orchestrator.envs.load import load_env, rollout_input
-    from prime_rl.orchestrator.envs.teacher import Teacher, TeacherConfig
+    from prime_rl.orchestrator.envs.teacher import Teacher
+    from prime_rl.orchestrator.envs_config import TeacherConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
     from prime_rl.orchestrator.loop.samples import rollout_to_samples
 

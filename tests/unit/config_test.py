@@ -10,14 +10,17 @@ import pytest
 
 from prime_rl.config.cli import parse_config
 from prime_rl.defaults import DEFAULT_MODEL
+from prime_rl.environments import env_module_name
 from prime_rl.inference.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
 from prime_rl.model.local import max_model_len
 from prime_rl.model.tiny import TinyModelConfig
 from prime_rl.orchestrator.advantages.base import CustomAdvantage
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.preflight import check_orchestrator, check_rl, check_trainer, env_module_name
+from prime_rl.orchestrator.preflight import check_orchestrator
 from prime_rl.rl.config import RLConfig
+from prime_rl.rl.preflight import check_rl
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.preflight import check_trainer
 from prime_rl.trainer.reward_model.config import RewardModelTrainConfig
 from prime_rl.trainer.sft.config import SFTConfig
 

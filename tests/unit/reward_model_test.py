@@ -13,8 +13,9 @@ from orchestrator_test import make_config, rollouts, run
 from fake_server import FakeServer
 from prime_rl.inference.reward_server import RewardServerConfig, make_server
 from prime_rl.model.reward import RewardModelError, init_reward_model, load_reward_model
-from prime_rl.orchestrator.envs.reward_model import Batcher, RemoteScorer, RewardModelConfig, reward_function
-from prime_rl.orchestrator.envs.rewards import REWARD_ERROR, RewardRunner, RewardsConfig
+from prime_rl.orchestrator.envs.reward_model import Batcher, RemoteScorer, reward_function
+from prime_rl.orchestrator.envs.rewards import REWARD_ERROR, RewardRunner
+from prime_rl.orchestrator.envs_config import RewardModelConfig, RewardsConfig
 from prime_rl.trainer.reward_model.main import RewardModelTrainConfig, train
 
 BASE = str(Path(__file__).parents[2] / "models" / "reverse_text-tiny")

@@ -11,7 +11,8 @@ from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
 from prime_rl.orchestrator.envs.load import load_env, rollout_input
-from prime_rl.orchestrator.envs.rewards import RewardRunner, RewardsConfig
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.loop.examples import ExampleSource
 
 

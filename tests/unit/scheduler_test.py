@@ -7,7 +7,6 @@ from fake_server import FakeServer, Reply
 from prime_rl.layout import READY
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
-from prime_rl.orchestrator.loop.examples import Env, ExampleSource
 from prime_rl.orchestrator.loop.scheduler import Scheduler
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync
@@ -26,8 +25,7 @@ def make(server: FakeServer, **overrides) -> Scheduler:
     )
     side = LocalEnvs(config)
     train, _ = side.load()
-    envs = [Env(spec, ExampleSource(spec.dataset, 0)) for spec in train]
-    return Scheduler(config, envs, ServerPool(config.client), side, random.Random(0))
+    return Scheduler(config, train, ServerPool(config.client), side, random.Random(0))
 
 
 def test_generation_runs_ahead_by_at_most_max_async_level_steps():

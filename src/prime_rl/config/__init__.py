@@ -4,6 +4,6 @@ See `base.py` for the model conventions and `cli.py` for how sources are merged.
 """
 
 from prime_rl.config.base import BaseConfig, RootConfig
-from prime_rl.config.cli import ConfigError, parse_config
+from prime_rl.config.cli import ConfigError, parse_config, raise_problems
 
-__all__ = ["BaseConfig", "ConfigError", "RootConfig", "parse_config"]
+__all__ = ["BaseConfig", "ConfigError", "RootConfig", "parse_config", "raise_problems"]

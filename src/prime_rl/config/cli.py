@@ -36,6 +36,14 @@ class ConfigError(Exception):
     """A mistake in the user's config or flags; its message is shown as is, without a traceback."""
 
 
+def raise_problems(problems: Sequence[str | None]) -> None:
+    """One `ConfigError` naming every problem found (each one sentence; None: no problem), so that a
+    user fixes them all in one go; nothing when there are none."""
+    found = [p for p in problems if p]
+    if found:
+        raise ConfigError(" ".join(p.rstrip(".") + "." for p in found))
+
+
 @dataclass
 class Sources:
     """The merged raw values and, for each key path, where its value came from."""
@@ -315,7 +323,7 @@ def parse_config(
     """Parse `argv` into `cls`. Handles --help and --dry-run (print, exit 0) and user errors (exit 2).
 
     `check` runs on the validated config (also for --dry-run); a `ConfigError` it raises is a user
-    error like any other (for the checks that import user code, see `prime_rl.preflight`).
+    error like any other (the checks that import user code are each process's `preflight.py`).
     `dry_run` says what --dry-run prints (default: the resolved config as TOML); `commands` adds
     lines to --help about the program's own flags."""
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -5,7 +5,8 @@ hub ids are 'name' or 'org/name'. Only local names are checked; a hub id is left
 
 Invariant: a local folder that passes `check_model_name` has a config.json that is a JSON object
 with a `model_type`, and its context length is read from that file alone (plain JSON, no
-transformers or vLLM import), by the rule vLLM applies when it derives `max_model_len`.
+transformers or vLLM import), by the rule vLLM applies when it derives `max_model_len`; two local
+folders' tokenizers are compared from their tokenizer.json files alone.
 """
 
 from __future__ import annotations
@@ -113,3 +114,22 @@ def max_model_len(name: str) -> tuple[int, str] | None:
         if isinstance(cap, int) and 0 < cap < length:
             length, key = cap, "model_max_length in its tokenizer_config.json"
     return length, key
+
+
+def tokenizer_mismatch(student: str, teacher: str) -> str | None:
+    """Why two local model folders' tokenizers differ (vocabulary, merges or special tokens), from
+    their tokenizer files alone; None when they agree or either is not a local folder."""
+    a, b = Path(student).expanduser(), Path(teacher).expanduser()
+    if not (a / "tokenizer.json").is_file() or not (b / "tokenizer.json").is_file():
+        return None
+    try:
+        ta, tb = (json.loads((p / "tokenizer.json").read_text()) for p in (a, b))
+    except (OSError, json.JSONDecodeError) as e:
+        return f"its tokenizer.json cannot be read: {e}"
+    vocab_a, vocab_b = ta.get("model", {}).get("vocab", {}), tb.get("model", {}).get("vocab", {})
+    if vocab_a != vocab_b:
+        return f"its vocabulary ({len(vocab_b)} tokens) differs from the student's ({len(vocab_a)} tokens)"
+    added = [[(t.get("id"), t.get("content")) for t in x.get("added_tokens", [])] for x in (ta, tb)]
+    if added[0] != added[1] or ta.get("model", {}).get("merges") != tb.get("model", {}).get("merges"):
+        return "its special tokens or merges differ from the student's"
+    return None

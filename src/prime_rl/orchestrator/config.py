@@ -1,4 +1,9 @@
-"""Configuration of the orchestrator (`uv run orchestrator`)."""
+"""Configuration of the orchestrator (`uv run orchestrator`).
+
+Invariant: config only, a leaf. It imports configs (`envs_config.py`, `advantages/`, transport's) and
+nothing of the loop or the env side: runtime modules import configs, never the reverse, so the loop,
+the env workers and `rl` all read this file without loading each other (`tests/unit/layering_test.py`).
+"""
 
 from pathlib import Path
 from typing import Any, Literal
@@ -18,9 +23,7 @@ from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
 from prime_rl.orchestrator.advantages import AdvantageConfig
 from prime_rl.orchestrator.advantages.grpo import GRPOAdvantage
-from prime_rl.orchestrator.envs.reward_model import RewardModelConfig
-from prime_rl.orchestrator.envs.rewards import RewardsConfig
-from prime_rl.orchestrator.envs.teacher import TeacherConfig
+from prime_rl.orchestrator.envs_config import RewardModelConfig, RewardsConfig, TeacherConfig
 from prime_rl.transport.config import TransportConfig
 
 

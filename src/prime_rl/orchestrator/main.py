@@ -19,7 +19,7 @@ from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 from prime_rl.orchestrator.loop.weights import AdapterRefused, WeightSyncError
 from prime_rl.orchestrator.loop.weights_dir import WeightsDirMismatch
 from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing
-from prime_rl.preflight import check_orchestrator
+from prime_rl.orchestrator.preflight import check_orchestrator
 from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
 from prime_rl.transport import TransportError
 

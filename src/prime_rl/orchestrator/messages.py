@@ -10,7 +10,7 @@ ones say why), or not at all when it was cancelled; nothing else of an env cross
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -80,11 +80,17 @@ ToWorker = Job | Cancel | Stop
 FromWorker = GroupDone | Ready | Broken
 
 
-@dataclass(frozen=True)
-class TrainEnv:
-    """A training env as the loop sees it: its config, its examples and how its rubric scores."""
+ConfigT = TypeVar("ConfigT", EnvConfig, EvalEnvConfig)
+"""A training env's config or an eval env's."""
 
-    config: EnvConfig
+
+@dataclass(frozen=True)
+class EnvView(Generic[ConfigT]):
+    """An env as the loop sees it, a training env (`EnvView[EnvConfig]`) or an eval env
+    (`EnvView[EvalEnvConfig]`): its config, its examples and how its rubric scores. The verifiers
+    env itself stays on the env side (`envs.load.LoadedEnv`)."""
+
+    config: ConfigT
     dataset: Any
     """Rows by index (`len`, `[i]`): an Arrow-backed dataset, read one row at a time."""
     group_scoring: bool
@@ -95,21 +101,11 @@ class TrainEnv:
         return self.config.resolved_name
 
 
-@dataclass(frozen=True)
-class EvalEnv:
-    config: EvalEnvConfig
-    dataset: Any
-
-    @property
-    def name(self) -> str:
-        return self.config.resolved_name
-
-
 class EnvSide(Protocol):
     """The env side as the loop drives it, in process (`envs.local.LocalEnvs`) or in workers
     (`loop.workers.WorkerPool`)."""
 
-    async def start(self) -> tuple[list[TrainEnv], list[EvalEnv]]:
+    async def start(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
         """Load the envs (and check the reward models and the teacher); their datasets."""
         ...
 

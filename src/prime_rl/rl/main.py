@@ -5,8 +5,8 @@ import sys
 
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
-from prime_rl.preflight import check_rl
 from prime_rl.rl.config import RLConfig
+from prime_rl.rl.preflight import check_rl
 
 
 def _dry_run(config: RLConfig) -> str:

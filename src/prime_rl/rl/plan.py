@@ -19,7 +19,8 @@ from pathlib import Path
 
 from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
 from prime_rl.inference.server import server_command
-from prime_rl.orchestrator.config import OrchestratorConfig, TeacherConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs_config import TeacherConfig
 from prime_rl.rl.config import DeploymentConfig, RLConfig
 from prime_rl.rl.machine import Machine
 from prime_rl.rl.placement import Placement, placement

@@ -22,7 +22,6 @@ from prime_rl.disk import DiskFull
 from prime_rl.layout import refusal_path
 from prime_rl.logging_setup import setup_logging
 from prime_rl.plugins import PluginError
-from prime_rl.preflight import check_trainer
 from prime_rl.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.config import TrainerConfig, contract_side
 from prime_rl.trainer.data import StepReceiver, share_with_cp_group
@@ -31,6 +30,7 @@ from prime_rl.trainer.losses import LossFn
 from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, out_of_memory
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
+from prime_rl.trainer.preflight import check_trainer
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.weights.checkpoint import (
     CheckpointError,

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic
 
-from prime_rl.environments import EnvError, load_vf_env
+from prime_rl.environments import EnvError, env_module_name, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.envs.reward_model import RewardModelError, RewardModels, attach
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.v1_env import is_v1_module, load_v1_env
-from prime_rl.preflight import env_module_name
+from prime_rl.orchestrator.messages import ConfigT, EnvView
 
 REQUIRED_COLUMNS = ("prompt", "example_id")
 
@@ -32,10 +32,11 @@ def check_columns(dataset, env_id: str, which: str) -> None:
 
 
 @dataclass
-class LoadedEnv:
-    """A loaded training env with its config and dataset."""
+class LoadedEnv(Generic[ConfigT]):
+    """A loaded env, training (`LoadedEnv[EnvConfig]`) or eval (`LoadedEnv[EvalEnvConfig]`): the
+    verifiers env that runs its rollouts, with its config and dataset."""
 
-    config: EnvConfig
+    config: ConfigT
     vf_env: Any
     dataset: Any
 
@@ -47,6 +48,10 @@ class LoadedEnv:
     def group_scoring(self) -> bool:
         """Whether the rubric scores the group together (then one `run_group` call per group)."""
         return bool(getattr(self.vf_env, "requires_group_rollouts", False))
+
+    def view(self) -> EnvView[ConfigT]:
+        """What the loop sees of it: everything but the verifiers env, which stays on this side."""
+        return EnvView(self.config, self.dataset, self.group_scoring)
 
 
 def load_any_env(env_id: str, args: dict[str, Any], rewards: RewardRunner | None = None):
@@ -81,7 +86,7 @@ def load_env(
     reward_models: RewardModels | None = None,
     key: str = "envs[0]",
     score: bool = True,
-) -> LoadedEnv:
+) -> LoadedEnv[EnvConfig]:
     """`key` names the env's config entry in errors, e.g. 'envs[1]'. Without `score`, only for its
     dataset: no reward model is attached (the env workers score)."""
     vf_env = load_any_env(config.id, config.args, rewards)
@@ -100,25 +105,14 @@ def load_env(
     return LoadedEnv(config, vf_env, dataset)
 
 
-@dataclass
-class LoadedEvalEnv:
-    config: EvalEnvConfig
-    vf_env: Any
-    dataset: Any
-
-    @property
-    def name(self) -> str:
-        return self.config.resolved_name
-
-
-def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> LoadedEvalEnv:
+def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> LoadedEnv[EvalEnvConfig]:
     vf_env = load_any_env(config.id, config.args, rewards)
     try:
         dataset = vf_env.get_eval_dataset(n=config.num_examples)
     except Exception as e:
         raise EnvError(f"eval env '{config.id}': its eval dataset cannot be built: {e}") from None
     check_columns(dataset, config.id, "eval")
-    return LoadedEvalEnv(config, vf_env, dataset)
+    return LoadedEnv(config, vf_env, dataset)
 
 
 def rollout_input(row: dict[str, Any]) -> dict[str, Any]:

@@ -12,15 +12,15 @@ import logging
 
 from prime_rl.environments import EnvError
 from prime_rl.logging_setup import adopt_verifiers_logging
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-from prime_rl.orchestrator.envs.load import LoadedEnv, LoadedEvalEnv, load_env, load_eval_env, rollout_input
+from prime_rl.orchestrator.envs.load import LoadedEnv, load_env, load_eval_env, rollout_input
 from prime_rl.orchestrator.envs.reward_model import RewardModelError, RewardModels
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.speedups import speed_up_verifiers
 from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
-from prime_rl.orchestrator.messages import EvalEnv, GroupJob, TrainEnv
+from prime_rl.orchestrator.messages import EnvView, GroupJob
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -33,14 +33,14 @@ class LocalEnvs:
     def __init__(self, config: OrchestratorConfig, rollouts: bool = True):
         self.config = config
         self.rollouts = rollouts
-        self.train: dict[str, LoadedEnv] = {}
-        self.evals: dict[str, LoadedEvalEnv] = {}
+        self.train: dict[str, LoadedEnv[EnvConfig]] = {}
+        self.evals: dict[str, LoadedEnv[EvalEnvConfig]] = {}
         self.rewards: RewardRunner | None = None
         self.reward_models: RewardModels | None = None
         self.teacher: Teacher | None = None
         self.clients = Clients(config.client)
 
-    def load(self) -> tuple[list[TrainEnv], list[EvalEnv]]:
+    def load(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
         """Load the envs (blocking: imports, datasets); what the loop needs of them."""
         c = self.config
         if self.rollouts:
@@ -54,11 +54,9 @@ class LocalEnvs:
             self.evals[env.name] = env
         speed_up_verifiers()
         adopt_verifiers_logging()
-        train = [TrainEnv(e.config, e.dataset, e.group_scoring) for e in self.train.values()]
-        evals = [EvalEnv(e.config, e.dataset) for e in self.evals.values()]
-        return train, evals
+        return [e.view() for e in self.train.values()], [e.view() for e in self.evals.values()]
 
-    async def start(self) -> tuple[list[TrainEnv], list[EvalEnv]]:
+    async def start(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
         c = self.config
         envs = self.load()
         if self.rollouts:

@@ -28,33 +28,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pydantic import Field
-
-from prime_rl.config import BaseConfig
 from prime_rl.orchestrator.envs import speedups
+from prime_rl.orchestrator.envs_config import RewardsConfig
 
 REWARD_ERROR = "prime_rl_reward_error"
 """State key (and requested state column) that carries why a reward function failed."""
-
-
-class RewardsConfig(BaseConfig):
-    """How reward functions run: in worker threads, bounded and timed."""
-
-    concurrency: int = Field(default=1, ge=1)
-    """Plain (sync) reward function calls running at once, one worker thread each. Threads share the
-    GIL with the event loop: for rewards that compute in Python, more threads add loop lag, not
-    speed (a 50 ms reward: p99 lag 32 ms with 1 thread, 57 ms with 2, on one core); for rewards that
-    wait (a blocking HTTP judge, a subprocess), raise it. An `async def` reward that awaits its I/O
-    needs no thread and is not bounded by this."""
-
-    timeout_s: float = Field(default=60.0, gt=0)
-    """A reward function call running longer fails its rollout(s) with a timeout."""
-
-    inline_below_ms: float = Field(default=0.5, ge=0)
-    """A plain reward function whose first 32 calls each took less than this runs on the event loop
-    from then on, without the thread hop (which costs more than such a function: ~0.1 ms of CPU per
-    call); a call that takes longer sends it back to the threads for good. Inline calls are not timed
-    out: a function that was fast 32 times and then hangs would stall its process. 0: always threads."""
 
 
 INLINE_AFTER = 32

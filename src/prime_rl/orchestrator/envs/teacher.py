@@ -15,67 +15,18 @@ failing groups (`orchestrator.max_failed_groups`, `failures.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import replace
-from pathlib import Path
 
-from pydantic import Field
-
-from prime_rl.config import BaseConfig
 from prime_rl.orchestrator.envs.http_retry import post_json
+from prime_rl.orchestrator.envs_config import TeacherConfig
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
 
 
-class TeacherConfig(BaseConfig):
-    """A teacher whose per-token logprobs on the student's samples become advantages."""
-
-    base_url: str = "http://127.0.0.1:8001/v1"
-    """The teacher's OpenAI-compatible vLLM server (`rl` starts one and sets this when `[teacher]` is given)."""
-
-    model: str = ""
-    """The teacher's model name as its server knows it (`rl` sets it); when it is a local folder, its
-    tokenizer must be the student's, which is checked at start."""
-
-    weight: float = Field(default=1.0, ge=0)
-    """Factor on the per-token term log p_teacher - log p_student."""
-
-    advantage_weight: float = Field(default=0.0, ge=0)
-    """Factor on the env's per-rollout advantage: 0 distills only; 1 adds distillation to RL."""
-
-    timeout_s: float = Field(default=60.0, gt=0)
-    """A teacher request answering later than this fails the attempt."""
-
-    retries: int = Field(default=2, ge=0)
-    """Further attempts of a failed teacher request (connection errors, timeouts, 5xx)."""
-
-    concurrency: int = Field(default=32, ge=1)
-    """Teacher requests in flight at once."""
-
-
 class TeacherError(RuntimeError):
     """The teacher could not score a sequence; the message says why."""
-
-
-def tokenizer_mismatch(student: str, teacher: str) -> str | None:
-    """Why two local model folders' tokenizers differ (vocabulary, merges or special tokens), from
-    their tokenizer files alone; None when they agree or either is not a local folder."""
-    a, b = Path(student).expanduser(), Path(teacher).expanduser()
-    if not (a / "tokenizer.json").is_file() or not (b / "tokenizer.json").is_file():
-        return None
-    try:
-        ta, tb = (json.loads((p / "tokenizer.json").read_text()) for p in (a, b))
-    except (OSError, json.JSONDecodeError) as e:
-        return f"its tokenizer.json cannot be read: {e}"
-    vocab_a, vocab_b = ta.get("model", {}).get("vocab", {}), tb.get("model", {}).get("vocab", {})
-    if vocab_a != vocab_b:
-        return f"its vocabulary ({len(vocab_b)} tokens) differs from the student's ({len(vocab_a)} tokens)"
-    added = [[(t.get("id"), t.get("content")) for t in x.get("added_tokens", [])] for x in (ta, tb)]
-    if added[0] != added[1] or ta.get("model", {}).get("merges") != tb.get("model", {}).get("merges"):
-        return "its special tokens or merges differ from the student's"
-    return None
 
 
 class Teacher:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prime_rl.environments import exports_v1_taskset
 from prime_rl.orchestrator.envs.verifiers_v1_adapter import from_v1_trace
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
-from prime_rl.preflight import exports_v1_taskset
 
 HARNESS_ID = "prime_rl_chat_harness"
 """The module name verifiers resolves our harness by (harness ids are importable module names)."""

@@ -12,12 +12,12 @@ import asyncio
 import logging
 
 from prime_rl.monitor import MetricsLogger, stats
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.config import EvalEnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.scheduler import run_on
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
-from prime_rl.orchestrator.messages import EnvSide, EvalEnv, GroupJob
+from prime_rl.orchestrator.messages import EnvSide, EnvView, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -27,7 +27,7 @@ class Evaluator:
     def __init__(
         self,
         config: OrchestratorConfig,
-        envs: list[EvalEnv],
+        envs: list[EnvView[EvalEnvConfig]],
         pool: ServerPool,
         env_side: EnvSide,
         metrics: MetricsLogger,
@@ -84,7 +84,7 @@ class Evaluator:
             ),
         )
 
-    async def _evaluate(self, env: EvalEnv, version: int) -> list[Rollout]:
+    async def _evaluate(self, env: EnvView[EvalEnvConfig], version: int) -> list[Rollout]:
         n = env.config.rollouts_per_example
         limit = asyncio.Semaphore(max(1, self._budget // n))
 

@@ -11,8 +11,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from prime_rl.orchestrator.messages import TrainEnv
-
 
 @dataclass
 class Cursor:
@@ -47,23 +45,3 @@ class ExampleSource:
 
     def next(self) -> dict[str, Any]:
         return self.next_indexed()[1]
-
-
-@dataclass
-class Env:
-    """A training env in the loop: what the env side loaded, and where its example stream stands."""
-
-    spec: TrainEnv
-    examples: ExampleSource
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def config(self):
-        return self.spec.config
-
-    @property
-    def group_scoring(self) -> bool:
-        return self.spec.group_scoring

@@ -30,7 +30,6 @@ from prime_rl.orchestrator.advantages import build_advantage
 from prime_rl.orchestrator.config import OrchestratorConfig, contract_side
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 from prime_rl.orchestrator.loop.eval import Evaluator
-from prime_rl.orchestrator.loop.examples import Env, ExampleSource
 from prime_rl.orchestrator.loop.handshake import wait_for_refusal
 from prime_rl.orchestrator.loop.health import ServerHealth
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup, PipelineConfig, StepBuild, build_step
@@ -96,13 +95,8 @@ class Orchestrator:
     async def setup(self) -> Progress:
         c = self.config
         progress, rng, acc = restore(self.config)
-        cursors = progress.cursors
-        train, evals = await self.env_side.start()
+        self.envs, evals = await self.env_side.start()
         self._take_signals()  # again: loading a verifiers env replaces the handlers
-        self.envs = [
-            Env(spec, ExampleSource(spec.dataset, c.seed, cursor_from_json(cursors.get(spec.name))))
-            for spec in train
-        ]
         self.advantages = {
             e.config.resolved_name: build_advantage(
                 *(
@@ -125,7 +119,8 @@ class Orchestrator:
         difficulty = DifficultyMemory(
             c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}
         )
-        self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty)
+        cursors = {name: cursor_from_json(data) for name, data in progress.cursors.items()}
+        self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty, cursors)
         self.prev_skipped: Counter = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         adapter = Adapter(c.lora_adapter, str(self.output_dir.resolve())) if c.lora_adapter else None
@@ -366,7 +361,9 @@ class Orchestrator:
         return Progress(
             step=next_step,
             accounting=self.scheduler.acc.snapshot(),
-            cursors={e.name: [e.examples.cursor.epoch, e.examples.cursor.position] for e in self.envs},
+            cursors={
+                name: [s.cursor.epoch, s.cursor.position] for name, s in self.scheduler.examples.items()
+            },
             rng_state=rng_to_json(self.scheduler.rng),
             difficulty={env: dict(seen) for env, seen in self.scheduler.difficulty.extremes.items()},
         )

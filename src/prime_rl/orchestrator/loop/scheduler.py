@@ -35,14 +35,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from prime_rl.logging_setup import ROLLOUT_FAILED
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
-from prime_rl.orchestrator.loop.examples import Env
+from prime_rl.orchestrator.loop.examples import Cursor, ExampleSource
 from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
-from prime_rl.orchestrator.messages import EnvSide, GroupJob
+from prime_rl.orchestrator.messages import EnvSide, EnvView, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ BUCKETS = ("trained", "filtered", "failed", "stale")
 @dataclass
 class Group:
     id: int
-    env: Env
+    env: EnvView[EnvConfig]
     example_id: int | str
     policy_version: int
     size: int
@@ -128,15 +128,20 @@ class Scheduler:
     def __init__(
         self,
         config: OrchestratorConfig,
-        envs: list[Env],
+        envs: list[EnvView[EnvConfig]],
         pool: ServerPool,
         env_side: EnvSide,
         rng: random.Random,
         accounting: Accounting | None = None,
         difficulty: DifficultyMemory | None = None,
+        cursors: dict[str, Cursor] | None = None,
     ):
         self.config = config
         self.envs = envs
+        self.examples = {
+            e.name: ExampleSource(e.dataset, config.seed, (cursors or {}).get(e.name)) for e in envs
+        }
+        """Each env's example stream, from its saved cursor (`cursors`, by env name) on."""
         self.pool = pool
         self.env_side = env_side
         self.rng = rng
@@ -144,7 +149,7 @@ class Scheduler:
         self.inflight: dict[asyncio.Task, Group] = {}
         self.ready: deque[Group] = deque()
         self._next_group_id = 0
-        self._next_env: Env | None = None
+        self._next_env: EnvView[EnvConfig] | None = None
         self._failures: list[Rollout] = []
         """Failed rollouts since the last batch was taken (they go with it, for the rollouts log)."""
         self._uniform: list[FinishedGroup] = []
@@ -207,18 +212,19 @@ class Scheduler:
             self._dispatch(env, policy_version)
             n += 1
 
-    def _next_example(self, env: Env) -> tuple[int, dict]:
+    def _next_example(self, env: EnvView[EnvConfig]) -> tuple[int, dict]:
         """The env's next example (index, row) the difficulty filter does not skip; after a whole
         epoch of skips (every example remembered as too easy or too hard) the next one is used anyway."""
-        index, row = env.examples.next_indexed()
-        for _ in range(len(env.examples.dataset)):
+        examples = self.examples[env.name]
+        index, row = examples.next_indexed()
+        for _ in range(len(examples.dataset)):
             if not self.difficulty.skips(env.name, row["example_id"]):
                 break
             self.skipped[env.name] += 1
-            index, row = env.examples.next_indexed()
+            index, row = examples.next_indexed()
         return index, row
 
-    def _dispatch(self, env: Env, policy_version: int) -> None:
+    def _dispatch(self, env: EnvView[EnvConfig], policy_version: int) -> None:
         index, row = self._next_example(env)
         server = self.pool.pick()
         assert server is not None

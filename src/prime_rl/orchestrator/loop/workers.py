@@ -34,20 +34,19 @@ import zmq
 import zmq.asyncio
 
 from prime_rl.environments import EnvError
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.loop.failures import WORKER_DIED
 from prime_rl.orchestrator.messages import (
     Broken,
     Cancel,
     EnvSide,
-    EvalEnv,
+    EnvView,
     FromWorker,
     GroupDone,
     GroupJob,
     Job,
     Ready,
     Stop,
-    TrainEnv,
 )
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
@@ -101,7 +100,7 @@ class WorkerPool:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> tuple[list[TrainEnv], list[EvalEnv]]:
+    async def start(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
         envs = await self.datasets.start()
         self._dir = Path(tempfile.mkdtemp(prefix="prime-rl-workers-"))
         (self._dir / "config.json").write_text(self.config.model_dump_json())

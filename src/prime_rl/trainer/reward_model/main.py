@@ -21,9 +21,9 @@ import time
 from typing import Any
 
 from prime_rl.config import parse_config
+from prime_rl.environments import env_module_name
 from prime_rl.logging_setup import setup_logging
 from prime_rl.model.reward import RewardModel, RewardModelError, init_reward_model, plain_messages
-from prime_rl.preflight import env_module_name
 from prime_rl.trainer.reward_model.config import PairsConfig, RewardModelTrainConfig
 
 log = logging.getLogger("prime_rl.reward_model")

@@ -1,0 +1,101 @@
+"""The orchestrator's preflight: checks of the code its config names (env modules and their
+arguments, custom advantage functions, the teacher's tokenizer, reward model folders), run when it
+starts, before any real work; `rl` runs them too (`rl/preflight.py`), before it launches vLLM.
+
+Invariant: every check is cheap, at most importing a module and reading a signature or a JSON
+file: no env is instantiated, no dataset, tokenizer or weights loaded, nothing of the env side or
+the loop imported. Every problem found is one sentence naming the config key and its value, and all
+of them together are one `ConfigError` (exit 2, no traceback).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from prime_rl.config import raise_problems
+from prime_rl.environments import env_module_name, exports_v1_taskset
+from prime_rl.model.local import tokenizer_mismatch
+from prime_rl.model.reward import RewardModelError, check_reward_model_dir
+from prime_rl.plugins import plugin_problem
+
+if TYPE_CHECKING:
+    from prime_rl.orchestrator.config import OrchestratorConfig
+
+
+def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
+    """Why `verifiers.load_environment(env_id, **args)` cannot work, judged by importing its module
+    and matching `args` to its signature only. `key` is the env's entry, e.g. 'envs[0]'."""
+    where = f"{key}.id = {env_id!r}"
+    name = env_module_name(env_id)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a dotted name whose parent package is missing; an empty name
+        spec = None
+    if spec is None:
+        return (
+            f"{where}: no module '{name}' (verifiers imports an env id as a module, dashes as "
+            "underscores, any 'owner/' prefix dropped); install the env's package or put the folder "
+            "holding it on PYTHONPATH"
+        )
+    try:
+        module = importlib.import_module(name)
+    except Exception as e:  # the env's own code, or a dependency of it, failed while importing
+        return f"{where}: importing module '{name}' raised {type(e).__name__}: {e}"
+    load = getattr(module, "load_environment", None)
+    if not callable(load):
+        if exports_v1_taskset(module):
+            return None  # a verifiers.v1 env: its taskset config validates `args` when it loads
+        return (
+            f"{where}: module '{name}' ({spec.origin}) has no function load_environment (a classic "
+            "verifiers env) and exports no verifiers.v1 Taskset in __all__ (a v1 env)"
+        )
+    try:
+        inspect.signature(load).bind(**args)
+    except TypeError as e:
+        return f"{key}.args = {args!r}: load_environment of env '{env_id}' does not accept them: {e}"
+    except ValueError:
+        pass  # no signature to inspect (a builtin): the call itself will tell
+    return None
+
+
+def teacher_problem(key: str, teacher: str, student: str) -> str | None:
+    """Why a teacher cannot score the student's token ids: a tokenizer that is not the student's."""
+    why = tokenizer_mismatch(student, teacher)
+    return (
+        f"{key} = {teacher!r}: {why}; a teacher must share the student's tokenizer, as it reads the student's token ids"
+        if why
+        else None
+    )
+
+
+def reward_model_problem(key: str, path: str) -> str | None:
+    """Why the folder at `path` is not a reward model, from its config.json alone."""
+    try:
+        check_reward_model_dir(path)
+    except RewardModelError as e:
+        return f"{key}: {e}"
+    return None
+
+
+def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[str]:
+    """Every problem of `config`; `prefix` is where it sits in a larger config ('orchestrator.' in rl's)."""
+    problems = [env_problem(f"{prefix}envs[{i}]", e.id, e.args) for i, e in enumerate(config.envs)]
+    problems += [env_problem(f"{prefix}eval.envs[{i}]", e.id, e.args) for i, e in enumerate(config.eval.envs)]
+    advantages = [(f"{prefix}advantage", config.advantage)]
+    advantages += [(f"{prefix}envs[{i}].advantage", env.advantage) for i, env in enumerate(config.envs)]
+    problems += [plugin_problem(key, advantage) for key, advantage in advantages if advantage is not None]
+    if config.teacher is not None and config.teacher.model:
+        problems.append(teacher_problem(f"{prefix}teacher.model", config.teacher.model, config.model.name))
+    for i, env in enumerate(config.envs):
+        if env.reward_model is not None and env.reward_model.path is not None:
+            problems.append(
+                reward_model_problem(f"{prefix}envs[{i}].reward_model.path", env.reward_model.path)
+            )
+    return [p for p in problems if p]
+
+
+def check_orchestrator(config: OrchestratorConfig) -> None:
+    raise_problems(orchestrator_problems(config))
