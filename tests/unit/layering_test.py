@@ -152,15 +152,15 @@ def test_no_layer_reaches_what_it_must_not(layer):
 
 
 RUNTIME_CHECK = """
-import sys
-def loaded(*prefixes):
-    return sorted(m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in prefixes))
-import prime_rl.trainer.main
-assert not loaded("prime_rl.orchestrator", "prime_rl.inference"), loaded("prime_rl.orchestrator", "prime_rl.inference")
-import prime_rl.rl.main
-assert not loaded("prime_rl.orchestrator.loop", "prime_rl.orchestrator.envs"), loaded("prime_rl.orchestrator.envs")
-import prime_rl.orchestrator.loop.orchestrator
-assert not loaded("prime_rl.orchestrator.envs"), loaded("prime_rl.orchestrator.envs")
+import importlib, sys
+for entry, forbidden in [
+    ("prime_rl.trainer.main", ("prime_rl.orchestrator", "prime_rl.inference")),
+    ("prime_rl.rl.main", ("prime_rl.orchestrator.loop", "prime_rl.orchestrator.envs")),
+    ("prime_rl.orchestrator.loop.orchestrator", ("prime_rl.orchestrator.envs",)),
+]:
+    importlib.import_module(entry)
+    loaded = sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in forbidden))
+    assert not loaded, f"importing {entry} loaded {loaded}"
 """
 
 
