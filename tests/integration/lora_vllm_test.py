@@ -27,15 +27,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["reverse: hello", "reverse: abcdef", "reverse: prime rl", "reverse: zyx"]
 
 
-@pytest.fixture(scope="module")
-def lora_server(tiny_model, tmp_path_factory, start_vllm):
-    runs = tmp_path_factory.mktemp("runs")
-    with start_vllm(
-        tiny_model, runs / "inference", 256, lora={"max_rank": 8, "runs_root": str(runs)}
-    ) as served:
-        yield served, runs
-
-
 def sample(base: str, model: str, n: int = 4) -> list[tuple[list[int], list[int], torch.Tensor]]:
     """(prompt ids, completion ids, served logprobs) of `n` completions of each prompt."""
     out = []
@@ -132,6 +123,8 @@ def test_a_name_belongs_to_one_run_and_paths_are_checked(lora_server):
     release = {"name": "shared", "owner": "/runs/x"}
     assert httpx.post(f"{served.base}/prime_rl/unload_adapter", json=release).json()["released"]
     assert load(name="shared", owner="/runs/y").status_code == 200  # free again
+    release = {"name": "shared", "owner": "/runs/y"}  # the server is shared: leave it as found
+    assert httpx.post(f"{served.base}/prime_rl/unload_adapter", json=release).json()["released"]
 
 
 def test_a_lora_run_against_a_server_without_lora_is_refused(server, tmp_path):

@@ -27,11 +27,9 @@ THINK_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, start_vllm):
-    out = tmp_path_factory.mktemp("multi-turn-inference")
-    with start_vllm(MODEL, out, 512, ("--trust-request-chat-template",)) as s:
-        yield s
+@pytest.fixture
+def served(digit_sum_server):
+    return digit_sum_server  # MODEL, accepting the request's chat template
 
 
 @pytest.fixture(scope="module")

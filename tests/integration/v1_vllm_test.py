@@ -18,10 +18,9 @@ pytestmark = pytest.mark.slow
 MODEL = Path(__file__).resolve().parents[2] / "models" / "digit_sum_feedback-tiny"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, start_vllm):
-    with start_vllm(MODEL, tmp_path_factory.mktemp("v1-inference"), 512) as s:
-        yield s
+@pytest.fixture
+def served(digit_sum_server):
+    return digit_sum_server  # MODEL (the one the multi-turn tests use)
 
 
 def test_a_multi_turn_v1_rollout_is_one_sample_with_the_exact_tokens_of_each_turn(served):

@@ -90,10 +90,10 @@ def test_dp2_by_cp2_trains_like_one_rank(tiny_model, tmp_path, one_rank_steps):
     assert_same_training(one_rank_steps, four)
 
 
-def test_critic_estimators_and_metrics_under_dp2_by_cp2(tiny_model, tmp_path):
+def test_critic_estimators_and_metrics_under_dp2_by_cp2(tiny_model, tmp_path, one_rank_gae):
     """GAE with a critic, KL in the reward and whitening: the values, returns and moments of a
     context-parallel group count each token once, so gradients and metrics equal one rank's."""
-    one = run_worker(tiny_model, tmp_path / "one.pt", 1, 0, "gae")
+    one = one_rank_gae
     four = run_worker(tiny_model, tmp_path / "four.pt", 4, 7, "gae", "cp=2")
     assert four["global_tokens"] == one["global_tokens"]
     for name, g in one["grads"].items():

@@ -49,10 +49,12 @@ def test_two_ranks_give_the_same_gradients_as_one(tiny_model, tmp_path, single_r
         assert abs(both[key] - value) <= 1e-6 * max(1.0, abs(value)), key
 
 
-def test_the_critic_and_token_estimators_give_the_same_gradients_on_two_ranks(tiny_model, tmp_path):
+def test_the_critic_and_token_estimators_give_the_same_gradients_on_two_ranks(
+    tiny_model, tmp_path, one_rank_gae
+):
     """GAE with a critic, KL in the reward and batch whitening: values, the KL sum and the whitening
     moments are all reduced over the ranks, so 2 ranks match 1 for the policy and the critic."""
-    one = run_worker(tiny_model, tmp_path / "one.pt", 1, 0, "gae")
+    one = one_rank_gae
     two = run_worker(tiny_model, tmp_path / "two.pt", 2, 11, "gae")
     critic = [n for n in one["grads"] if n.startswith("critic.")]
     assert critic and any(one["grads"][n].abs().max() > 0 for n in critic if "body.layers" in n)

@@ -81,17 +81,21 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
     env = dict(os.environ if base is None else base)
     run_dir = Path(config.output_dir).resolve() / "inference"
     tmp = short_tmp_dir(run_dir / "tmp")
-    for d in (tmp, run_dir / "cache"):
-        d.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir(parents=True, exist_ok=True)
     env.update(
         {
             # vLLM leaves sockets and caches in TMPDIR and the user cache: keep them per run.
             "TMPDIR": str(tmp),
-            "VLLM_CACHE_ROOT": str(run_dir / "cache"),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
     )
+    # Unless the caller chose a cache folder: vLLM inspects the model's class in a subprocess that
+    # imports vLLM (6-9 s of a 30 s start on 2 cores) unless its cache holds the answer; the tests
+    # share one cache across their ~30 server starts.
+    if "VLLM_CACHE_ROOT" not in env:
+        env["VLLM_CACHE_ROOT"] = str(run_dir / "cache")
+        (run_dir / "cache").mkdir(parents=True, exist_ok=True)
     # vLLM closes a keep-alive connection after 5 idle s, the same moment httpx's pool gives up on
     # it: a request sent on it just then failed with a connection error in a healthy run (the eval
     # and reload pauses leave connections idle). The server keeps them far longer than the client.
