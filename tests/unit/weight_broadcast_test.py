@@ -88,3 +88,49 @@ def test_a_server_that_never_joins_makes_the_trainer_write_that_steps_files(tiny
     assert (folder / "READY").exists() and (folder / "model.safetensors").exists()
     assert not (folder / "BROADCAST").exists()  # the orchestrator loads it from the files
     assert publisher.last_broadcast == 0.0
+
+
+def test_a_group_that_breaks_once_is_formed_again_and_the_step_is_broadcast():
+    # A server that refuses its first update (as when gloo's mesh lost a connection) and takes the
+    # second: the trainer tries a fresh group once, so the step still travels in memory.
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    state, received, posts = {"w": torch.randn(3, 3)}, {}, []
+
+    class Server(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.reply(200, {"workers": 1, "dtype": "float32"})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posts.append(body["prefix"])
+            if len(posts) == 1:
+                return self.reply(500, {"error": "Gloo connectFullMesh failed"})
+            store = open_store(body["host"], body["port"], False, body["timeout_s"])
+            group = join_group(store, body["prefix"], body["first_rank"], body["world_size"], 30, False)
+            for name, tensor in receive(group, plan_from_json(body["plan"]), torch.device("cpu")):
+                received[name] = tensor.clone()
+            self.reply(200, {})
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{http.server_address[1]}"
+        config = WeightBroadcastConfig(type="collective", servers=[url], port=free_port(), timeout_s=2)
+        pushed = Broadcaster(config).push(1, state)
+    finally:
+        http.shutdown()
+    assert pushed.servers == [url]
+    assert len(posts) == 2 and posts[0] != posts[1]  # a fresh group, not the broken one
+    assert torch.equal(received["w"], state["w"])

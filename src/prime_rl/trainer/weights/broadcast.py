@@ -34,7 +34,11 @@ log = logging.getLogger(__name__)
 
 
 class BroadcastError(RuntimeError):
-    """An update could not reach any server, or its group broke."""
+    """An update could not reach any server, or its group broke twice."""
+
+
+class _GroupBroke(BroadcastError):
+    """One attempt's group broke or no server confirmed it: worth one more attempt."""
 
 
 @dataclass
@@ -65,6 +69,21 @@ class Broadcaster:
             return None
 
     def push(self, step: int, state: dict[str, torch.Tensor]) -> Pushed:
+        """Push `state` as the weights of `step`, trying a second, fresh group once if the first broke.
+
+        A group can fail to form for reasons of the moment (gloo's full mesh once lost a connection
+        between two healthy servers on one host); a server whose receive failed still serves its
+        previous weights, and every update carries all of them, so a retry is safe."""
+        try:
+            return self._push_once(step, state)
+        except _GroupBroke as e:
+            log.warning("%s; trying once more with a new group", e)
+        try:
+            return self._push_once(step, state)
+        except _GroupBroke as e:
+            raise BroadcastError(str(e)) from None
+
+    def _push_once(self, step: int, state: dict[str, torch.Tensor]) -> Pushed:
         import httpx
 
         t0 = time.perf_counter()
@@ -123,7 +142,7 @@ class Broadcaster:
         confirmed = [url for url in live if answers.get(url) == "ok"]
         failed = {url: answers.get(url, "no answer") for url in live if url not in confirmed}
         if error is not None or not confirmed:
-            raise BroadcastError(
+            raise _GroupBroke(
                 f"the broadcast of step {step} failed ({type(error).__name__ + ': ' + str(error) if error else 'no server confirmed'}); "
                 f"servers: {failed or confirmed}"
             )  # fmt: skip
