@@ -34,3 +34,24 @@ def short_context_model(tmp_path) -> Path:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
     return folder
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    # How many vLLM servers the run started, found in the servers' logs (those `rl` started too),
+    # and which were the shared ones (tests/integration/conftest.py). With xdist this runs in the
+    # controller, whose temporary folder holds each worker's.
+    if hasattr(config, "workerinput") or not terminalreporter.stats:
+        return
+    starts, shared = 0, []
+    for path in config._tmp_path_factory.getbasetemp().rglob("*"):
+        if path.name == "shared-vllm-starts.tsv":
+            shared += [line.split("\t") for line in path.read_text().splitlines()]
+        elif path.suffix in (".log", ".out") and path.is_file():
+            with path.open(errors="replace") as f:
+                starts += sum("Starting vLLM server on" in line for line in f)
+    if not starts:
+        return
+    terminalreporter.write_sep("-", "vLLM servers")
+    terminalreporter.write_line(f"{starts} vLLM server starts in all, {len(shared)} of them shared:")
+    for name, seconds in shared:
+        terminalreporter.write_line(f"  {name}: healthy after {seconds} s")

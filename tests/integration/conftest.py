@@ -2,8 +2,8 @@
 
 A vLLM start costs ~30 s on 2 cores, so the tests that only talk to a server share one per model and
 configuration (`server`, `lora_server`, `digit_sum_server`). Each starts when its first test needs it
-and stops after its last one; the tests of one server are ordered to run back to back, so each
-starts once. A test that kills, restarts or reconfigures its server starts its own (`start_vllm`, or
+and stops after its last one; the tests of one server are ordered to run back to back, on one
+xdist worker (an `xdist_group`), so each starts once. A test that kills, restarts or reconfigures its server starts its own (`start_vllm`, or
 `rl` itself). A test that changes a shared server's state (weights, adapters) puts it back.
 """
 
@@ -78,16 +78,18 @@ def start_vllm():
 
 # The shared servers: fixture name -> what it serves. Ordering and stopping key on these names.
 SHARED = ("server", "lora_server", "digit_sum_server")
+SHARED_STARTS = "shared-vllm-starts.tsv"
 
 
 class SharedServers:
     """The run's shared servers by fixture name: started on first use, stopped by `stop` (after the
     last test that uses one) or at the end of the session."""
 
-    def __init__(self):
+    def __init__(self, record: Path):
         self.running: dict[str, tuple[ExitStack, object]] = {}
         self.failed: dict[str, BaseException] = {}
-        self.starts: list[tuple[str, float]] = []
+        self.record = record
+        """One line per start, read by the run's summary (tests/conftest.py), whichever worker started it."""
 
     def get(self, name: str, start: Callable[[], AbstractContextManager]):
         if name in self.failed:  # as a session fixture would: one failed start, reported to every user
@@ -99,7 +101,8 @@ class SharedServers:
             except BaseException as e:
                 self.failed[name] = e
                 raise
-            self.starts.append((name, time.monotonic() - t0))
+            with self.record.open("a") as f:
+                f.write(f"{name}\t{time.monotonic() - t0:.0f}\n")
             self.running[name] = (stack, value)
         return self.running[name][1]
 
@@ -113,7 +116,6 @@ class SharedServers:
 
 
 SERVERS = pytest.StashKey[SharedServers]()
-BASETEMP = pytest.StashKey[Path]()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -123,8 +125,8 @@ def shared_servers(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("vllm-cache")
     saved = os.environ.get("VLLM_CACHE_ROOT")
     os.environ["VLLM_CACHE_ROOT"] = str(cache)
-    request.config.stash[BASETEMP] = tmp_path_factory.getbasetemp()
-    servers = request.config.stash[SERVERS] = SharedServers()
+    servers = SharedServers(tmp_path_factory.getbasetemp() / SHARED_STARTS)
+    request.config.stash[SERVERS] = servers
     yield servers
     servers.close()
     if saved is None:
@@ -177,13 +179,16 @@ def shared_servers_of(item: pytest.Item | None) -> list[str]:
     return [name for name in SHARED if name in item.fixturenames]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The tests of one shared server run back to back, where its first test was collected; the
-    # rest keep their order.
+    # The tests of one shared server run back to back, where its first test was collected, and on
+    # one xdist worker (its group); the rest keep their order.
     first: dict[str, int] = {}
     keys = []
     for i, item in enumerate(items):
         names = shared_servers_of(item)
+        if names:
+            item.add_marker(pytest.mark.xdist_group(names[0]))
         keys.append((first.setdefault(names[0], i) if names else i, i))
     items[:] = [item for _, item in sorted(zip(keys, items, strict=True), key=lambda pair: pair[0])]
 
@@ -198,20 +203,3 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         keep = shared_servers_of(nextitem)
         for name in [n for n in servers.running if n not in keep]:
             servers.stop(name)
-
-
-def pytest_terminal_summary(terminalreporter, config) -> None:
-    # How many vLLM servers the run started, found in the servers' logs (those `rl` started too).
-    basetemp = config.stash.get(BASETEMP, None)
-    if basetemp is None:
-        return
-    starts = 0
-    for log in basetemp.rglob("*"):
-        if log.suffix in (".log", ".out") and log.is_file():
-            with log.open(errors="replace") as f:
-                starts += sum("Starting vLLM server on" in line for line in f)
-    shared = config.stash[SERVERS].starts
-    terminalreporter.write_sep("-", "vLLM servers")
-    terminalreporter.write_line(f"{starts} vLLM server starts in all, {len(shared)} of them shared:")
-    for name, seconds in shared:
-        terminalreporter.write_line(f"  {name}: healthy after {seconds:.0f} s")
