@@ -16,17 +16,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from prime_rl.config import BaseConfig
 
 
 class RewardBase(BaseConfig):
     """What every reward function's config shares (read by the caller, not passed to the function)."""
-
-    moved_keys: ClassVar[dict[str, str]] = {
-        "import_path": "name your function in 'type' = 'package.module:function'",
-    }
 
     weight: float = 1.0
     """Weight of this function's score in the rollout's reward (0: a metric only)."""
