@@ -21,12 +21,12 @@ from sum_digits import preference_pairs
 
 from prime_rl.model.reward import load_reward_model
 from prime_rl.orchestrator.envs.reward_model import RewardModels, reward_function
-from prime_rl.orchestrator.envs_config import RewardModelConfig
+from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
 
 MODEL = "models/sum_digits-rm"
 
 
-async def through_batcher(config: RewardModelConfig, convs) -> tuple[float, float]:
+async def through_batcher(config: RewardModelReward, convs) -> tuple[float, float]:
     models = RewardModels()
     func = reward_function(models.batcher(config, "bench"))
     lags, done = [], False
@@ -66,8 +66,8 @@ def main() -> None:
             rm.score(convs[i : i + args.batch_size])
         return time.perf_counter() - t0
 
-    batched = RewardModelConfig(path=MODEL, batch_size=args.batch_size)
-    single = RewardModelConfig(path=MODEL, batch_size=1)
+    batched = RewardModelReward(type="reward_model", path=MODEL, batch_size=args.batch_size)
+    single = RewardModelReward(type="reward_model", path=MODEL, batch_size=1)
     limit = min(direct() for _ in range(args.rounds))
     runs = [asyncio.run(through_batcher(batched, convs)) for _ in range(args.rounds)]
     best, lag = min(r[0] for r in runs), max(r[1] for r in runs)

@@ -1,5 +1,5 @@
-"""One pattern for every pluggable function (advantage functions, token estimators, losses): a
-registry of built-ins by name, and a dotted import path for the user's own.
+"""One pattern for every pluggable function (advantage functions, token estimators, losses, reward
+functions): a registry of built-ins by name, and a dotted import path for the user's own.
 
 A config section picks one with `type`: a built-in's name, or 'package.module:function'. A built-in
 is one module holding its function and its config (a `BaseConfig` whose `type` is `Literal[name]`,

@@ -208,14 +208,14 @@ def test_a_zmq_peer_from_another_run_is_refused(tmp_path, tiny_model):
 @pytest.mark.parametrize(
     ("path", "phrases"),
     [
-        ("./no_such_rm", ["envs[0].reward_model.path: './no_such_rm' is not a model folder"]),
-        ("MODELS/reverse_text-tiny", ["envs[0].reward_model.path", "holds a Qwen3ForCausalLM",
+        ("./no_such_rm", ["envs[0].rewards[0].path: './no_such_rm' is not a model folder"]),
+        ("MODELS/reverse_text-tiny", ["envs[0].rewards[0].path", "holds a Qwen3ForCausalLM",
                                       "a reward model is a *ForSequenceClassification with one output"]),
     ],
 )  # fmt: skip
 def test_a_reward_model_path_that_does_not_load_is_named(tmp_path, path, phrases):
     path = path.replace("MODELS", str(Path(__file__).parents[2] / "models"))
-    envs = f'[{{id = "reverse-text", reward_model = {{path = "{path}"}}}}]'
+    envs = f'[{{id = "reverse-text", rewards = [{{type = "reward_model", path = "{path}"}}]}}]'
     assert_clear_error(run_until_error("orchestrator", "--envs", envs, cwd=tmp_path), 2, *phrases)
 
 
@@ -224,9 +224,9 @@ def test_a_reward_model_url_that_never_answers_is_named(tmp_path):
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)
         url = f"http://127.0.0.1:{hole.getsockname()[1]}"
-        envs = f'[{{id = "reverse-text", reward_model = {{url = "{url}", connect_timeout_s = 1}}}}]'
+        envs = f'[{{id = "reverse-text", rewards = [{{type = "reward_model", url = "{url}", connect_timeout_s = 1}}]}}]'
         out = run("orchestrator", "--output-dir", "out", "--envs", envs, cwd=tmp_path)
-    assert_clear_error(out, 2, f"envs[0].reward_model.url: {url} did not answer within 1s")
+    assert_clear_error(out, 2, f"envs[0].rewards[0].url: {url} did not answer within 1s")
 
 
 def test_a_teacher_whose_tokenizer_differs_from_the_students_is_named(tmp_path):

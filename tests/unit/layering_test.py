@@ -43,6 +43,7 @@ FORBIDDEN = {
     "orchestrator/config.py": NEITHER_HALF,
     "orchestrator/envs_config.py": NEITHER_HALF,
     "orchestrator/advantages": NEITHER_HALF,
+    "orchestrator/rewards": NEITHER_HALF,
     "orchestrator/preflight.py": NEITHER_HALF,
     "orchestrator/messages.py": NEITHER_HALF,
     "orchestrator/rollout.py": NEITHER_HALF,

@@ -15,7 +15,8 @@ from prime_rl.inference.reward_server import RewardServerConfig, make_server
 from prime_rl.model.reward import RewardModelError, init_reward_model, load_reward_model
 from prime_rl.orchestrator.envs.reward_model import Batcher, RemoteScorer, reward_function
 from prime_rl.orchestrator.envs.rewards import REWARD_ERROR, RewardRunner
-from prime_rl.orchestrator.envs_config import RewardModelConfig, RewardsConfig
+from prime_rl.orchestrator.envs_config import RewardsConfig
+from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
 from prime_rl.trainer.reward_model.main import RewardModelTrainConfig, train
 
 BASE = str(Path(__file__).parents[2] / "models" / "reverse_text-tiny")
@@ -91,7 +92,7 @@ def test_batcher_scores_concurrent_calls_in_batches_and_fails_a_whole_batch_toge
 def test_remote_scores_equal_local_ones(reward_model_dir, reward_server):
     local = load_reward_model(reward_model_dir)
     convs = [(PROMPT, completion(t)) for t in ("cba", "abc", "<answer>cba</answer>", "")]
-    scorer = RemoteScorer(RewardModelConfig(url=reward_server), "envs[0].reward_model")
+    scorer = RemoteScorer(RewardModelReward(type="reward_model", url=reward_server), "envs[0].rewards[0]")
 
     async def go():
         await scorer.check()
@@ -122,9 +123,11 @@ class FailingServer(BaseHTTPRequestHandler):
 def test_a_failing_reward_server_fails_the_rollout_with_the_reason_after_its_retries():
     server = ThreadingHTTPServer(("127.0.0.1", 0), FailingServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = RewardModelConfig(url=f"http://127.0.0.1:{server.server_address[1]}", retries=1)
+    config = RewardModelReward(
+        type="reward_model", url=f"http://127.0.0.1:{server.server_address[1]}", retries=1
+    )
     runner = RewardRunner(RewardsConfig())
-    scorer = RemoteScorer(config, "envs[0].reward_model")
+    scorer = RemoteScorer(config, "envs[0].rewards[0]")
     func = runner.wrap(reward_function(Batcher(scorer.score_batch, 8, 0.001)), group=False)
     state = {}
 
@@ -146,10 +149,10 @@ def test_a_failing_reward_server_fails_the_rollout_with_the_reason_after_its_ret
 def test_orchestrator_trains_on_the_reward_models_score_and_keeps_the_envs_as_metrics(
     tmp_path, reward_model_dir, env_workers
 ):
-    rm = {"path": reward_model_dir, "weight": 2.0, "env_reward_weight": 0.0}
+    rm = {"type": "reward_model", "path": reward_model_dir, "weight": 2.0, "env_reward_weight": 0.0}
     with FakeServer() as server:
         config = make_config(tmp_path, server, env_workers=env_workers, max_steps=1, envs=[
-            {"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16}, "reward_model": rm}
+            {"id": "reverse-text", "group_size": 4, "sampling": {"max_tokens": 16}, "rewards": [rm]}
         ])  # fmt: skip
         metrics = run(config)
     local = load_reward_model(reward_model_dir)

@@ -24,7 +24,15 @@ import tomli_w
 from pydantic import BaseModel, ValidationError
 
 from prime_rl.config.help import format_help
-from prime_rl.config.schema import allows, fields_of, is_structured, leaf_paths, lookup, model_members
+from prime_rl.config.schema import (
+    allows,
+    fields_of,
+    is_structured,
+    item_members,
+    leaf_paths,
+    lookup,
+    model_members,
+)
 
 EXIT_USAGE = 2
 """Exit status for a bad command line or config, as argparse and most Unix tools use."""
@@ -216,36 +224,46 @@ def _check_unknown_keys(cls: type[BaseModel], sources: Sources) -> None:
     known = [".".join(p) for p, _ in leaf_paths(cls)]
     problems = []
 
-    def walk(data: dict[str, Any], models: list[type[BaseModel]], prefix: tuple[str, ...]) -> None:
+    def walk(
+        data: dict[str, Any], models: list[type[BaseModel]], prefix: tuple[Any, ...], in_list: bool
+    ) -> None:
         fields = fields_of(models)
         for key, value in data.items():
             path = (*prefix, key)
+            where = sources.where(tuple(p for p in path if isinstance(p, str)))
             moved = next((m.moved_keys[key] for m in models if key in getattr(m, "moved_keys", {})), None)
             if key not in fields and moved:
-                problems.append(f"'{'.'.join(path)}' (from {sources.where(path)}) is gone: {moved}.")
+                problems.append(f"'{_dotted(path)}' (from {where}) is gone: {moved}.")
                 continue
             if key not in fields:
-                problems.append(_unknown_key_message(path, list(fields), known, sources.where(path)))
+                # Inside a list's item, only its siblings are suggested: a top-level key of the
+                # same name is another setting.
+                problems.append(_unknown_key_message(path, list(fields), [] if in_list else known, where))
                 continue
             members = model_members(fields[key].annotation)
             if members and isinstance(value, dict):
-                walk(value, members, path)
+                walk(value, members, path, in_list)
+            items = item_members(fields[key].annotation)
+            if items and isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, dict):
+                        walk(item, items, (*path, i), True)
 
-    walk(sources.values, [cls], ())
+    walk(sources.values, [cls], (), False)
     if problems:
         raise ConfigError(" ".join(problems))
 
 
-def _unknown_key_message(path: tuple[str, ...], siblings: list[str], known: list[str], where: str) -> str:
-    dotted = ".".join(path)
+def _unknown_key_message(path: tuple[Any, ...], siblings: list[str], known: list[str], where: str) -> str:
+    dotted = _dotted(path)
     close = difflib.get_close_matches(path[-1], siblings, n=1, cutoff=0.6)
     if close:
-        hint = f" Did you mean '{'.'.join((*path[:-1], close[0]))}'?"
+        hint = f" Did you mean '{_dotted((*path[:-1], close[0]))}'?"
     else:
         same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == path[-1]]
         near = same_leaf or difflib.get_close_matches(dotted, known, n=1, cutoff=0.75)
         hint = f" Did you mean '{near[0]}'?" if near else ""
-    section = ".".join(path[:-1]) or "the top level"
+    section = _dotted(path[:-1]) or "the top level"
     return f"unknown key '{dotted}' (from {where}): there is no such setting in {section}.{hint}"
 
 
@@ -258,9 +276,9 @@ def _field_loc(cls: type[BaseModel], loc: Sequence[Any]) -> tuple[tuple[Any, ...
             tag = part  # a union member's tag, not a field
             continue
         out.append(part)
-        if isinstance(part, str):
+        if isinstance(part, str):  # (an index keeps the models: a list's items are its field's)
             info = fields_of(models).get(part) if models else None
-            models = model_members(info.annotation) if info is not None else []
+            models = (model_members(info.annotation) or item_members(info.annotation)) if info else []
     return tuple(out), tag
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prime_rl.config.schema import allows, is_model, leaf_paths, model_members, unwrap
+from prime_rl.config.schema import allows, is_model, item_members, leaf_paths, model_members, unwrap
 
 
 def _type_name(info: Any) -> str:
@@ -40,14 +40,21 @@ def format_help(cls: type[BaseModel], prog: str, commands: str = "") -> str:
         *([commands] if commands else []),
         "",
     ]
-    for path, info in leaf_paths(cls):
-        dotted = ".".join(path)
+    lines += _field_lines(leaf_paths(cls), flags=True)
+    return "\n".join(lines) + "\n"
+
+
+def _field_lines(paths, flags: bool, prefix: str = "") -> list[str]:
+    """`flags`: settable as `--a.b`; else a key of a list's items (`envs[].id`), set in TOML only."""
+    lines = []
+    for path, info in paths:
+        dotted = prefix + ".".join(path)
         desc = (info.description or "").strip()
         if model_members(info.annotation) and not _is_structured_leaf(info):
             lines.append(f"[{dotted}]  {desc}")
             continue
-        flag = f"--{dotted}"
-        if allows(info, bool):
+        flag = f"--{dotted}" if flags else f"  {dotted}"
+        if flags and allows(info, bool):
             flag += f" / --no-{dotted}"
         else:
             flag += f" {_type_name(info)}"
@@ -57,7 +64,14 @@ def format_help(cls: type[BaseModel], prog: str, commands: str = "") -> str:
         else:
             shown = "" if default is None or is_model(type(default)) else f" [default: {_show(default)}]"
         lines.append(f"  {flag}\n      {desc}{shown}")
-    return "\n".join(lines) + "\n"
+        items = item_members(info.annotation)
+        if items:
+            # The keys of each item (e.g. an env's `rewards` and their built-ins) have no flags:
+            # list them so that --help still names every setting and every built-in.
+            doc = f": {(items[0].__doc__ or '').strip()}" if len(items) == 1 else " (its `type` picks one)"
+            lines.append(f"[[{dotted}]]  each item of {dotted}{doc}")
+            lines += _field_lines(leaf_paths(items), flags=False, prefix=f"{dotted}[].")
+    return lines
 
 
 def _is_structured_leaf(info: Any) -> bool:

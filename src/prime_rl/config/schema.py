@@ -33,6 +33,15 @@ def model_members(annotation: Any) -> list[type[BaseModel]]:
     return [tp for tp in unwrap(annotation) if is_model(tp)]
 
 
+def item_members(annotation: Any) -> list[type[BaseModel]]:
+    """The models an item of a list field may be (e.g. `envs`: [EnvConfig]); [] for other fields."""
+    out = []
+    for tp in unwrap(annotation):
+        if typing.get_origin(tp) is list:
+            out += [item for arg in typing.get_args(tp) for item in unwrap(arg) if is_model(item)]
+    return out
+
+
 def fields_of(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
     """Field name -> FieldInfo over one model, or over every member of a union of models (whose
     `type` then takes any member's value: a plugin registry's built-ins or an import path)."""
@@ -48,7 +57,7 @@ def fields_of(models: Sequence[type[BaseModel]]) -> dict[str, Any]:
             merged.description = "Selects a built-in by name" + (
                 ", or your own function as 'package.module:function'." if str in kinds else "."
             )
-            out["type"] = merged
+            out = {"type": merged, **{k: v for k, v in out.items() if k != "type"}}  # first in --help
     return out
 
 

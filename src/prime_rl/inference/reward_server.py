@@ -2,8 +2,9 @@
 
 Routes: GET /health answers {"status": "ok"} once the model is loaded; POST /score takes
 {"conversations": [[prompt_messages, completion_messages], ...]} and answers {"scores": [...]},
-one float per conversation, in order. The orchestrator's `reward_model.url` speaks this protocol,
-and batches its calls, so one request is one forward pass here.
+one float per conversation, in order. The orchestrator's reward model (an env's `rewards` entry of
+type `reward_model`) with a `url` speaks this protocol, and batches its calls, so one request is one
+forward pass here.
 
 Invariant: a request is scored whole or not at all: a malformed one gets HTTP 400 naming what is
 wrong, a failing forward pass HTTP 500, never a partial list.

@@ -1,12 +1,13 @@
 """Configuration of the orchestrator (`uv run orchestrator`).
 
-Invariant: config only, a leaf. It imports configs (`envs_config.py`, `advantages/`, transport's) and
-nothing of the loop or the env side: runtime modules import configs, never the reverse, so the loop,
-the env workers and `rl` all read this file without loading each other (`tests/unit/layering_test.py`).
+Invariant: config only, a leaf. It imports configs (`envs_config.py`, `advantages/`, `rewards/`,
+transport's) and nothing of the loop or the env side: runtime modules import configs, never the
+reverse, so the loop, the env workers and `rl` all read this file without loading each other
+(`tests/unit/layering_test.py`).
 """
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -23,7 +24,8 @@ from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
 from prime_rl.orchestrator.advantages import AdvantageConfig
 from prime_rl.orchestrator.advantages.grpo import GRPOAdvantage
-from prime_rl.orchestrator.envs_config import RewardModelConfig, RewardsConfig, TeacherConfig
+from prime_rl.orchestrator.envs_config import RewardsConfig, TeacherConfig
+from prime_rl.orchestrator.rewards import RewardConfig
 from prime_rl.transport.config import TransportConfig
 
 
@@ -58,6 +60,12 @@ class SamplingConfig(BaseConfig):
 class EnvConfig(BaseConfig):
     """One verifiers environment mixed into training."""
 
+    moved_keys: ClassVar[dict[str, str]] = {
+        "reward_model": "a reward model is one of the env's reward functions now: write it as "
+        '[[orchestrator.envs.rewards]] with type = "reward_model" and the same fields '
+        '(inline: rewards = [{type = "reward_model", path = ...}])',
+    }
+
     id: str
     """Environment id passed to `verifiers.load_environment` (an importable module or package)."""
 
@@ -82,8 +90,10 @@ class EnvConfig(BaseConfig):
     advantage: AdvantageConfig | None = None
     """Advantage function for this env; defaults to the orchestrator's `advantage`."""
 
-    reward_model: RewardModelConfig | None = None
-    """A learned reward model added to this env's rubric (classic envs); see `RewardModelConfig`."""
+    rewards: list[RewardConfig] = []
+    """Reward functions added to this env's rubric (classic envs), each with its `weight`: a
+    built-in by `type` ('reward_model': a learned reward model; 'length': DAPO's overlong penalty)
+    or your own verifiers-style function as 'package.module:function' with `kwargs`."""
 
     @property
     def resolved_name(self) -> str:

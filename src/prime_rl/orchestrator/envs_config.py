@@ -1,14 +1,14 @@
-"""The configs of the env side's own machinery: how reward functions run, a learned reward model,
-the teacher of on-policy distillation.
+"""The configs of the env side's own machinery: how reward functions run, the teacher of on-policy
+distillation (the reward functions themselves, a reward model among them, are `rewards/`).
 
 Invariant: config only. This module imports pydantic and `prime_rl.config`, nothing of the env
 side, so that the orchestrator's config, the loop and `rl` can name these sections without loading
-what runs them (`envs/rewards.py`, `envs/reward_model.py`, `envs/teacher.py` import them from here).
+what runs them (`envs/rewards.py`, `envs/teacher.py` import them from here).
 """
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from prime_rl.config import BaseConfig
 
@@ -31,57 +31,6 @@ class RewardsConfig(BaseConfig):
     from then on, without the thread hop (which costs more than such a function: ~0.1 ms of CPU per
     call); a call that takes longer sends it back to the threads for good. Inline calls are not timed
     out: a function that was fast 32 times and then hangs would stall its process. 0: always threads."""
-
-
-class RewardModelConfig(BaseConfig):
-    """A learned reward model scoring this env's rollouts, beside or instead of the env's rubric."""
-
-    path: str | None = None
-    """Local folder of a one-output *ForSequenceClassification model (e.g. made by
-    `train-reward-model`), loaded once in the orchestrator."""
-
-    url: str | None = None
-    """Instead of `path`: base URL of a reward server (`uv run reward-server`, or anything that answers
-    POST {url}/score {"conversations": [[prompt messages], [completion messages]], ...]} with
-    {"scores": [...]} and GET {url}/health)."""
-
-    weight: float = 1.0
-    """Weight of the reward model's score in the rollout's reward."""
-
-    env_reward_weight: float = 1.0
-    """Factor on the weights of the env's own reward functions: 0 trains on the reward model alone,
-    and the env's functions stay as metrics (`metric/<function>/<env>`) to check it against."""
-
-    batch_size: int = Field(default=64, ge=1)
-    """Most conversations scored in one forward pass or request."""
-
-    max_wait_ms: float = Field(default=5.0, ge=0)
-    """How long the first call of a batch waits for others to join it."""
-
-    max_length: int = Field(default=1024, ge=8)
-    """Tokens of a conversation a local model sees (the end of it)."""
-
-    timeout_s: float = Field(default=30.0, gt=0)
-    """A request to `url` failing to answer within this fails the attempt."""
-
-    retries: int = Field(default=2, ge=0)
-    """Further attempts of a failed request to `url` (connection errors, timeouts, 5xx), with backoff;
-    after the last one the batch's rollouts fail with the reason."""
-
-    connect_timeout_s: float = Field(default=10.0, gt=0)
-    """At start-up, how long `url`'s health check may take before the run stops with an error."""
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if (self.path is None) == (self.url is None):
-            raise ValueError(
-                "set exactly one of reward_model.path (a local model) and reward_model.url (a server)"
-            )
-        return self
-
-    @property
-    def source(self) -> str:
-        return self.path or self.url or ""
 
 
 class TeacherConfig(BaseConfig):

@@ -1,6 +1,7 @@
 """The orchestrator's preflight: checks of the code its config names (env modules and their
-arguments, custom advantage functions, the teacher's tokenizer, reward model folders), run when it
-starts, before any real work; `rl` runs them too (`rl/preflight.py`), before it launches vLLM.
+arguments, custom advantage and reward functions, the teacher's tokenizer, reward model folders),
+run when it starts, before any real work; `rl` runs them too (`rl/preflight.py`), before it
+launches vLLM.
 
 Invariant: every check is cheap, at most importing a module and reading a signature or a JSON
 file: no env is instantiated, no dataset, tokenizer or weights loaded, nothing of the env side or
@@ -19,7 +20,9 @@ from prime_rl.config import raise_problems
 from prime_rl.environments import env_module_name, exports_v1_taskset
 from prime_rl.model.local import tokenizer_mismatch
 from prime_rl.model.reward import RewardModelError, check_reward_model_dir
-from prime_rl.plugins import plugin_problem
+from prime_rl.orchestrator.rewards import CustomReward, unknown_kwargs
+from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
+from prime_rl.plugins import load_function, plugin_problem
 
 if TYPE_CHECKING:
     from prime_rl.orchestrator.config import OrchestratorConfig
@@ -80,6 +83,22 @@ def reward_model_problem(key: str, path: str) -> str | None:
     return None
 
 
+def reward_problem(key: str, reward: Any) -> str | None:
+    """Why an env's reward function cannot join its rubric: a user's that does not load or does
+    not take its `kwargs`, a reward model folder that is not one. `key`: e.g. 'envs[0].rewards[1]'."""
+    if isinstance(reward, RewardModelReward):
+        return reward_model_problem(f"{key}.path", reward.path) if reward.path is not None else None
+    problem = plugin_problem(key, reward)
+    if problem or not isinstance(reward, CustomReward):
+        return problem
+    unknown = unknown_kwargs(load_function(reward.type, f"{key}.type"), reward.kwargs)  # loads: checked above
+    return (
+        f"{key}.kwargs = {reward.kwargs!r}: '{reward.type}' takes no argument(s) {unknown}"
+        if unknown
+        else None
+    )
+
+
 def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[str]:
     """Every problem of `config`; `prefix` is where it sits in a larger config ('orchestrator.' in rl's)."""
     problems = [env_problem(f"{prefix}envs[{i}]", e.id, e.args) for i, e in enumerate(config.envs)]
@@ -90,10 +109,7 @@ def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[
     if config.teacher is not None and config.teacher.model:
         problems.append(teacher_problem(f"{prefix}teacher.model", config.teacher.model, config.model.name))
     for i, env in enumerate(config.envs):
-        if env.reward_model is not None and env.reward_model.path is not None:
-            problems.append(
-                reward_model_problem(f"{prefix}envs[{i}].reward_model.path", env.reward_model.path)
-            )
+        problems += [reward_problem(f"{prefix}envs[{i}].rewards[{j}]", r) for j, r in enumerate(env.rewards)]
     return [p for p in problems if p]
 
 

@@ -1,4 +1,4 @@
-"""Load verifiers environments (classic or v1), with their rewards, reward models and datasets.
+"""Load verifiers environments (classic or v1), with their reward functions and datasets.
 
 Invariant: an env that cannot be loaded, or whose dataset lacks what a rollout needs, is an
 `EnvError` naming the env and its config key; nothing else of a bad env reaches the loop.
@@ -12,7 +12,8 @@ from typing import Any, Generic
 
 from prime_rl.environments import EnvError, env_module_name, load_vf_env
 from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
-from prime_rl.orchestrator.envs.reward_model import RewardModelError, RewardModels, attach
+from prime_rl.orchestrator.envs.env_rewards import attach_rewards
+from prime_rl.orchestrator.envs.reward_model import RewardModels
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.v1_env import is_v1_module, load_v1_env
 from prime_rl.orchestrator.messages import ConfigT, EnvView
@@ -88,15 +89,14 @@ def load_env(
     score: bool = True,
 ) -> LoadedEnv[EnvConfig]:
     """`key` names the env's config entry in errors, e.g. 'envs[1]'. Without `score`, only for its
-    dataset: no reward model is attached (the env workers score)."""
+    dataset: no reward model is loaded (the env workers score), while the other reward functions
+    join the rubric so that it scores groups as the workers' does."""
     vf_env = load_any_env(config.id, config.args, rewards)
-    if config.reward_model is not None and score:
-        models = reward_models or RewardModels()
-        try:
-            batcher = models.batcher(config.reward_model, f"{key}.reward_model")
-            attach(vf_env, config.reward_model, batcher, rewards.wrap if rewards else None)
-        except RewardModelError as e:
-            raise EnvError(f"env '{config.id}': {e}") from None
+    models = (reward_models or RewardModels()) if score else None
+    try:
+        attach_rewards(vf_env, config.rewards, f"{key}.rewards", rewards, models)
+    except EnvError as e:
+        raise EnvError(f"env '{config.id}': {e}") from None
     try:
         dataset = vf_env.get_dataset()
     except Exception as e:

@@ -1,9 +1,8 @@
-"""A reward model as one more reward function of an env's rubric, local or remote, batched.
+"""What scores a reward model's rubric function, local or remote, batched.
 
-`[orchestrator.envs.reward_model]` adds a function named `reward_model` to the env's rubric, with its
-weight, and can scale the env's own functions (weight 0 trains on the reward model alone, while the
-env's functions are still computed and reported as metrics). Every call from every rollout of every
-env using the same model goes through one `Batcher`: calls arriving within `max_wait_ms` of each
+`[[orchestrator.envs.rewards]] type = "reward_model"` adds the function `reward_model` to the env's
+rubric (`env_rewards.py`; its config is `rewards/reward_model.py`). Every call from every rollout of
+every env using the same model goes through one `Batcher`: calls arriving within `max_wait_ms` of each
 other, up to `batch_size`, are scored together, by one forward pass in a worker thread (a local
 model, loaded once) or one HTTP request (a `reward-server` URL, with a timeout and retries).
 
@@ -20,10 +19,10 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prime_rl.model.reward import RewardModelError, load_reward_model, plain_messages
+from prime_rl.model.reward import RewardModelError, load_reward_model
 from prime_rl.orchestrator.envs.http_retry import post_json
-from prime_rl.orchestrator.envs.rewards import rubrics
-from prime_rl.orchestrator.envs_config import RewardModelConfig
+from prime_rl.orchestrator.rewards import bind
+from prime_rl.orchestrator.rewards.reward_model import RewardModelReward, reward_model
 
 log = logging.getLogger("prime_rl.orchestrator")
 
@@ -87,7 +86,7 @@ class Batcher:
 class LocalScorer:
     """A reward model folder loaded in this process; forward passes in one worker thread."""
 
-    def __init__(self, config: RewardModelConfig, key: str):
+    def __init__(self, config: RewardModelReward, key: str):
         try:
             self.model = load_reward_model(config.path, config.max_length, threads=1)
         except RewardModelError as e:
@@ -106,7 +105,7 @@ class LocalScorer:
 class RemoteScorer:
     """A reward server at a URL, asked with one POST per batch."""
 
-    def __init__(self, config: RewardModelConfig, key: str):
+    def __init__(self, config: RewardModelReward, key: str):
         import httpx
 
         self.config = config
@@ -124,7 +123,7 @@ class RemoteScorer:
         except httpx.TimeoutException:
             raise RewardModelError(
                 f"{self.key}.url: {self.config.url} did not answer within "
-                f"{self.config.connect_timeout_s:g}s (reward_model.connect_timeout_s)"
+                f"{self.config.connect_timeout_s:g}s ({self.key}.connect_timeout_s)"
             ) from None
         except httpx.HTTPError as e:
             raise RewardModelError(
@@ -152,7 +151,7 @@ class RewardModels:
         self._batchers: dict[str, Batcher] = {}
         self._scorers: list[LocalScorer | RemoteScorer] = []
 
-    def batcher(self, config: RewardModelConfig, key: str) -> Batcher:
+    def batcher(self, config: RewardModelReward, key: str) -> Batcher:
         if config.source not in self._batchers:
             scorer = LocalScorer(config, key) if config.path else RemoteScorer(config, key)
             self._scorers.append(scorer)
@@ -173,25 +172,6 @@ class RewardModels:
             await scorer.aclose()
 
 
-def reward_function(batcher: Batcher):
+def reward_function(batcher: Batcher, name: str = "reward_model"):
     """The rubric function: one rollout's prompt and completion, scored through the batcher."""
-
-    async def reward_model(prompt, completion, **kwargs) -> float:
-        return await batcher.score((plain_messages(prompt), plain_messages(completion)))
-
-    return reward_model
-
-
-def attach(vf_env, config: RewardModelConfig, batcher: Batcher, wrap: Callable | None = None) -> None:
-    """Add the reward model to a classic env's rubric, in place, and scale the env's own weights.
-    `wrap` is the RewardRunner's wrapper (timeout, failure recorded in the rollout's state)."""
-    rubric = getattr(vf_env, "rubric", None)
-    if rubric is None or not hasattr(rubric, "add_reward_func"):
-        raise RewardModelError(
-            "reward_model needs a classic verifiers env with a rubric (not a verifiers.v1 env)"
-        )
-    for r in rubrics(rubric):
-        if isinstance(getattr(r, "weights", None), list):
-            r.weights[:] = [w * config.env_reward_weight for w in r.weights]
-    func = reward_function(batcher)
-    rubric.add_reward_func(wrap(func, False) if wrap else func, config.weight)
+    return bind(reward_model, {"scorer": batcher}, name)

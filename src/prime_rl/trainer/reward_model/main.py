@@ -4,7 +4,7 @@ A pair is a prompt with a chosen and a rejected completion; the loss is Bradley-
 -log sigmoid(r(chosen) - r(rejected)). Pairs come from a JSONL file or from an env module's
 `preference_pairs(num_pairs, seed)`. The model starts from a causal LM folder (its body and
 tokenizer, a new one-output head) and is saved as an HF sequence-classification folder that the
-orchestrator's `reward_model.path` and `reward-server` load.
+orchestrator's reward model (a `rewards` entry of type `reward_model`) and `reward-server` load.
 
 Invariant: held-out pairs never train (the split is fixed by the seed), and the accuracy printed is
 on them; the same config and seed give the same model.
