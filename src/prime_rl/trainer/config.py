@@ -218,15 +218,16 @@ class ExportConfig(BaseConfig):
     """Write <output_dir>/trainer/tokens/step_<N>/rank_<r>.jsonl, one line per packed sample."""
 
 
-class TrainerConfig(RootConfig):
-    """Trainer: trains the policy on the orchestrator's micro-batches and publishes its weights."""
+class TrainingConfig(RootConfig):
+    """What every training run shares, RL (`TrainerConfig`) and SFT (`SFTConfig`): the model, its
+    parallelism and optimizer, checkpoints, published weights and logging."""
 
     model: ModelConfig = ModelConfig()
     """The model and how it is held in memory."""
 
     lora: LoRAConfig | None = None
-    """Train LoRA adapters instead of the full weights (and the critic's body through an adapter of
-    its own, its value head fully). Unset: full fine-tuning."""
+    """Train LoRA adapters instead of the full weights (in RL, also the critic's body through an
+    adapter of its own, its value head fully). Unset: full fine-tuning."""
 
     output_dir: Path = DEFAULT_OUTPUT_DIR
     """Run folder: checkpoints, published weights, metrics."""
@@ -235,13 +236,13 @@ class TrainerConfig(RootConfig):
     """Number of optimizer steps."""
 
     seq_len: int = Field(default=DEFAULT_SEQ_LEN, ge=8)
-    """Tokens per packed micro-batch; longer ones are an error."""
+    """Tokens per packed micro-batch; a longer sample is an error."""
 
     seed: int = 0
-    """Seed for anything random in the trainer."""
+    """Seed for anything random in the trainer (e.g. fresh LoRA adapters)."""
 
     parallel: ParallelConfig = ParallelConfig()
-    """Data and context parallelism."""
+    """Data and context parallelism (data parallelism is torchrun's ranks / cp)."""
 
     optim: OptimizerConfig = OptimizerConfig()
     """Optimizer."""
@@ -251,6 +252,21 @@ class TrainerConfig(RootConfig):
 
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpoints."""
+
+    publish: PublishConfig = PublishConfig()
+    """Weights published under output_dir/weights as training goes."""
+
+    wandb: WandbConfig = WandbConfig()
+    """W&B logging."""
+
+    @model_validator(mode="after")
+    def _cp_fits_the_micro_batch(self):
+        check_cp_fits(self.seq_len, self.parallel.cp)
+        return self
+
+
+class TrainerConfig(TrainingConfig):
+    """Trainer: trains the policy on the orchestrator's micro-batches and publishes its weights."""
 
     loss: LossConfig = PPOLoss()
     """The RL loss."""
@@ -264,9 +280,6 @@ class TrainerConfig(RootConfig):
     kl_reward: KLRewardConfig = KLRewardConfig()
     """KL to the starting model in the reward."""
 
-    publish: PublishConfig = PublishConfig()
-    """Weight publishing."""
-
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     """Files or an in-memory broadcast to the inference servers."""
 
@@ -279,9 +292,6 @@ class TrainerConfig(RootConfig):
     max_nan_steps: int = Field(default=3, ge=1)
     """Consecutive steps with a non-finite loss (each skipped) after which training stops."""
 
-    wandb: WandbConfig = WandbConfig()
-    """W&B logging."""
-
     @model_validator(mode="after")
     def _adapters_travel_as_files(self):
         if self.lora is not None and self.weight_broadcast.type == "collective":
@@ -289,11 +299,6 @@ class TrainerConfig(RootConfig):
                 "trainer.lora: adapters are published as files (a few MB a step); "
                 "set weight_broadcast.type = 'filesystem'"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _cp_fits_the_micro_batch(self):
-        check_cp_fits(self.seq_len, self.parallel.cp)
         return self
 
 

@@ -1,24 +1,12 @@
-"""Configuration of `uv run sft`: the trainer's sections that SFT uses, and its data."""
+"""Configuration of `uv run sft`: the training sections it shares with the RL trainer, and its data."""
 
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from prime_rl.config import BaseConfig, RootConfig
-from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
-from prime_rl.monitor import WandbConfig
-from prime_rl.trainer.config import (
-    CheckpointConfig,
-    LoRAConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PublishConfig,
-    SchedulerConfig,
-    TrainerConfig,
-    check_cp_fits,
-)
+from prime_rl.config import BaseConfig
+from prime_rl.trainer.config import TrainerConfig, TrainingConfig
 
 
 class SFTDataConfig(BaseConfig):
@@ -51,44 +39,9 @@ class SFTDataConfig(BaseConfig):
     """Shuffle seed (each epoch is reshuffled)."""
 
 
-class SFTConfig(RootConfig):
-    """sft: supervised fine-tuning on chat examples (loss on completion tokens only), e.g. to warm up a model for RL."""
-
-    model: ModelConfig = ModelConfig()
-    """The model and how it is held in memory."""
-
-    lora: LoRAConfig | None = None
-    """Train LoRA adapters instead of the full weights. Unset: full fine-tuning."""
-
-    output_dir: Path = DEFAULT_OUTPUT_DIR
-    """Run folder: checkpoints, published weights, metrics."""
-
-    max_steps: int = Field(default=DEFAULT_MAX_STEPS, ge=1)
-    """Optimizer steps."""
-
-    seq_len: int = Field(default=DEFAULT_SEQ_LEN, ge=8)
-    """Tokens per packed micro-batch; an example longer than this is an error."""
-
-    seed: int = 0
-    """Seed of the model's fresh parts (LoRA adapters)."""
-
-    parallel: ParallelConfig = ParallelConfig()
-    """Context parallelism (data parallelism is torchrun's ranks / cp)."""
-
-    optim: OptimizerConfig = OptimizerConfig()
-    """Optimizer."""
-
-    scheduler: SchedulerConfig = SchedulerConfig()
-    """Learning-rate schedule."""
-
-    ckpt: CheckpointConfig = CheckpointConfig()
-    """Checkpoints."""
-
-    publish: PublishConfig = PublishConfig()
-    """Weights published under output_dir/weights as training goes."""
-
-    wandb: WandbConfig = WandbConfig()
-    """W&B logging."""
+class SFTConfig(TrainingConfig):
+    """sft: supervised fine-tuning on chat examples (loss on completion tokens only), e.g. to warm up a
+    model for RL. The training sections are the trainer's (`TrainingConfig`); no RL knob applies."""
 
     data: SFTDataConfig = SFTDataConfig()
     """The examples."""
@@ -99,29 +52,7 @@ class SFTConfig(RootConfig):
     save_dir: Path | None = None
     """Also save the final model as an HF folder here (default: <output_dir>/model)."""
 
-    @model_validator(mode="after")
-    def _cp_fits_the_micro_batch(self):
-        check_cp_fits(self.seq_len, self.parallel.cp)
-        return self
-
     def trainer_config(self) -> TrainerConfig:
-        """The trainer's config of this run: the sections SFT shares, the RL knobs at their defaults
+        """The trainer's config of this run: the shared sections, the RL knobs at their defaults
         (the SFT step brings its own loss, and no estimator, critic or reward runs)."""
-        shared = {
-            k: getattr(self, k)
-            for k in (
-                "model",
-                "lora",
-                "output_dir",
-                "max_steps",
-                "seq_len",
-                "seed",
-                "parallel",
-                "optim",
-                "scheduler",
-                "ckpt",
-                "publish",
-                "wandb",
-            )
-        }
-        return TrainerConfig(**shared)
+        return TrainerConfig(**{k: getattr(self, k) for k in TrainingConfig.model_fields})
