@@ -51,6 +51,7 @@ class _State:
     said = False
     announce = True
     grace_s = GRACE_S
+    watching = False
     last_actions: list[Callable[[], None]] = []
 
 
@@ -66,15 +67,17 @@ def take_signals(announce: bool = True, grace_s: float = GRACE_S) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     _State.announce, _State.grace_s = announce, grace_s
-    # Python's C-level handler writes each signal's number to this pipe as it arrives, in whichever
-    # thread it arrives, even while the main thread is stuck in native code: the watcher arms the
-    # deadline from it.
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if not _State.watching:  # a second call (the entry point's, then the process's main) keeps the watcher
+        _State.watching = True
+        # Python's C-level handler writes each signal's number to this pipe as it arrives, in
+        # whichever thread it arrives, even while the main thread is stuck in native code: the
+        # watcher arms the deadline from it.
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=_watch, args=(read_fd,), daemon=True, name="stop-watch").start()
     for sig in SIGNALS:
         signal.signal(sig, _on_signal)
-    threading.Thread(target=_watch, args=(read_fd,), daemon=True, name="stop-watch").start()
 
 
 def arm(sig: signal.Signals) -> None:

@@ -8,6 +8,7 @@ with the process's one line and no traceback (`prime_rl.shutdown`; inference: th
 """
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -319,3 +320,31 @@ def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path):
     proc.wait_for(lambda: "cleaning up" in proc.output(), "the cleanup to start")
     out = proc.stop(signal.SIGINT)  # uv and the shell may both forward one Ctrl-C
     assert done.read_text() == "done", out
+
+
+def test_ctrl_c_while_the_trainer_still_imports_torch_is_its_one_line(tmp_path):
+    # Its imports take seconds (torch): Python's own handler would raise KeyboardInterrupt inside
+    # them, a traceback. The import-time log (one line per module as its import ends) says when
+    # torch is under way: torch._C is done while torch itself is still importing.
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.Popen([str(BIN / "trainer"), "--output-dir", str(tmp_path / "run")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        ready = selectors.DefaultSelector()
+        ready.register(proc.stderr, selectors.EVENT_READ)
+        deadline, line = time.monotonic() + 120, ""
+        while not line.rstrip().endswith(" torch._C"):
+            assert ready.select(timeout=max(0.0, deadline - time.monotonic())), "no import of torch._C"
+            line = proc.stderr.readline()
+            assert line, f"the trainer exited ({proc.wait()}) before importing torch._C"
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        proc.wait(timeout=STOP_BOUND_S)
+        took = time.monotonic() - t0
+        rest = proc.stderr.read()
+    finally:
+        proc.kill()
+    said = [line for line in rest.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 130, said
+    assert took < STOP_BOUND_S
+    assert [line.split(" ", 1)[1] for line in said] == ["trainer stopped by SIGINT"], said
