@@ -79,3 +79,15 @@ def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_pat
     assert asyncio.run(keepalive()) == KEEPALIVE_EXPIRY_S <= 5 - 2
     env = server_env(InferenceConfig(output_dir=tmp_path), base={})
     assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 10 * KEEPALIVE_EXPIRY_S
+
+
+def test_a_run_with_its_own_vllm_cache_and_a_long_path_still_gets_its_inference_folder(tmp_path):
+    # With VLLM_CACHE_ROOT set and TMPDIR moved to /tmp (the run path is too long for vLLM's unix
+    # sockets), nothing else created <output_dir>/inference, and a stop could not open its stop.log.
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.inference.server import server_env
+
+    out = tmp_path / ("deep-" * 12) / "run"
+    env = server_env(InferenceConfig(output_dir=out), base={"VLLM_CACHE_ROOT": str(tmp_path / "cache")})
+    assert not env["TMPDIR"].startswith(str(out)) and env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache")
+    assert (out / "inference").is_dir()

@@ -8,6 +8,7 @@ import pytest
 
 from prime_rl.net import free_port
 from prime_rl.transport import ForeignRunError, TransportConfig, TransportTimeout, make_receiver, make_sender
+from prime_rl.transport.config import resolve_run_id
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingBatch, TrainingSample, decode, encode
 from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender
@@ -197,3 +198,36 @@ def test_zmq_sender_delivers_everything_queued_before_its_process_exits():
     assert proc.wait(timeout=60) == 0
     assert steps == list(range(20))
     receiver.close()
+
+
+def test_the_default_port_is_the_runs_own_and_both_ends_derive_the_same(tmp_path):
+    from prime_rl.transport.config import PORTS_FROM, PORTS_SPAN, resolve_port, resolve_run_id
+    from prime_rl.transport.zmq_transport import rank_address
+
+    config = TransportConfig()
+    # The orchestrator and the trainer see the same output_dir, so the same run id and port.
+    run_a, run_b = resolve_run_id(config, tmp_path / "a"), resolve_run_id(config, tmp_path / "b")
+    assert rank_address(config, 1, run_a) == rank_address(TransportConfig(), 1, run_a)
+    ports = {resolve_port(config, f"run-{i}") for i in range(50)}
+    assert len(ports) > 45 and all(PORTS_FROM <= p < PORTS_FROM + PORTS_SPAN for p in ports)
+    assert resolve_port(config, run_a) != resolve_port(config, run_b)  # two runs, two ports
+    assert resolve_port(TransportConfig(port=29650), run_a) == 29650  # a port set is kept
+
+
+def test_two_runs_with_default_transports_on_one_machine_each_get_their_own_data(tmp_path):
+    # Before, both bound 127.0.0.1:29650 and the second failed with "Address already in use".
+    config = TransportConfig()
+    pairs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        run_id = resolve_run_id(config, out)
+        pairs.append((make_sender(config, 0, out), make_receiver(config, run_id, 0, out), run_id))
+    try:
+        for sender, _, run_id in pairs:
+            sender.send(micro_batch(0, run=run_id))
+        for _, receiver, run_id in pairs:
+            assert receiver.recv(timeout_s=30).header.run_id == run_id
+    finally:
+        for sender, receiver, _ in pairs:
+            sender.close()
+            receiver.close()

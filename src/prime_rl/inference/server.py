@@ -81,7 +81,8 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
     env = dict(os.environ if base is None else base)
     run_dir = Path(config.output_dir).resolve() / "inference"
     tmp = short_tmp_dir(run_dir / "tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    for d in (run_dir, tmp):  # run_dir holds stop.log, whether or not TMPDIR and the cache live in it
+        d.mkdir(parents=True, exist_ok=True)
     env.update(
         {
             # vLLM leaves sockets and caches in TMPDIR and the user cache: keep them per run.

@@ -69,6 +69,7 @@ def run_server(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
         pumps += [_Pump(proc.stdout, sys.stdout.buffer), _Pump(proc.stderr, sys.stderr.buffer)]
         code = proc.wait()
     except shutdown.Stopped:
+        run_dir.mkdir(parents=True, exist_ok=True)  # nothing else may have made it (a short TMPDIR elsewhere)
         log = (run_dir / "stop.log").open("ab")
         for pump in pumps:
             pump.redirect(log)

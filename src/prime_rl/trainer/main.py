@@ -85,7 +85,7 @@ def estimator_summary(metrics: dict[str, float]) -> str:
 def transport_source(config: TrainerConfig, output_dir: Path) -> str:
     """Where the first rank's micro-batches come from, for the line that says the trainer waits."""
     if config.transport.type == "zmq":
-        return rank_address(config.transport, 0)
+        return rank_address(config.transport, 0, resolve_run_id(config.transport, output_dir))
     return str(transport_dir(config.transport, output_dir))
 
 

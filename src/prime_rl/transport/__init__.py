@@ -6,7 +6,7 @@
 from pathlib import Path
 
 from prime_rl.transport.base import ForeignRunError, Receiver, Sender, TransportError, TransportTimeout
-from prime_rl.transport.config import TransportConfig
+from prime_rl.transport.config import TransportConfig, resolve_run_id
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender, rank_address
 
@@ -18,7 +18,8 @@ def transport_dir(config: TransportConfig, output_dir: Path) -> Path:
 def make_sender(config: TransportConfig, rank: int, output_dir: Path) -> Sender:
     """The orchestrator's sender to one trainer rank."""
     if config.type == "zmq":
-        return ZmqSender(rank_address(config, rank), hwm=config.hwm, timeout_s=config.timeout_s)
+        address = rank_address(config, rank, resolve_run_id(config, output_dir))
+        return ZmqSender(address, hwm=config.hwm, timeout_s=config.timeout_s)
     return FileSender(transport_dir(config, output_dir))
 
 
@@ -27,7 +28,9 @@ def make_receiver(
 ) -> Receiver:
     """One trainer rank's receiver."""
     if config.type == "zmq":
-        return ZmqReceiver(rank_address(config, rank), run_id, hwm=config.hwm, timeout_s=config.timeout_s)
+        return ZmqReceiver(
+            rank_address(config, rank, run_id), run_id, hwm=config.hwm, timeout_s=config.timeout_s
+        )
     return FileReceiver(
         transport_dir(config, output_dir),
         run_id,

@@ -17,8 +17,11 @@ class TransportConfig(BaseConfig):
     host: str = "127.0.0.1"
     """Address the orchestrator binds and the trainer connects to (loopback unless you need otherwise)."""
 
-    port: int = Field(default=29650, ge=1024, le=65535)
-    """Base port: trainer rank r receives on port + r."""
+    port: int | None = Field(default=None, ge=1024, le=65535)
+    """Base port: trainer rank r receives on port + r. Unset: one derived from the run id, between
+    20000 and 31999 (below Linux's ephemeral ports), so that the two ends of a run, which share its
+    run id, agree, and two runs on one machine do not fight over one port. Set it where a firewall
+    must know it."""
 
     hwm: int = Field(default=16, ge=1)
     """High-water mark: messages queued per socket before a send waits (back-pressure)."""
@@ -41,3 +44,18 @@ def resolve_run_id(config: TransportConfig, output_dir: Path) -> str:
 
     path = str(Path(output_dir).resolve())
     return f"{Path(path).name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+
+
+PORTS_FROM = 20000
+PORTS_SPAN = 12000
+"""Derived base ports lie in [PORTS_FROM, PORTS_FROM + PORTS_SPAN): below the ephemeral range
+(32768-60999), which the OS hands out to outgoing connections, with room for ranks above them."""
+
+
+def resolve_port(config: TransportConfig, run_id: str) -> int:
+    """The base port of the run `run_id`: `config.port`, or one derived from the run id."""
+    if config.port is not None:
+        return config.port
+    import hashlib
+
+    return PORTS_FROM + int.from_bytes(hashlib.sha1(run_id.encode()).digest()[:4], "big") % PORTS_SPAN

@@ -13,12 +13,12 @@ import zmq
 import zmq.asyncio
 
 from prime_rl.transport.base import TransportTimeout, check_run
-from prime_rl.transport.config import TransportConfig
+from prime_rl.transport.config import TransportConfig, resolve_port
 from prime_rl.transport.messages import Message, decode, encode
 
 
-def rank_address(config: TransportConfig, rank: int) -> str:
-    return f"tcp://{config.host}:{config.port + rank}"
+def rank_address(config: TransportConfig, rank: int, run_id: str) -> str:
+    return f"tcp://{config.host}:{resolve_port(config, run_id) + rank}"
 
 
 def _setup(sock: zmq.Socket, hwm: int) -> None:

@@ -11,6 +11,7 @@ import asyncio
 from prime_rl.contract import OrchestratorSide
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.transport import transport_dir
+from prime_rl.transport.config import resolve_run_id
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.messages import Header, Hello, MicroBatch
 from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
@@ -22,8 +23,9 @@ class BatchSender:
     def __init__(self, config: OrchestratorConfig):
         t = config.transport
         if t.type == "zmq":
+            run_id = resolve_run_id(t, config.output_dir)
             self._zmq = [
-                AsyncZmqSender(rank_address(t, r), hwm=t.hwm, timeout_s=t.timeout_s)
+                AsyncZmqSender(rank_address(t, r, run_id), hwm=t.hwm, timeout_s=t.timeout_s)
                 for r in range(config.trainer_ranks)
             ]
             self._files = None
