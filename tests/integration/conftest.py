@@ -179,16 +179,21 @@ def shared_servers_of(item: pytest.Item | None) -> list[str]:
     return [name for name in SHARED if name in item.fixturenames]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # The tests of one shared server run on one xdist worker (its group). Marked as each is
+    # collected: xdist reads the groups in its own pytest_collection_modifyitems.
+    names = shared_servers_of(item)
+    if names:
+        item.add_marker(pytest.mark.xdist_group(names[0]))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The tests of one shared server run back to back, where its first test was collected, and on
-    # one xdist worker (its group); the rest keep their order.
+    # The tests of one shared server run back to back, where its first test was collected; the
+    # rest keep their order.
     first: dict[str, int] = {}
     keys = []
     for i, item in enumerate(items):
         names = shared_servers_of(item)
-        if names:
-            item.add_marker(pytest.mark.xdist_group(names[0]))
         keys.append((first.setdefault(names[0], i) if names else i, i))
     items[:] = [item for _, item in sorted(zip(keys, items, strict=True), key=lambda pair: pair[0])]
 
