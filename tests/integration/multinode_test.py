@@ -202,6 +202,9 @@ def test_collective_broadcast_puts_the_trainers_weights_on_two_real_servers_with
     assert max(m["mismatch_kl/all/mean"] for m in trainer) < 1e-4, [
         m["mismatch_kl/all/mean"] for m in trainer
     ]
+    # A group that broke is formed once more (a server that took the first attempt takes it again).
+    retries = (run / "logs" / "trainer.log").read_text().count("trying once more with a new group")
     for i in range(2):
         log = (run / "logs" / f"inference-{i}.log").read_text()
-        assert log.count('POST /prime_rl/receive_weights HTTP/1.1" 200') == steps, f"inference-{i}"
+        took = log.count('POST /prime_rl/receive_weights HTTP/1.1" 200')
+        assert steps <= took <= steps + retries, (f"inference-{i}", took, retries)
