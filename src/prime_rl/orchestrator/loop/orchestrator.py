@@ -25,7 +25,7 @@ from prime_rl import shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.layout import checkpoint_root, complete_steps, refusal_path, restart_counts, weights_root
-from prime_rl.monitor import MetricsLogger, forget_steps_from
+from prime_rl.monitor import MetricsLogger
 from prime_rl.orchestrator.advantages import build_advantage
 from prime_rl.orchestrator.config import OrchestratorConfig, contract_side
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
@@ -36,6 +36,7 @@ from prime_rl.orchestrator.loop.pipeline import FinishedGroup, PipelineConfig, S
 from prime_rl.orchestrator.loop.progress import (
     Progress,
     cursor_from_json,
+    forget_uncommitted,
     load_batch,
     restore,
     rng_to_json,
@@ -131,7 +132,7 @@ class Orchestrator:
         self.health = ServerHealth(
             self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s
         )
-        self._forget_uncommitted(progress.step)
+        forget_uncommitted(self.output_dir, progress.step)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
         )
@@ -158,16 +159,6 @@ class Orchestrator:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, interrupt, sig)
-
-    def _forget_uncommitted(self, next_step: int) -> None:
-        """A killed process may have logged a step it had not yet committed: it is built again.
-        Evals are kept, as they are not run again on resume, except the one at the start."""
-        path = self.output_dir / "orchestrator" / "metrics.jsonl"
-        dropped = forget_steps_from(path, next_step, evals=next_step == 0)
-        if dropped:
-            log.info(
-                "dropped %d metrics record(s) of steps from %d, which are built again", dropped, next_step
-            )
 
     # ------------------------------------------------------------------ loop
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prime_rl.monitor import forget_steps_from
 from prime_rl.orchestrator.loop.examples import Cursor
 from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting
 from prime_rl.transport.file_transport import write_atomic
@@ -119,3 +120,12 @@ def restore(config) -> tuple[Progress, random.Random, Accounting]:
         acc.add("stale", env, n - sum(acc.buckets[b][env] for b in BUCKETS))
     log.info("resuming at step %d from %s", progress.step, output_dir / "orchestrator")
     return progress, rng_from_json(progress.rng_state), acc
+
+
+def forget_uncommitted(output_dir: Path, next_step: int) -> None:
+    """A killed process may have logged a step it had not yet committed: it is built again, so its
+    record goes. Evals are kept, as they are not run again on resume, except the one at the start."""
+    path = Path(output_dir) / "orchestrator" / "metrics.jsonl"
+    dropped = forget_steps_from(path, next_step, evals=next_step == 0)
+    if dropped:
+        log.info("dropped %d metrics record(s) of steps from %d, which are built again", dropped, next_step)
