@@ -1,0 +1,57 @@
+"""Packed attention without a [T, T] mask equals transformers' dense-mask path."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from prime_rl.trainer.attention import sample_starts, use_packed_attention
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=50)  # fmt: skip
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def logits_and_grads(model, ids, pos):
+    model.zero_grad()
+    logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits
+    logits.logsumexp(-1).mean().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_sample_starts_reads_samples_from_positions():
+    pos = torch.tensor([0, 1, 2, 0, 0, 1, 0, 1, 2, 3])
+    assert sample_starts(pos).tolist() == [0, 3, 4, 6, 10]
+    assert sample_starts(torch.tensor([0, 0, 0])).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("lengths", [[7, 1, 12, 1, 1, 9], [5, 5, 5, 3, 3, 1], [30]])
+def test_per_sample_attention_equals_dense_mask(lengths):
+    """Runs of equal lengths (batched together) and samples of length 1 included."""
+    model = tiny_model()
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    ids = torch.randint(0, 50, pos.shape)
+    model.set_attn_implementation("sdpa")
+    ref_logits, ref_grads = logits_and_grads(model, ids, pos)
+    use_packed_attention(model, "per_sample")
+    logits, grads = logits_and_grads(model, ids, pos)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-5)
+
+
+def test_per_sample_attention_keeps_samples_apart():
+    """Changing one sample's tokens leaves every other sample's logits as they were."""
+    model = tiny_model()
+    use_packed_attention(model, "per_sample")
+    pos = torch.cat([torch.arange(6), torch.arange(4)])
+    ids = torch.randint(0, 50, pos.shape)
+    changed = ids.clone()
+    changed[:6] = (changed[:6] + 1) % 50
+    with torch.no_grad():
+        a = model(input_ids=ids[None], position_ids=pos[None]).logits[0]
+        b = model(input_ids=changed[None], position_ids=pos[None]).logits[0]
+    torch.testing.assert_close(a[6:], b[6:], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:6], b[:6])
