@@ -3,7 +3,10 @@
 import hashlib
 import json
 
+import pydantic
+import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
@@ -119,3 +122,31 @@ def test_the_qwen3_0_6b_preset_has_its_shape():
         128,
     )
     assert config.tie_word_embeddings and config.num_kv_heads == 8
+
+
+def test_the_tiny_moe_preset_is_a_qwen3_moe_that_routes_each_token_to_two_of_eight_experts(tmp_path):
+    folder = make_tiny_model(TinyModelConfig(output=tmp_path / "moe", preset="tiny-moe", corpus_lines=500))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    experts = model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (8, 2 * 96, 128) and tuple(experts.down_proj.shape) == (
+        8,
+        128,
+        96,
+    )
+    out = model(input_ids=torch.tensor([[5, 6, 7, 8]]), output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (4, 8)
+    assert model.config.num_experts_per_tok == 2 and model.config.norm_topk_prob
+    # Checkpoints hold one tensor per expert (the layout vLLM and the hub use).
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
+
+
+def test_the_qwen3_30b_a3b_preset_has_its_shape_and_top_k_must_fit_the_experts():
+    config = TinyModelConfig(preset="qwen3-30b-a3b")
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.hidden_size) == (
+        128, 8, 768, 2048,
+    )  # fmt: skip
+    with pytest.raises(pydantic.ValidationError, match="num_experts_per_tok"):
+        TinyModelConfig(num_experts=2, num_experts_per_tok=3)

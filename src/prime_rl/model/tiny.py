@@ -90,6 +90,12 @@ PRESETS: dict[str, dict] = {
     "qwen3-0.6b": {"model_vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072,
                    "num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
                    "max_position_embeddings": 40_960, "rope_theta": 1_000_000.0, "tie_word_embeddings": True},
+    "tiny-moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96},
+    # Qwen3-30B-A3B's config with 2 of its 48 layers: each layer's experts alone are 604M parameters.
+    "qwen3-30b-a3b": {"model_vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 6144,
+                      "num_layers": 2, "num_heads": 32, "num_kv_heads": 4, "head_dim": 128,
+                      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "max_position_embeddings": 40_960, "rope_theta": 1_000_000.0},
 }  # fmt: skip
 """Shape fields per preset; fields given explicitly win over the preset's."""
 
@@ -100,10 +106,12 @@ class TinyModelConfig(RootConfig):
     output: Path = Path("models/tiny")
     """Folder to write the model, config and tokenizer to."""
 
-    preset: Literal["tiny", "real-vocab", "qwen3-0.6b"] = "tiny"
+    preset: Literal["tiny", "real-vocab", "qwen3-0.6b", "tiny-moe", "qwen3-30b-a3b"] = "tiny"
     """Shape: 'tiny' (the defaults below, 0.4M parameters), 'real-vocab' (Qwen3's 151,936-token
-    vocabulary, width 256, 2 layers: 78M parameters, nearly all in the embedding and the lm_head), or
-    'qwen3-0.6b' (Qwen3-0.6B's width, depth, heads and tied embeddings: 596M parameters)."""
+    vocabulary, width 256, 2 layers: 78M parameters, nearly all in the embedding and the lm_head),
+    'qwen3-0.6b' (Qwen3-0.6B's width, depth, heads and tied embeddings: 596M parameters), 'tiny-moe'
+    (the tiny model as a Qwen3-MoE: 8 experts of width 96, top-2, 0.84M parameters) or 'qwen3-30b-a3b'
+    (Qwen3-30B-A3B's config, 128 experts, top-8, with 2 of its 48 layers: 1.87B parameters)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -146,6 +154,17 @@ class TinyModelConfig(RootConfig):
     max_position_embeddings: int = Field(default=2048, ge=64)
     """Longest sequence the model supports (vLLM's max-model-len must not exceed it)."""
 
+    num_experts: int = Field(default=0, ge=0)
+    """Experts per layer: a mixture of experts (Qwen3-MoE's architecture) when above 0, else a dense
+    Qwen3 model."""
+
+    num_experts_per_tok: int = Field(default=2, ge=1)
+    """Experts each token is routed to (top-k), with a MoE."""
+
+    moe_intermediate_size: int | None = Field(default=None, ge=4)
+    """Width of one expert's MLP; unset: intermediate_size / num_experts_per_tok (the dense MLP's
+    width per token)."""
+
     tie_word_embeddings: bool = False
     """Share the input embedding with the lm_head (see the vLLM CPU reload pitfall before enabling)."""
 
@@ -168,6 +187,10 @@ class TinyModelConfig(RootConfig):
             raise ValueError(
                 f"model_vocab_size ({self.model_vocab_size}) must hold the tokenizer's "
                 f"{self.vocab_size + len(TOOL_TOKENS)} tokens"
+            )
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must not exceed num_experts ({self.num_experts})"
             )
         return self
 
@@ -256,12 +279,24 @@ def pad_vocabulary(tok, size: int):
 
 def build_model(config: TinyModelConfig, tokenizer):
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(config.seed)
     # vLLM needs vocab_size >= len(tokenizer); rounded up to 64 like real models' embeddings.
     vocab = max(config.model_vocab_size or 0, -(-len(tokenizer) // 64) * 64)
-    model_config = Qwen3Config(
+    moe = {}
+    if config.num_experts:
+        moe = dict(
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.moe_intermediate_size
+            or config.intermediate_size // config.num_experts_per_tok,
+            norm_topk_prob=True,  # as Qwen3's MoE models: the top-k weights sum to 1
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    model_config = (Qwen3MoeConfig if moe else Qwen3Config)(
+        **moe,
         vocab_size=vocab,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -277,7 +312,7 @@ def build_model(config: TinyModelConfig, tokenizer):
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         torch_dtype="float32",
     )
-    return Qwen3ForCausalLM(model_config).to(torch.float32)
+    return (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(model_config).to(torch.float32)
 
 
 def make_tiny_model(config: TinyModelConfig) -> Path:

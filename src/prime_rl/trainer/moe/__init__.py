@@ -1,0 +1,1 @@
+"""Mixture-of-experts models in the trainer: finding their routers, and router replay."""
