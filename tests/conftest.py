@@ -23,6 +23,16 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("models") / "tiny"))
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory) -> Path:
+    """The tiny model as a mixture of experts (`make-tiny-model --preset tiny-moe`), random weights."""
+    from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
+
+    return make_tiny_model(
+        TinyModelConfig(output=tmp_path_factory.mktemp("models") / "tiny-moe", preset="tiny-moe")
+    )
+
+
 @pytest.fixture
 def short_context_model(tmp_path) -> Path:
     """A model folder allowing 512 positions: the shipped tiny model's config.json only (no weights),

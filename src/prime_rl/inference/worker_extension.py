@@ -1,8 +1,10 @@
 """Methods added to vLLM's workers (`--worker-extension-cls`), called through `collective_rpc`.
 
 Only what the weight routes need. Invariant: after `prime_rl_reload(path)` or a completed
-`prime_rl_receive(...)`, the model computes with the new weights, tied embeddings included (the CPU
-backend keeps a pre-packed copy of a tied lm_head that must be rebuilt after an in-place reload).
+`prime_rl_receive(...)`, the model computes with the new weights, tied embeddings and MoE experts
+included. The CPU backend keeps both in a pre-packed form that vLLM's in-place reload does not
+rebuild (a tied lm_head's copy; the experts' grouped-GEMM layout, which vLLM 0.32 packs only on
+the first load), so they are packed again here.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ class WeightReloadExtension:
 
     def _prime_rl_after_reload(self) -> None:
         model = self.model_runner.get_model()
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            # vLLM's reload skips this step for a kernel already built (it assumes the weights need
+            # no repacking); the CPU experts then read unpacked weights as packed ones.
+            if experts is not None and type(experts).__module__.endswith("cpu_moe"):
+                experts.process_weights_after_loading(module)
         config = getattr(model, "config", None)
         lm_head = getattr(model, "lm_head", None)
         if getattr(config, "tie_word_embeddings", False) and lm_head is not None:
