@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -30,6 +31,7 @@ from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, posit
 from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.model import load_model
+from prime_rl.trainer.moe.load import counting_routes, load_metrics, new_counts
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.parallel.context_parallel import SequenceShard, shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
@@ -231,10 +233,12 @@ class Trainer:
         denom = max(global_tokens, 1.0)
         train_policy = self.policy_trains(step)
         stats, results = TokenStats(self.world.device), []
+        counts = new_counts(self.model, self.world.device)  # None for a dense model
         for p in prepared:
             mb, t = p.mb, p.t
             with torch.set_grad_enabled(train_policy):
-                lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
+                with counting_routes(self.model, counts) if counts is not None else nullcontext():
+                    lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
                 inputs = LossInputs(
                     lp,
                     t["logprobs"],
@@ -261,6 +265,8 @@ class Trainer:
                 for p in module.parameters() if module is not None else ():
                     if p.grad is not None:
                         p.grad.mul_(self.world.world_size)
+        if counts is not None:
+            prepare_metrics = {**prepare_metrics, **load_metrics(counts, self.world)}
         return Accumulated(stats, results, global_tokens, prepare_metrics)
 
     def _critic_backward(self, stats: TokenStats, p: Prepared, denom: float) -> None:

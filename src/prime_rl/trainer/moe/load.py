@@ -1,0 +1,55 @@
+"""Expert load: how evenly a MoE model's routers spread the tokens of a step over their experts.
+
+Invariant: counts are kept on the device as fixed-shape tensors ([layers, experts], one scatter-add
+per router call) and reach the host once per step, after one sum over all ranks, so the metric costs
+no host sync per micro-batch and counts every forwarded token once whatever the dp x cp split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from prime_rl.trainer.moe.replay import routers
+from prime_rl.trainer.parallel.dist import World, all_reduce_sum
+
+
+@contextmanager
+def counting_routes(model: torch.nn.Module, counts: torch.Tensor) -> Iterator[None]:
+    """Add the experts each token is routed to in forwards inside to `counts` ([layers, experts])."""
+    handles = []
+    for layer, router in enumerate(routers(model)):
+
+        def hook(module, args, output, layer=layer):
+            chosen = output[2].detach().reshape(-1)
+            counts[layer].index_add_(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def new_counts(model: torch.nn.Module, device: torch.device) -> torch.Tensor | None:
+    """Zero counts for `model`'s routers, or None for a dense model."""
+    found = routers(model)
+    if not found:
+        return None
+    return torch.zeros(len(found), found[0].num_experts, dtype=torch.float64, device=device)
+
+
+def load_metrics(counts: torch.Tensor, world: World) -> dict[str, float]:
+    """Per layer, the busiest expert's tokens over the mean (1.0: perfectly even; the number of
+    experts: every token on one expert), and their mean over layers. Summed over all ranks first."""
+    per_layer = world.host(all_reduce_sum(counts, world))
+    out = {}
+    for i, row in enumerate(per_layer):
+        mean = sum(row) / len(row)
+        out[f"moe/load_max_over_mean/layer_{i}"] = max(row) / mean if mean > 0 else 0.0
+    if out:
+        out["moe/load_max_over_mean"] = sum(out.values()) / len(out)
+    return out
