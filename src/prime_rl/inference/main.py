@@ -6,8 +6,9 @@ one line and no traceback, whether it is starting or serving.
 
 from pathlib import Path
 
-from prime_rl.config import parse_config
+from prime_rl.config import parse_config, raise_problems
 from prime_rl.inference.config import InferenceConfig
+from prime_rl.inference.preflight import inference_problems
 from prime_rl.inference.server import server_command, server_env
 from prime_rl.inference.supervise import run_server
 from prime_rl.logging_setup import setup_logging
@@ -18,7 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("inference")
     take_signals()
     try:
-        config = parse_config(InferenceConfig, argv, prog="inference")
+        config = parse_config(
+            InferenceConfig, argv, prog="inference", check=lambda c: raise_problems(inference_problems(c))
+        )
         env = server_env(config)  # creates <output_dir>/inference
         code = run_server(server_command(config), env, Path(config.output_dir) / "inference")
     except Stopped:

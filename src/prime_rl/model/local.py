@@ -75,6 +75,13 @@ def read_config(name: str) -> dict[str, Any] | None:
     return config
 
 
+def num_experts(name: str) -> int:
+    """Experts per layer of a local mixture-of-experts model (0: dense, or not a local folder)."""
+    config = read_config(name) or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return int(text.get("num_experts") or text.get("num_local_experts") or 0)
+
+
 def _rope_factor(config: dict[str, Any]) -> float:
     # Gemma3's max_position_embeddings is already scaled: vLLM special-cases it the same way.
     if "gemma3" in config.get("model_type", ""):

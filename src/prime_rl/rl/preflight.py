@@ -1,5 +1,5 @@
-"""`rl`'s preflight: the orchestrator's and the trainer's checks on their sections, and the
-teacher's tokenizer against the policy's, run before `rl` launches anything.
+"""`rl`'s preflight: the inference server's, the orchestrator's and the trainer's checks on their
+sections, and the teacher's tokenizer against the policy's, run before `rl` launches anything.
 
 Invariant: the same checks, with the same messages, as each process runs when started by hand, with
 keys as `rl`'s config names them ('orchestrator.envs[0]', 'trainer.loss'); all the problems of all
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prime_rl.config import raise_problems
+from prime_rl.inference.preflight import inference_problems
 from prime_rl.orchestrator.preflight import orchestrator_problems, teacher_problem
 from prime_rl.trainer.preflight import trainer_problems
 
@@ -19,9 +20,14 @@ if TYPE_CHECKING:
 
 
 def check_rl(config: RLConfig) -> None:
+    from prime_rl.rl.plan import served
+
     teacher = config.teacher
     raise_problems(
-        orchestrator_problems(config.orchestrator, "orchestrator.")
+        inference_problems(
+            served(config), "inference.", lora_key=None if config.inference.lora else "trainer.lora"
+        )
+        + orchestrator_problems(config.orchestrator, "orchestrator.")
         + trainer_problems(config.trainer, "trainer.")
         + ([teacher_problem("teacher.model.name", teacher.model.name, config.model)] if teacher else [])
     )

@@ -48,6 +48,9 @@ class ModelConfig(BaseConfig):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Every linear layer of a Qwen/Llama-style decoder block (attention and MLP), not the lm_head."""
 
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+"""The default targets of a mixture of experts, whose experts are 3-D tensors, not linear layers."""
+
 
 class LoRAConfig(BaseConfig):
     """Train low-rank adapters (LoRA, with peft) instead of the full weights: W stays frozen and the
@@ -69,7 +72,8 @@ class LoRAConfig(BaseConfig):
 
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     """Linear layers that get adapters, by the last part of their name (e.g. 'q_proj' adapts every
-    layer's attention query). Each must name a linear layer of the model."""
+    layer's attention query). Each must name a linear layer of the model. Default: every linear layer
+    of the blocks; of a mixture of experts, the attention's (q, k, v, o_proj)."""
 
 
 class ParallelConfig(BaseConfig):
@@ -263,6 +267,32 @@ class TrainingConfig(RootConfig):
     def _cp_fits_the_micro_batch(self):
         check_cp_fits(self.seq_len, self.parallel.cp)
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moe_adapters_default_to_attention(cls, data):
+        lora = data.get("lora") if isinstance(data, dict) else None
+        if lora is None:
+            return data
+        unset = "target_modules" not in (lora if isinstance(lora, dict) else lora.model_fields_set)
+        model = data.get("model") or {}
+        name = model.get("name", ModelConfig().name) if isinstance(model, dict) else model.name
+        if unset and isinstance(name, str):
+            from prime_rl.model.local import num_experts
+
+            try:
+                moe = num_experts(name) > 0
+            except ValueError:
+                return data  # the model key's own validation says what is wrong with it
+            if moe:
+                targets = list(ATTENTION_TARGETS)
+                lora = (
+                    {**lora, "target_modules": targets}
+                    if isinstance(lora, dict)
+                    else lora.model_copy(update={"target_modules": targets})
+                )
+                return {**data, "lora": lora}
+        return data
 
 
 class TrainerConfig(TrainingConfig):
