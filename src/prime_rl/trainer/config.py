@@ -76,6 +76,17 @@ class LoRAConfig(BaseConfig):
     of the blocks; of a mixture of experts, the attention's (q, k, v, o_proj)."""
 
 
+class MoEConfig(BaseConfig):
+    """Mixture-of-experts models (ignored for dense ones)."""
+
+    aux_loss_coef: float = Field(default=0.0, ge=0)
+    """Weight of the load-balancing loss added to the training loss: per layer, experts x the sum over
+    experts of (share of the token's top-k slots routed to it) x (its mean router probability), as the
+    Switch Transformer's; 1.0 when the load is even. Averaged over layers, weighted by each
+    micro-batch's share of the step's loss tokens. 0: off (the metric `moe/aux_loss` is logged
+    anyway)."""
+
+
 class ParallelConfig(BaseConfig):
     """How the trainer ranks share the work: dp x cp = all ranks (torchrun's nproc x nodes)."""
 
@@ -247,6 +258,9 @@ class TrainingConfig(RootConfig):
 
     parallel: ParallelConfig = ParallelConfig()
     """Data and context parallelism (data parallelism is torchrun's ranks / cp)."""
+
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-experts models: the load-balancing loss."""
 
     optim: OptimizerConfig = OptimizerConfig()
     """Optimizer."""

@@ -1,4 +1,5 @@
-"""Expert load: how evenly a MoE model's routers spread the tokens of a step over their experts.
+"""Expert load: how evenly a MoE model's routers spread the tokens of a step over their experts, and
+the load-balancing loss that evens it.
 
 Invariant: counts are kept on the device as fixed-shape tensors ([layers, experts], one scatter-add
 per router call) and reach the host once per step, after one sum over all ranks, so the metric costs
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,19 +18,46 @@ from prime_rl.trainer.moe.replay import routers
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 
 
+@dataclass
+class Routing:
+    """What the routers did in the forwards of one micro-batch: the step's running counts, and this
+    micro-batch's router logits (kept with their graph, for the load-balancing loss)."""
+
+    counts: torch.Tensor
+    top_k: int
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    def balance_loss(self) -> torch.Tensor:
+        """Switch Transformer's load-balancing loss of this micro-batch, averaged over layers."""
+        terms = []
+        for logits in self.logits:
+            experts = logits.shape[-1]
+            probs = torch.softmax(logits.float(), dim=-1)
+            chosen = probs.topk(self.top_k, dim=-1).indices
+            share = torch.zeros(experts, device=logits.device).index_add_(
+                0, chosen.reshape(-1), torch.ones(chosen.numel(), device=logits.device)
+            ) / max(chosen.numel(), 1)
+            terms.append(experts * (share * probs.mean(dim=0)).sum())
+        return torch.stack(terms).mean()
+
+
 @contextmanager
-def counting_routes(model: torch.nn.Module, counts: torch.Tensor) -> Iterator[None]:
-    """Add the experts each token is routed to in forwards inside to `counts` ([layers, experts])."""
+def recording_routes(model: torch.nn.Module, counts: torch.Tensor) -> Iterator[Routing]:
+    """Add the experts each token is routed to in forwards inside to `counts` ([layers, experts]),
+    and collect the router logits."""
+    found = routers(model)
+    routing = Routing(counts, found[0].top_k)
     handles = []
-    for layer, router in enumerate(routers(model)):
+    for layer, router in enumerate(found):
 
         def hook(module, args, output, layer=layer):
             chosen = output[2].detach().reshape(-1)
             counts[layer].index_add_(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+            routing.logits.append(output[0])
 
         handles.append(router.register_forward_hook(hook))
     try:
-        yield
+        yield routing
     finally:
         for h in handles:
             h.remove()

@@ -31,7 +31,7 @@ from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, posit
 from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.model import load_model
-from prime_rl.trainer.moe.load import counting_routes, load_metrics, new_counts
+from prime_rl.trainer.moe.load import load_metrics, new_counts, recording_routes
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.parallel.context_parallel import SequenceShard, shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
@@ -234,10 +234,11 @@ class Trainer:
         train_policy = self.policy_trains(step)
         stats, results = TokenStats(self.world.device), []
         counts = new_counts(self.model, self.world.device)  # None for a dense model
+        aux_sum = self.world.scalars(0.0)[0]
         for p in prepared:
             mb, t = p.mb, p.t
             with torch.set_grad_enabled(train_policy):
-                with counting_routes(self.model, counts) if counts is not None else nullcontext():
+                with recording_routes(self.model, counts) if counts is not None else nullcontext() as routing:
                     lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
                 inputs = LossInputs(
                     lp,
@@ -250,8 +251,14 @@ class Trainer:
                 )
                 out = self.loss_fn(inputs)
                 token_loss = out.token_loss * t["owned"]
+                loss = token_loss.sum() / denom
+                if routing is not None:  # a MoE: its load-balancing loss, weighted by the loss tokens
+                    aux = routing.balance_loss() * ((t["loss_mask"] & t["owned"]).sum() / denom)
+                    aux_sum = aux_sum + aux.detach()
+                    if self.config.moe.aux_loss_coef > 0:
+                        loss = loss + self.config.moe.aux_loss_coef * aux
             if train_policy:
-                (token_loss.sum() / denom).backward()
+                loss.backward()
             self._record(stats, mb, t, lp.detach(), entropy, out)
             if self.critic is not None:
                 self._critic_backward(stats, p, denom)
@@ -266,7 +273,12 @@ class Trainer:
                     if p.grad is not None:
                         p.grad.mul_(self.world.world_size)
         if counts is not None:
-            prepare_metrics = {**prepare_metrics, **load_metrics(counts, self.world)}
+            aux_loss = self.world.host(all_reduce_sum(aux_sum, self.world))
+            prepare_metrics = {
+                **prepare_metrics,
+                **load_metrics(counts, self.world),
+                "moe/aux_loss": aux_loss,
+            }
         return Accumulated(stats, results, global_tokens, prepare_metrics)
 
     def _critic_backward(self, stats: TokenStats, p: Prepared, denom: float) -> None:
