@@ -60,8 +60,11 @@ _BLOCK_MASKS: dict = {}
 def _block_mask(position_ids: torch.Tensor, length: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
+    # Every layer of one forward asks for the same mask: build it once. The address alone is no key (a
+    # freed tensor's memory is reused), so the positions it was built from are compared too.
     key = (position_ids.data_ptr(), length, position_ids.device)
-    if key not in _BLOCK_MASKS:
+    cached = _BLOCK_MASKS.get(key)
+    if cached is None or not torch.equal(cached[0], position_ids):
         _BLOCK_MASKS.clear()
         bounds = sample_starts(position_ids)
         doc = torch.zeros(length, dtype=torch.int32, device=position_ids.device)
@@ -72,10 +75,11 @@ def _block_mask(position_ids: torch.Tensor, length: int):
             return (doc[q] == doc[kv]) & (q >= kv)
 
         # Compiled, the mask is built block by block; eager, it would hold all T x T booleans at once.
-        _BLOCK_MASKS[key] = create_block_mask(
+        mask = create_block_mask(
             causal_same_sample, None, None, length, length, device=position_ids.device, _compile=True
         )
-    return _BLOCK_MASKS[key]
+        _BLOCK_MASKS[key] = (position_ids.clone(), mask)
+    return _BLOCK_MASKS[key][1]
 
 
 _FLEX = None

@@ -18,12 +18,7 @@ import torch.nn.functional as F
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's top-k routers, in layer order (transformers' `*TopKRouter` modules: Qwen3-MoE and
     its kin, which hold `weight` [experts, hidden], `top_k` and `norm_topk_prob`)."""
-    found = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
-    return found
-
-
-def is_moe(model: torch.nn.Module) -> bool:
-    return bool(routers(model))
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
 
 
 def router_shape(model: torch.nn.Module) -> tuple[int, int, int]:
