@@ -1,9 +1,9 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
-argv: model_path out_file split [gae] [lora] [cp=N] [steps=N]. With 2 data-parallel ranks, rank 0 takes
-samples[:split] and rank 1 the rest, each packed into its own micro-batches (the poorer rank gets
+argv: model_path out_file split [gae] [lora] [cp=N] [ep=N] [steps=N]. With data-parallel ranks, rank 0 takes
+samples[:split] and the others deal the rest in turn, each packed into its own micro-batches (the poorer rank gets
 filler micro-batches). With cp=N, each data-parallel rank is N context-parallel ranks sharing its
-micro-batches. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
+micro-batches. With ep=N, a MoE model's experts are split over N ranks. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
 the ranks. With "gae", the estimator is GAE with a critic, KL in the reward and batch whitening (all
 reduced over ranks), and the critic's gradients are saved too. With steps=N, it trains N optimizer
 steps (a fresh global batch each) and saves the parameters before and after, and each step's metrics.
@@ -48,8 +48,10 @@ def rank_micro_batches(world, split: int, seed: int) -> list:
     """This data-parallel rank's share of the global batch of `seed`, padded with filler micro-batches
     to the count of the richest rank."""
     samples = make_samples(seed=seed)
-    if world.dp > 1:
-        samples = samples[:split] if world.dp_rank == 0 else samples[split:]
+    if world.dp > 1:  # rank 0 takes the first `split`, the other ranks deal the rest in turn
+        samples = (
+            samples[:split] if world.dp_rank == 0 else samples[split:][world.dp_rank - 1 :: world.dp - 1]
+        )
     mbs = pack(samples, SEQ_LEN, 1, "grad", seed)[0] if samples else []
     count = torch.tensor(len(mbs))
     if world.distributed:
@@ -68,11 +70,12 @@ def main() -> None:
     options = sys.argv[4:]
     gae, lora = "gae" in options, "lora" in options
     cp = next((int(o[3:]) for o in options if o.startswith("cp=")), 1)
+    ep = next((int(o[3:]) for o in options if o.startswith("ep=")), 1)
     steps = next((int(o[6:]) for o in options if o.startswith("steps=")), 0)
-    world = init_world(cp)
+    world = init_world(cp, ep)
     config = TrainerConfig(
         model={"name": model_path, "logprob_chunk_tokens": 48},
-        parallel={"cp": cp},
+        parallel={"cp": cp, "ep": ep},
         seq_len=SEQ_LEN,
         lora={"rank": 4, "alpha": 8.0} if lora else None,
         # Adam's per-entry normalization makes an entry whose gradient is float rounding take a

@@ -65,6 +65,15 @@ def test_ranks_must_be_a_multiple_of_cp(tiny_model, tmp_path):
     assert out.returncode == 2 and "--ranks 3 is not a multiple of trainer.parallel.cp = 2" in out.stderr
 
 
+def test_expert_parallelism_is_refused_in_one_line(tiny_moe_model, tmp_path):
+    cfg = trainer_toml(tmp_path / "t.toml", tiny_moe_model, "[parallel]\nep = 2\n")
+    out = run("-m", "prime_rl.trainer.main", "@", str(cfg), "--fake-gpu", "--ranks", "2")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "trainer: error: the fake-GPU dry run does not model trainer.parallel.ep = 2 (the all-to-all's sizes "
+        "depend on the routing of real data, which fake tensors do not have); dry-run the config with ep = 1"
+    ]
+
+
 def plan(model: Path, *flags: str) -> dict:
     out = run(
         "-m", "prime_rl.trainer.gpu.plan_memory", "--model", str(model), "--json", "--no-search", *flags

@@ -254,7 +254,7 @@ class RLConfig(RootConfig):
         return self
 
     @model_validator(mode="after")
-    def _cp_divides_the_trainer_ranks(self):
+    def _cp_and_ep_divide_the_trainer_ranks(self):
         d = self.deployment
         trainer_nodes = sum("trainer" in n.roles for n in d.nodes) or 1  # no nodes: this machine
         cp, ranks = self.trainer.parallel.cp, d.trainer_ranks * trainer_nodes
@@ -262,6 +262,12 @@ class RLConfig(RootConfig):
             raise ValueError(
                 f"'trainer.parallel.cp' = {cp} does not divide the {ranks} trainer ranks "
                 f"('deployment.trainer_ranks' x trainer nodes): each data-parallel replica is cp ranks"
+            )
+        ep = self.trainer.parallel.ep
+        if ranks % ep:
+            raise ValueError(
+                f"'trainer.parallel.ep' = {ep} does not divide the {ranks} trainer ranks "
+                f"('deployment.trainer_ranks' x trainer nodes): each expert-parallel group is ep ranks"
             )
         return self
 

@@ -95,6 +95,13 @@ class ParallelConfig(BaseConfig):
     this many ranks (attention all-gathers keys and values). It must divide the number of ranks;
     the data-parallel size is ranks / cp, which is the orchestrator's `trainer_ranks`."""
 
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel ranks (mixture-of-experts models only): each MoE layer's experts are split
+    across this many consecutive ranks, and every token travels to its experts' ranks and back by
+    all-to-all. It must divide the ranks (dp x cp) and each layer's number of experts; it does not
+    change the data-parallel size. The experts' shards are replicated over ranks / ep groups
+    (FSDP shards them there, as it shards everything else over all ranks)."""
+
 
 class OptimizerConfig(BaseConfig):
     """AdamW settings."""
@@ -257,7 +264,7 @@ class TrainingConfig(RootConfig):
     """Seed for anything random in the trainer (e.g. fresh LoRA adapters)."""
 
     parallel: ParallelConfig = ParallelConfig()
-    """Data and context parallelism (data parallelism is torchrun's ranks / cp)."""
+    """Data, context and expert parallelism (data parallelism is torchrun's ranks / cp)."""
 
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts models: the load-balancing loss."""
@@ -280,6 +287,30 @@ class TrainingConfig(RootConfig):
     @model_validator(mode="after")
     def _cp_fits_the_micro_batch(self):
         check_cp_fits(self.seq_len, self.parallel.cp)
+        return self
+
+    @model_validator(mode="after")
+    def _ep_splits_the_experts(self):
+        ep = self.parallel.ep
+        if ep == 1:
+            return self
+        from prime_rl.model.local import num_experts, read_config
+
+        try:
+            local = read_config(self.model.name) is not None
+        except ValueError:
+            return self  # the model key's own check says what is wrong with the folder
+        experts = num_experts(self.model.name) if local else None
+        if experts == 0:
+            raise ValueError(
+                f"parallel.ep = {ep} splits a mixture of experts, but model.name = '{self.model.name}' "
+                "is a dense model (no experts to split): set ep = 1"
+            )
+        if experts and experts % ep:
+            raise ValueError(
+                f"parallel.ep = {ep} does not divide the {experts} experts per layer of "
+                f"model.name = '{self.model.name}'"
+            )
         return self
 
     @model_validator(mode="before")

@@ -90,7 +90,7 @@ def transport_source(config: TrainerConfig, output_dir: Path) -> str:
 
 
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
-    world = world or init_world(config.parallel.cp)
+    world = world or init_world(config.parallel.cp, config.parallel.ep)
     output_dir = Path(config.output_dir)
     trainer = Trainer(config, world, loss_fn)
     start = resume_step(config, world)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             from prime_rl.trainer.gpu.dry_run import main_dry_run
 
             return main_dry_run(config, ranks)
-        world = init_world_or_exit(config.parallel.cp, "trainer")
+        world = init_world_or_exit(config.parallel.cp, "trainer", config.parallel.ep)
     except Stopped:  # before the ranks' work (`run_rank` says the line from there on)
         exit_stopped()
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")

@@ -1,8 +1,9 @@
 """Load the model to train, and shard it with FSDP2 when there are several ranks.
 
 Invariant: with FSDP2 every rank holds a shard of every parameter (DTensors); gradients are
-reduce-scattered in backward and divided by the data-parallel size, which the trainer undoes
-(see `Trainer.accumulate`). On one rank the model is a plain module.
+reduce-scattered in backward and divided by the size of the parameter's FSDP group (all ranks, or
+ranks / ep for the experts under expert parallelism), which the trainer undoes (`fsdp_group_size`,
+used by `Trainer.accumulate`). On one rank the model is a plain module.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from prime_rl.trainer import lora as lora_layers
 from prime_rl.trainer.config import LoRAConfig, ModelConfig
 from prime_rl.trainer.logprobs import attach_position_logprobs
+from prime_rl.trainer.moe.expert_parallel import ep_problem, fsdp_experts, shard_experts
 from prime_rl.trainer.parallel.context_parallel import cp_attention_problem, enable_cp_attention
 from prime_rl.trainer.parallel.dist import World
 
@@ -94,7 +96,17 @@ def add_adapters(model: torch.nn.Module, lora: LoRAConfig, seed: int, key: str, 
 
 
 def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key: str) -> None:
-    """Context-parallel attention, activation checkpointing and FSDP2 sharding, as configured."""
+    """Context-parallel attention, expert parallelism, activation checkpointing and FSDP2 sharding,
+    as configured."""
+    experts = []
+    if world.ep > 1:
+        problem = ep_problem(model, world.ep)
+        if problem:
+            raise ModelLoadError(
+                f"trainer.parallel.ep = {world.ep}, but {key} = '{config.name}' cannot be split into "
+                f"experts across ranks: {problem}. Use ep = 1 for this model."
+            )
+        experts = shard_experts(model, world)
     if world.cp > 1:
         problem = cp_attention_problem(model)
         if problem:
@@ -107,10 +119,19 @@ def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if world.distributed:
+        # The experts first: their own FSDP group keeps them out of their layer's.
+        fsdp_experts(experts, world, config.reshard_after_forward)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=world.mesh, reshard_after_forward=config.reshard_after_forward)
         fully_shard(model, mesh=world.mesh, reshard_after_forward=config.reshard_after_forward)
     model.train()
+
+
+def fsdp_group_size(param: torch.Tensor) -> int:
+    """How many ranks FSDP averaged `param`'s gradient over: the first (sharding) dimension of its
+    mesh; 1 for a plain tensor."""
+    mesh = getattr(param, "device_mesh", None)
+    return mesh.size(0) if mesh is not None else 1
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

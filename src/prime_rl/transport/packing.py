@@ -20,6 +20,9 @@ from prime_rl.transport.messages import FLOAT_DTYPE, ID_DTYPE, MASK_DTYPE, Heade
 FILLER_TOKENS = 1
 """Length of a filler micro-batch: one pad token, fully masked."""
 
+FILLER_ENV = ""
+"""The env name of a filler micro-batch's one sample (no env has it)."""
+
 
 @dataclass
 class Bin:
@@ -124,7 +127,7 @@ def pack(
                 advantages, rewards = [s.advantage for s in b.samples], [s.reward for s in b.samples]
                 temperature = b.samples[0].temperature
             else:
-                arrays, lens, envs, temperature = filler_arrays(pad_id), [FILLER_TOKENS], [""], 1.0
+                arrays, lens, envs, temperature = filler_arrays(pad_id), [FILLER_TOKENS], [FILLER_ENV], 1.0
                 advantages = rewards = [0.0]
             mbs.append(MicroBatch.from_arrays(header, index, count, **arrays, sample_lens=lens, env_names=envs,
                                               advantages=advantages, rewards=rewards, temperature=temperature,

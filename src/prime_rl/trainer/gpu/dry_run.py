@@ -317,6 +317,13 @@ def main_dry_run(config, ranks: int | None, prog: str = "trainer") -> None:
     """`trainer @ cfg.toml --fake-gpu [--ranks N]`: the dry run, one line either way; exit 1 if a
     check fails, 2 if the rank count does not fit the config. The process ends here (`exit_now`)."""
     cp = config.parallel.cp
+    if config.parallel.ep > 1:
+        sys.stderr.write(
+            f"{prog}: error: the fake-GPU dry run does not model trainer.parallel.ep = {config.parallel.ep} "
+            "(the all-to-all's sizes depend on the routing of real data, which fake tensors do not have); "
+            "dry-run the config with ep = 1\n"
+        )
+        raise SystemExit(2)
     ranks = ranks or default_ranks(cp)
     if ranks % cp:
         sys.stderr.write(f"{prog}: error: --ranks {ranks} is not a multiple of trainer.parallel.cp = {cp}\n")

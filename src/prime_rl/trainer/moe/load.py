@@ -3,7 +3,9 @@ the load-balancing loss that evens it.
 
 Invariant: counts are kept on the device as fixed-shape tensors ([layers, experts], one scatter-add
 per router call) and reach the host once per step, after one sum over all ranks, so the metric costs
-no host sync per micro-batch and counts every forwarded token once whatever the dp x cp split.
+no host sync per micro-batch. Only the tokens of samples count (not the filler micro-batches that
+even out the ranks, nor context parallelism's padding), so the metric and the loss are the same
+whatever the dp x cp x ep split.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ class Routing:
 
     counts: torch.Tensor
     top_k: int
+    real: torch.Tensor | None = None
+    """[T] bool: the routed positions that belong to samples (None: all of them)."""
     logits: list[torch.Tensor] = field(default_factory=list)
 
     def balance_loss(self) -> torch.Tensor:
         """Switch Transformer's load-balancing loss of this micro-batch, averaged over layers."""
         terms = []
         for logits in self.logits:
+            if self.real is not None:
+                logits = logits[self.real]
             experts = logits.shape[-1]
             probs = torch.softmax(logits.float(), dim=-1)
             chosen = probs.topk(self.top_k, dim=-1).indices
@@ -42,17 +48,22 @@ class Routing:
 
 
 @contextmanager
-def recording_routes(model: torch.nn.Module, counts: torch.Tensor) -> Iterator[Routing]:
+def recording_routes(
+    model: torch.nn.Module, counts: torch.Tensor, real: torch.Tensor | None = None
+) -> Iterator[Routing]:
     """Add the experts each token is routed to in forwards inside to `counts` ([layers, experts]),
-    and collect the router logits."""
+    and collect the router logits. `real` ([T] bool): the positions to count (default: all)."""
     found = routers(model)
-    routing = Routing(counts, found[0].top_k)
+    routing = Routing(counts, found[0].top_k, real)
     handles = []
     for layer, router in enumerate(found):
 
         def hook(module, args, output, layer=layer):
-            chosen = output[2].detach().reshape(-1)
-            counts[layer].index_add_(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+            chosen = output[2].detach()
+            ones = torch.ones_like(chosen, dtype=counts.dtype)
+            if real is not None:
+                ones = ones * real[:, None]
+            counts[layer].index_add_(0, chosen.reshape(-1), ones.reshape(-1))
             routing.logits.append(output[0])
 
         handles.append(router.register_forward_hook(hook))

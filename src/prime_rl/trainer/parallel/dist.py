@@ -3,7 +3,11 @@
 The world is dp x cp ranks: `cp` consecutive ranks form one context-parallel group that shares each
 micro-batch of one data-parallel replica (rank = dp_rank * cp + cp_rank, so a group sits on one node
 whenever cp divides the ranks per node). FSDP shards parameters over the whole world, and the loss is
-normalized by the loss tokens of the whole world.
+normalized by the loss tokens of the whole world. Expert parallelism lays a second grid over the same
+ranks: `ep` consecutive ranks form one expert-parallel group (each holds 1/ep of every MoE layer's
+experts), and the ranks with the same place in their groups hold the same experts, which FSDP shards
+among them (`ep_mesh`, dims "edp" x "ep"). ep is independent of dp and cp: it only has to divide the
+world.
 
 Which traffic goes where. On CUDA the process group has two backends, `cpu:gloo,cuda:nccl`, and
 torch picks one by the device of each call's tensors:
@@ -52,6 +56,11 @@ class World:
     """This rank's context-parallel group (None when cp = 1)."""
     mesh: Any = None
     """FSDP's DeviceMesh over all ranks, on the training device (None on one rank)."""
+    ep: int = 1
+    """Expert-parallel ranks: each MoE layer's experts are split across this many consecutive ranks."""
+    ep_mesh: Any = None
+    """The 2-D DeviceMesh ("edp", "ep") of expert parallelism: "ep" splits the experts, "edp" holds
+    the copies of one split (None when ep = 1)."""
     fake: bool = False
     """A dry run (`dry_run.py`): tensors carry a device but no data, and host copies read
     FAKE_HOST_VALUE."""
@@ -90,6 +99,11 @@ class World:
         return self.dp_rank * self.cp
 
     @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """This rank's expert-parallel group (None when ep = 1)."""
+        return self.ep_mesh["ep"].get_group() if self.ep_mesh is not None else None
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
@@ -98,7 +112,7 @@ class WorldError(RuntimeError):
     """The ranks cannot be arranged as configured."""
 
 
-def init_world(cp: int = 1) -> World:
+def init_world(cp: int = 1, ep: int = 1) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -106,6 +120,11 @@ def init_world(cp: int = 1) -> World:
         raise WorldError(
             f"trainer.parallel.cp = {cp} does not divide the {world_size} trainer ranks: "
             "the ranks must be data-parallel replicas of cp ranks each"
+        )
+    if world_size % ep:
+        raise WorldError(
+            f"trainer.parallel.ep = {ep} does not divide the {world_size} trainer ranks: "
+            "the ranks must split into expert-parallel groups of ep ranks each"
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -115,13 +134,19 @@ def init_world(cp: int = 1) -> World:
     if world_size > 1 and not dist.is_initialized():
         # Two backends on CUDA: the step's tensors on nccl, object collectives on gloo (module docstring).
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-    return arrange(rank, world_size, local_rank, device, cp)
+    return arrange(rank, world_size, local_rank, device, cp, ep=ep)
 
 
 def arrange(
-    rank: int, world_size: int, local_rank: int, device: torch.device, cp: int, fake: bool = False
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    device: torch.device,
+    cp: int,
+    fake: bool = False,
+    ep: int = 1,
 ) -> World:
-    """The World of this rank in an initialized process group: cp groups and FSDP's mesh."""
+    """The World of this rank in an initialized process group: cp groups and FSDP's meshes."""
     cp_group = None
     if cp > 1:
         # Every rank creates every group, in the same order (a collective on the world).
@@ -136,13 +161,18 @@ def arrange(
         # Explicit, so FSDP shards onto the training device (its default mesh follows whatever
         # accelerator torch finds, which is not the fake GPU of a dry run).
         mesh = init_device_mesh(device.type, (world_size,))
-    return World(rank, world_size, local_rank, device, cp, cp_group, mesh, fake)
+    ep_mesh = None
+    if ep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep_mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
+    return World(rank, world_size, local_rank, device, cp, cp_group, mesh, fake=fake, ep=ep, ep_mesh=ep_mesh)
 
 
-def init_world_or_exit(cp: int, prog: str) -> World:
+def init_world_or_exit(cp: int, prog: str, ep: int = 1) -> World:
     """`init_world` for a console script: a rank layout that cannot work is one line and exit 2."""
     try:
-        return init_world(cp)
+        return init_world(cp, ep)
     except WorldError as e:
         if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
             sys.stderr.write(f"{prog}: error: {e}\n")

@@ -30,9 +30,9 @@ from prime_rl.trainer.estimators import TokenAdvantageError, TokenAdvantageInput
 from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, position_logprobs
 from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
-from prime_rl.trainer.model import load_model
+from prime_rl.trainer.model import fsdp_group_size, load_model
 from prime_rl.trainer.moe.load import load_metrics, new_counts, recording_routes
-from prime_rl.trainer.optim import build_optimizer, build_scheduler
+from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.parallel.context_parallel import SequenceShard, shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 from prime_rl.trainer.rl.credit import Credit, compose, rollout_advantages
@@ -41,6 +41,7 @@ from prime_rl.trainer.rl.kl_reward import KLController, kl_rewards
 from prime_rl.trainer.rl.returns import sample_index
 from prime_rl.trainer.rl.stats import TokenStats
 from prime_rl.transport.messages import MicroBatch
+from prime_rl.transport.packing import FILLER_ENV
 
 
 @dataclass
@@ -238,7 +239,12 @@ class Trainer:
         for p in prepared:
             mb, t = p.mb, p.t
             with torch.set_grad_enabled(train_policy):
-                with recording_routes(self.model, counts) if counts is not None else nullcontext() as routing:
+                recording = (
+                    recording_routes(self.model, counts, p.shard.take(sample_positions(mb, t["input_ids"])))
+                    if counts is not None
+                    else nullcontext()
+                )
+                with recording as routing:
                     lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
                 inputs = LossInputs(
                     lp,
@@ -266,12 +272,13 @@ class Trainer:
                 MicroBatchResult(mb, lp.detach(), out.token_loss.detach(), out.masks, t["advantages"])
             )
         if self.world.distributed:
-            # FSDP2 averaged the reduce-scattered gradients over all dp x cp ranks; the loss is
-            # already divided by the global count, so undo that average.
+            # FSDP2 averaged the reduce-scattered gradients over each parameter's group (all dp x cp
+            # ranks; the experts' copies under ep); the loss is already divided by the global
+            # count, so undo that average.
             for module in (self.model, self.critic):
                 for p in module.parameters() if module is not None else ():
                     if p.grad is not None:
-                        p.grad.mul_(self.world.world_size)
+                        p.grad.mul_(fsdp_group_size(p))
         if counts is not None:
             aux_loss = self.world.host(all_reduce_sum(aux_sum, self.world))
             prepare_metrics = {
@@ -315,8 +322,7 @@ class Trainer:
         for prefix, module, optimizer, max_norm, enabled in parts:
             grad_norm = float("nan")
             if enabled:
-                norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-                grad_norm = self.world.host(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                grad_norm = self.world.host(clip_grad_norm(module.parameters(), max_norm))
                 if math.isfinite(grad_norm):
                     optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -377,6 +383,12 @@ class Trainer:
             metrics["critic/lr"] = self.config.critic.optim.lr
             metrics["critic/policy_trained"] = float(train_policy)
         return metrics, results
+
+
+def sample_positions(mb: MicroBatch, like: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the positions of real samples (a filler micro-batch's pad token is not one)."""
+    real = torch.tensor([e != FILLER_ENV for e in mb.env_names], device=like.device)
+    return real.repeat_interleave(torch.tensor(mb.sample_lens, device=like.device))
 
 
 def _loss_tokens_per_sample(mb: MicroBatch) -> list[int]:

@@ -146,7 +146,7 @@ def sample_stream(samples: list[TrainingSample], seed: int, start: int) -> Itera
 def run_sft(config: SFTConfig, world: World | None = None) -> Path:
     from transformers import AutoTokenizer
 
-    world = world or init_world(config.parallel.cp)
+    world = world or init_world(config.parallel.cp, config.parallel.ep)
     output_dir = Path(config.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     samples = []
@@ -193,7 +193,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv, prog="sft")
-    world = init_world_or_exit(config.parallel.cp, "sft")
+    world = init_world_or_exit(config.parallel.cp, "sft", config.parallel.ep)
     setup_logging("sft")
     run_rank(
         world,
