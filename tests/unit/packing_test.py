@@ -92,3 +92,50 @@ def test_different_temperatures_never_share_a_micro_batch():
 def test_overlong_sample_is_an_error_naming_the_env():
     with pytest.raises(ValueError, match=r"env 'long'.*seq_len = 16"):
         pack([sample(10, 10, env="long")], seq_len=16, num_ranks=1, run_id="r", step=0)
+
+
+def routed(s: TrainingSample, layers: int = 3, k: int = 2, experts: int = 300) -> TrainingSample:
+    import msgspec
+
+    from prime_rl.transport.messages import ROUTE_DTYPES, route_dtype
+
+    dtype = route_dtype(experts)
+    rng = np.random.default_rng(len(s))
+    routes = rng.integers(0, experts, size=(len(s), layers, k)).astype(ROUTE_DTYPES[dtype])
+    return msgspec.structs.replace(s, routes=routes.tobytes(), route_shape=[layers, k], route_dtype=dtype)
+
+
+def test_routes_travel_with_their_tokens_through_packing_and_the_wire():
+    import msgspec
+
+    from prime_rl.transport.messages import MicroBatch
+
+    samples = [routed(sample(5, 7)), routed(sample(3, 20)), routed(sample(9, 4))]
+    mbs = [mb for rank in pack(samples, 64, 2, "r", 0) for mb in rank]
+    decoded = [msgspec.msgpack.decode(msgspec.msgpack.encode(mb), type=MicroBatch) for mb in mbs]
+    got = {}
+    for mb in decoded:
+        mb.validate()
+        if mb.routes:  # ids above 255 survive: two bytes each with 300 experts
+            start = 0
+            for n in mb.sample_lens:
+                got[n] = mb.arrays()["routes"][start : start + n]
+                start += n
+    for s in samples:
+        np.testing.assert_array_equal(got[len(s)], s.route_array())
+    assert max(int(a.max()) for a in got.values()) > 255
+
+
+def test_samples_packed_together_must_all_carry_routes_or_none():
+    with pytest.raises(ValueError, match=r"disagree about routes: 1 of 2 carry them"):
+        pack([routed(sample(5, 7)), sample(3, 4)], 64, 1, "r", 0)
+
+
+def test_routes_of_the_wrong_size_name_the_sample():
+    import msgspec
+
+    bad = msgspec.structs.replace(routed(sample(5, 7)), route_shape=[3, 3])
+    with pytest.raises(
+        ValueError, match=r"env 'e'.* bytes of routes do not fit 12 tokens x route_shape \[3, 3\]"
+    ):
+        bad.validate()

@@ -60,3 +60,57 @@ def test_routes_for_another_number_of_tokens_are_an_error(moe):
     ids = torch.randint(0, 500, (8,))
     with replay(moe, own_routes(moe, ids)[:5]), pytest.raises(ValueError, match="routes for 5 tokens"):
         moe(input_ids=ids[None])
+
+
+def routed_samples(model, samples, shift: int = 0):
+    """`samples` carrying routes: the model's own top-k per token, each expert id moved by `shift`."""
+    import msgspec
+    import numpy as np
+
+    out = []
+    for s in samples:
+        ids = torch.tensor(s.prompt_ids + s.completion_ids)
+        routes = (own_routes(model, ids) + shift) % model.config.num_experts
+        out.append(
+            msgspec.structs.replace(
+                s, routes=routes.numpy().astype(np.uint8).tobytes(), route_shape=list(routes.shape[1:])
+            )
+        )
+    return out
+
+
+def step(model_path, tmp_path, samples, **moe):
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.parallel.dist import World
+    from prime_rl.trainer.rl.trainer import Trainer
+    from prime_rl.transport.packing import pack
+
+    config = TrainerConfig(model={"name": str(model_path)}, seq_len=128, output_dir=tmp_path, moe=moe)
+    trainer = Trainer(config, World())
+    metrics, _ = trainer.train_step(pack(samples, 128, 1, "replay", 0)[0])
+    return trainer, metrics
+
+
+def test_the_trainer_replays_the_routes_its_micro_batches_carry(tiny_moe_model, tmp_path):
+    """Routes travel in the micro-batch: the model's own routes change nothing and agree fully;
+    other routes change the loss (replay on) or only the agreement (replay off)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trainer_test import samples
+
+    base = samples(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model, dtype=torch.float32)
+    _, plain = step(tiny_moe_model, tmp_path / "plain", base)
+    assert "moe/route_agreement" not in plain  # no routes, nothing compared
+    _, own = step(tiny_moe_model, tmp_path / "own", routed_samples(model, base))
+    assert own["moe/route_agreement"] == 1.0 and own["moe/route_agreement/layer_1"] == 1.0
+    assert abs(own["loss"] - plain["loss"]) < 1e-6 and abs(own["grad_norm"] - plain["grad_norm"]) < 1e-5
+    moved = routed_samples(model, base, shift=3)
+    _, replayed = step(tiny_moe_model, tmp_path / "moved", moved)
+    assert replayed["moe/route_agreement"] == 0.0
+    assert abs(replayed["loss"] - plain["loss"]) > 1e-4  # other experts ran
+    _, compared = step(tiny_moe_model, tmp_path / "compared", moved, replay=False)
+    assert compared["moe/route_agreement"] == 0.0
+    assert abs(compared["loss"] - plain["loss"]) < 1e-6  # its own routers chose

@@ -77,7 +77,7 @@ class LoRAConfig(BaseConfig):
 
 
 class MoEConfig(BaseConfig):
-    """Mixture-of-experts models (ignored for dense ones)."""
+    """Mixture-of-experts models (ignored for dense ones): router replay and the load-balancing loss."""
 
     aux_loss_coef: float = Field(default=0.0, ge=0)
     """Weight of the load-balancing loss added to the training loss: per layer, experts x the sum over
@@ -85,6 +85,12 @@ class MoEConfig(BaseConfig):
     Switch Transformer's; 1.0 when the load is even. Averaged over layers, weighted by each
     micro-batch's share of the step's loss tokens. 0: off (the metric `moe/aux_loss` is logged
     anyway)."""
+
+    replay: bool = True
+    """Router replay: when the micro-batches carry the sampler's routed experts (the orchestrator's
+    `return_routes`), route every token to the experts the sampler chose, with this router's own
+    weights at them (so the router still learns). False: the trainer's routers choose, and the
+    routes only measure agreement (`moe/route_agreement`)."""
 
 
 class ParallelConfig(BaseConfig):

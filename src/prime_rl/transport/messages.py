@@ -18,6 +18,13 @@ from prime_rl.contract import OrchestratorSide
 ID_DTYPE = np.dtype("<i4")
 MASK_DTYPE = np.dtype("u1")
 FLOAT_DTYPE = np.dtype("<f4")
+ROUTE_DTYPES = {"u1": np.dtype("u1"), "u2": np.dtype("<u2")}
+"""Expert ids of routes: one byte each up to 256 experts per layer, two above."""
+
+
+def route_dtype(num_experts: int) -> str:
+    """The smallest route dtype that holds expert ids below `num_experts`."""
+    return "u1" if num_experts <= 256 else "u2"
 
 
 class Header(msgspec.Struct, frozen=True):
@@ -49,9 +56,24 @@ class TrainingSample(msgspec.Struct):
     token_advantages: list[float] = []
     """Per completion token, a term added to the trainer's advantages after normalization (a
     teacher's distillation term, weight included); empty: none."""
+    routes: bytes = b""
+    """A MoE model's routed experts, as the sampler chose them, for every token: [tokens, layers,
+    top-k] expert ids of `route_dtype`, raw bytes; empty: none (a dense model, or routes off)."""
+    route_shape: list[int] = []
+    """[layers, top-k] of `routes` (empty without routes)."""
+    route_dtype: str = "u1"
+    """dtype of `routes`' entries: 'u1' (up to 256 experts) or 'u2'."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    def route_array(self) -> np.ndarray | None:
+        """`routes` as a [tokens, layers, top-k] view, or None."""
+        if not self.routes:
+            return None
+        return np.frombuffer(self.routes, dtype=ROUTE_DTYPES[self.route_dtype]).reshape(
+            len(self), *self.route_shape
+        )
 
     def validate(self) -> None:
         n = len(self.completion_ids)
@@ -66,6 +88,13 @@ class TrainingSample(msgspec.Struct):
                 f"training sample of env '{self.env_name}', example {self.example_id!r}: "
                 f"{len(self.token_advantages)} token_advantages for {n} completion tokens"
             )
+        if self.routes:
+            width = ROUTE_DTYPES[self.route_dtype].itemsize * int(np.prod(self.route_shape or [0]))
+            if len(self.route_shape) != 2 or len(self.routes) != len(self) * width:
+                raise ValueError(
+                    f"training sample of env '{self.env_name}', example {self.example_id!r}: {len(self.routes)} "
+                    f"bytes of routes do not fit {len(self)} tokens x route_shape {self.route_shape} of {self.route_dtype}"
+                )
 
 
 class TrainingBatch(msgspec.Struct, tag=True):
@@ -110,6 +139,13 @@ class MicroBatch(msgspec.Struct, tag=True):
     token_advantages: bytes = b""
     """Per token, a term the trainer adds to its advantages after normalization: a teacher's
     distillation term on sampled tokens, 0 elsewhere. Empty: none in this micro-batch."""
+    routes: bytes = b""
+    """Per token, the sampler's routed experts ([layers, top-k] ids of `route_dtype`) for router
+    replay; empty: none in this micro-batch (the trainer's routers choose)."""
+    route_shape: list[int] = []
+    """[layers, top-k] of `routes`."""
+    route_dtype: str = "u1"
+    """dtype of `routes`' entries: 'u1' or 'u2'."""
     orchestrator: OrchestratorSide | None = None
     """The sender's side of the run contract, checked by the trainer (`prime_rl.contract`)."""
 
@@ -130,8 +166,17 @@ class MicroBatch(msgspec.Struct, tag=True):
         temperature: float = 1.0,
         token_advantages: np.ndarray | None = None,
         orchestrator: OrchestratorSide | None = None,
+        routes: np.ndarray | None = None,
     ) -> MicroBatch:
         zeros = [0.0] * len(sample_lens)
+        route_fields = {}
+        if routes is not None:
+            dtype = next(k for k, v in ROUTE_DTYPES.items() if v == routes.dtype)
+            route_fields = {
+                "routes": np.ascontiguousarray(routes).tobytes(),
+                "route_shape": list(routes.shape[1:]),
+                "route_dtype": dtype,
+            }
         return cls(
             header=header,
             index=index,
@@ -149,11 +194,12 @@ class MicroBatch(msgspec.Struct, tag=True):
             if token_advantages is None
             else np.ascontiguousarray(token_advantages, dtype=FLOAT_DTYPE).tobytes(),
             orchestrator=orchestrator,
+            **route_fields,
         )
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Per-token arrays as read-only numpy views of the message's bytes (no copy);
-        'token_advantages' only when the micro-batch has them."""
+        'token_advantages' and 'routes' ([T, layers, top-k]) only when the micro-batch has them."""
         out = {
             "input_ids": np.frombuffer(self.input_ids, dtype=ID_DTYPE),
             "position_ids": np.frombuffer(self.position_ids, dtype=ID_DTYPE),
@@ -162,6 +208,10 @@ class MicroBatch(msgspec.Struct, tag=True):
         }
         if self.token_advantages:
             out["token_advantages"] = np.frombuffer(self.token_advantages, dtype=FLOAT_DTYPE)
+        if self.routes:
+            out["routes"] = np.frombuffer(self.routes, dtype=ROUTE_DTYPES[self.route_dtype]).reshape(
+                -1, *self.route_shape
+            )
         return out
 
     @property
@@ -185,6 +235,19 @@ class MicroBatch(msgspec.Struct, tag=True):
             len(getattr(self, k)) % 4 for k in ("input_ids", "position_ids", "logprobs", "token_advantages")
         ):
             raise ValueError(f"{where}: per-token fields disagree in length: {sizes}")
+        if self.routes:
+            width = ROUTE_DTYPES.get(self.route_dtype, np.dtype("u1")).itemsize * int(
+                np.prod(self.route_shape or [0])
+            )
+            if (
+                self.route_dtype not in ROUTE_DTYPES
+                or len(self.route_shape) != 2
+                or len(self.routes) != n * width
+            ):
+                raise ValueError(
+                    f"{where}: {len(self.routes)} bytes of routes do not fit {n} tokens x route_shape "
+                    f"{self.route_shape} of {self.route_dtype!r}"
+                )
         if sum(self.sample_lens) != n:
             raise ValueError(f"{where}: sample_lens add up to {sum(self.sample_lens)}, but it has {n} tokens")
         for name in ("env_names", "advantages", "rewards"):

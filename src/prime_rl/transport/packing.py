@@ -90,6 +90,18 @@ def bin_arrays(b: Bin) -> dict[str, np.ndarray]:
             ),
             dtype=FLOAT_DTYPE, count=n,
         )  # fmt: skip
+    routed = [s for s in samples if s.routes]
+    if routed:
+        kinds = {(tuple(s.route_shape), s.route_dtype) for s in samples}
+        if len(routed) != len(samples) or len(kinds) > 1:
+            # Replay is per micro-batch: a sample without the others' routes would be routed by
+            # the trainer while its neighbours replay, which no configuration asks for.
+            envs = sorted({s.env_name for s in samples})
+            raise ValueError(
+                f"samples of envs {envs} packed together disagree about routes: {len(routed)} of {len(samples)} "
+                f"carry them, with shapes/dtypes {sorted(kinds)}; every sample must carry routes of one shape or none"
+            )
+        out["routes"] = np.concatenate([s.route_array() for s in samples])
     return out
 
 

@@ -66,10 +66,10 @@ class SequenceShard:
         return self.size > 1
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """The local positions of a per-position tensor of shape [T] (padding gets 0)."""
+        """The local positions of a per-position tensor of shape [T, ...] (padding gets 0)."""
         if not self.split:
             return full
-        padded = torch.cat([full, full.new_zeros(1)])
+        padded = torch.cat([full, full.new_zeros(1, *full.shape[1:])])
         return padded[self.index]
 
     def owned_tokens(self, device: torch.device) -> torch.Tensor:

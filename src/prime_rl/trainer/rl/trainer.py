@@ -32,6 +32,7 @@ from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.model import fsdp_group_size, load_model
 from prime_rl.trainer.moe.load import load_metrics, new_counts, recording_routes
+from prime_rl.trainer.moe.replay import agreement_metrics, replay
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.parallel.context_parallel import SequenceShard, shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
@@ -114,6 +115,8 @@ class Trainer:
         }
         if "token_advantages" in a:
             t["token_advantages"] = torch.from_numpy(a["token_advantages"].copy()).to(dev)
+        if "routes" in a:
+            t["routes"] = torch.from_numpy(a["routes"].astype("int64")).to(dev)
         return t
 
     def _shard(self, mb: MicroBatch) -> SequenceShard:
@@ -235,16 +238,22 @@ class Trainer:
         train_policy = self.policy_trains(step)
         stats, results = TokenStats(self.world.device), []
         counts = new_counts(self.model, self.world.device)  # None for a dense model
+        agreement = None if counts is None else counts.new_zeros(counts.shape[0], 2)
         aux_sum = self.world.scalars(0.0)[0]
         for p in prepared:
             mb, t = p.mb, p.t
             with torch.set_grad_enabled(train_policy):
+                real = p.shard.take(sample_positions(mb, t["input_ids"])) if counts is not None else None
                 recording = (
-                    recording_routes(self.model, counts, p.shard.take(sample_positions(mb, t["input_ids"])))
-                    if counts is not None
+                    recording_routes(self.model, counts, real) if counts is not None else nullcontext()
+                )
+                routes = p.shard.take(t["routes"]) if "routes" in t and counts is not None else None
+                replaying = (
+                    replay(self.model, routes, self.config.moe.replay, real, agreement)
+                    if routes is not None
                     else nullcontext()
                 )
-                with recording as routing:
+                with recording as routing, replaying:
                     lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
                 inputs = LossInputs(
                     lp,
@@ -284,6 +293,7 @@ class Trainer:
             prepare_metrics = {
                 **prepare_metrics,
                 **load_metrics(counts, self.world),
+                **agreement_metrics(agreement, self.world),
                 "moe/aux_loss": aux_loss,
             }
         return Accumulated(stats, results, global_tokens, prepare_metrics)
