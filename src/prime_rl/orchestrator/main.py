@@ -15,6 +15,7 @@ from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.progress import RunDirError
+from prime_rl.orchestrator.loop.samples import RoutesMissing
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 from prime_rl.orchestrator.loop.weights import AdapterRefused, WeightSyncError
 from prime_rl.orchestrator.loop.weights_dir import WeightsDirMismatch
@@ -28,7 +29,7 @@ from prime_rl.transport import TransportError
 # (failing rollouts whose most common reason is a server's are `retryable`).
 NEEDS_USER = (
     ContractError, EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused,
-    WeightsDirMismatch,
+    WeightsDirMismatch, RoutesMissing,
 )  # fmt: skip
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)
 

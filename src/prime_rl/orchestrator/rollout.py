@@ -22,6 +22,11 @@ class Turn:
     completion_logprobs: list[float]
     teacher_logprobs: list[float] | None = None
     """The teacher's logprob of each completion token, when a teacher scored it (distillation)."""
+    routes: Any = None
+    """A MoE server's routed experts for this call (numpy [rows, layers, top-k]): row i is the
+    token at position `routes_start + i` of prompt + completion. The server returns none for the
+    last completion token, which it never forwarded. None: the server returned no routes."""
+    routes_start: int = 0
 
 
 @dataclass

@@ -155,12 +155,17 @@ def _reach(bind_host: str, node_host: str) -> str:
 
 
 def served(config: RLConfig) -> InferenceConfig:
-    """`inference`, serving LoRA at a rank that holds the trainer's adapter when it trains one."""
+    """`inference`, serving LoRA at a rank that holds the trainer's adapter when it trains one, and
+    returning routes when the orchestrator carries them (a MoE with `orchestrator.return_routes`)."""
+    from prime_rl.model.local import num_experts
+
+    update = {}
+    if config.orchestrator.return_routes and num_experts(config.inference.model.name):
+        update["return_routes"] = True
     lora = config.trainer.lora
-    if lora is None or config.inference.lora is not None:
-        return config.inference
-    rank = next(r for r in LORA_RANKS if r >= lora.rank)
-    return config.inference.model_copy(update={"lora": ServeLoRAConfig(max_rank=rank)})
+    if lora is not None and config.inference.lora is None:
+        update["lora"] = ServeLoRAConfig(max_rank=next(r for r in LORA_RANKS if r >= lora.rank))
+    return config.inference.model_copy(update=update) if update else config.inference
 
 
 def policy_servers(config: RLConfig, host: str) -> list[InferenceConfig]:

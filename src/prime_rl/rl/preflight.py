@@ -25,7 +25,10 @@ def check_rl(config: RLConfig) -> None:
     teacher = config.teacher
     raise_problems(
         inference_problems(
-            served(config), "inference.", lora_key=None if config.inference.lora else "trainer.lora"
+            served(config),
+            "inference.",
+            lora_key=None if config.inference.lora else "trainer.lora",
+            routes_key=None if config.inference.return_routes else "orchestrator.return_routes",
         )
         + orchestrator_problems(config.orchestrator, "orchestrator.")
         + trainer_problems(config.trainer, "trainer.")

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from prime_rl.orchestrator.envs.rewards import REWARD_ERROR
+from prime_rl.orchestrator.envs.routes import decode_routes
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
 
 # Large per-step objects that the orchestrator never needs after conversion.
@@ -58,7 +59,14 @@ def _turns(output: dict[str, Any]) -> tuple[list[Turn], str | None]:
             )
         if any(lp is None for lp in logprobs):
             return [], f"turn {i} has missing logprobs"
-        turns.append(Turn(list(prompt_ids), list(ids), [int(m) for m in mask], [float(x) for x in logprobs]))
+        try:
+            routes = decode_routes(tokens.get("routed_experts"))
+        except (ValueError, TypeError) as e:
+            return [], f"turn {i}: {e}"
+        turns.append(
+            Turn(list(prompt_ids), list(ids), [int(m) for m in mask], [float(x) for x in logprobs],
+                 routes=routes[0] if routes else None, routes_start=routes[1] if routes else 0)
+        )  # fmt: skip
     return turns, None
 
 

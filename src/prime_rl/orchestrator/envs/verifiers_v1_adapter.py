@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from prime_rl.orchestrator.envs.verifiers_adapter import count_tools, to_json, with_openai_tool_calls
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
 
@@ -46,7 +48,12 @@ def trace_turns(trace: Any) -> tuple[list[Turn], str | None]:
         if len(logprobs) != len(completion) or any(lp is None for lp in logprobs):
             return [], f"model call {i}: {len(completion)} completion tokens but {len(logprobs)} logprobs"
         prompt += list(last.token_ids[:first_sampled])
-        turns.append(Turn(prompt, completion, [1] * len(completion), [float(x) for x in logprobs]))
+        # verifiers attributes a MoE server's routed experts to the nodes whose tokens they route.
+        routed = [getattr(trace.nodes[n], "routed_experts", None) for n in path]
+        routes = np.concatenate(routed) if routed and all(r is not None for r in routed) else None
+        turns.append(
+            Turn(prompt, completion, [1] * len(completion), [float(x) for x in logprobs], routes=routes)
+        )
     if not turns:
         return [], "the trace made no model call"
     return turns, None

@@ -25,6 +25,7 @@ from prime_rl import shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.layout import checkpoint_root, complete_steps, refusal_path, restart_counts, weights_root
+from prime_rl.model.local import num_experts
 from prime_rl.monitor import MetricsLogger
 from prime_rl.orchestrator.advantages import build_advantage
 from prime_rl.orchestrator.config import OrchestratorConfig, contract_side
@@ -116,6 +117,7 @@ class Orchestrator:
         self.pipeline = PipelineConfig(
             c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip,
             c.teacher.advantage_weight if c.teacher else 1.0, c.teacher.weight if c.teacher else 0.0,
+            num_experts(c.model.name) if c.return_routes else 0,
         )  # fmt: skip
         difficulty = DifficultyMemory(
             c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}

@@ -70,6 +70,9 @@ class PipelineConfig:
     """Factor on every trained rollout's advantage (a teacher's `advantage_weight`)."""
     distill_weight: float = 0.0
     """Factor on the per-token teacher term (0: no distillation)."""
+    route_experts: int = 0
+    """Experts per layer of a MoE policy whose routes every sample must carry (the orchestrator's
+    `return_routes`); 0: samples carry none."""
 
 
 def score_group(
@@ -138,7 +141,12 @@ def build_step(
         for (r, a), reward in zip(trained, g.trained_rewards(), strict=True):
             samples.extend(
                 rollout_to_samples(
-                    r, a * config.advantage_weight, temperatures[g.env_name], reward, config.distill_weight
+                    r,
+                    a * config.advantage_weight,
+                    temperatures[g.env_name],
+                    reward,
+                    config.distill_weight,
+                    config.route_experts,
                 )
             )
     return StepBuild(TrainingBatch(Header(run_id, step), samples), scored, buckets, filter_counts)
