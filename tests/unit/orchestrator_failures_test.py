@@ -42,6 +42,31 @@ def test_resume_continues_at_the_next_step_and_resends_the_last_batch(tmp_path):
     assert {mb.header.step for mb in received(second, 4)} == {0, 1, 2, 3}
 
 
+def test_a_trainer_done_at_its_last_checkpoint_is_sent_nothing_again(tmp_path):
+    """The trainer was killed after its checkpoint at max_steps, before the run saw it finish: when
+    the run restarts, the trainer resumes with nothing to train and reads nothing, so the
+    orchestrator re-sends nothing (a re-sent batch would wait for a reader forever)."""
+    from prime_rl.layout import DONE, checkpoint_root
+
+    with FakeServer() as server:
+        config = make_config(tmp_path, server, max_steps=2)
+        run(config)
+        transport = Path(config.output_dir) / "transport"
+        sent = sorted(transport.rglob("*.msgpack"))
+        for f in sent:
+            f.unlink()
+        last = checkpoint_root(Path(config.output_dir)) / "step_2"
+        last.mkdir(parents=True)
+        (last / DONE).touch()
+        run(config.model_copy(update={"resume": True}))
+        assert sent and not list(transport.rglob("*.msgpack"))
+        (last / DONE).unlink()  # a checkpoint before max_steps: the batches after it are re-sent
+        (checkpoint_root(Path(config.output_dir)) / "step_1").mkdir()
+        (checkpoint_root(Path(config.output_dir)) / "step_1" / DONE).touch()
+        run(config.model_copy(update={"resume": True}))
+        assert 1 in {mb.header.step for mb in received(config, 2)}
+
+
 @pytest.mark.parametrize("where", ["_save", "send"])
 def test_a_step_killed_either_side_of_its_commit_is_logged_once(tmp_path, monkeypatch, where):
     # "_save": killed after step 1's records were written but before it was committed, so it is

@@ -24,7 +24,14 @@ from pathlib import Path
 from prime_rl import shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
-from prime_rl.layout import checkpoint_root, complete_steps, refusal_path, restart_counts, weights_root
+from prime_rl.layout import (
+    checkpoint_root,
+    complete_steps,
+    refusal_path,
+    restart_counts,
+    verify_checkpoint,
+    weights_root,
+)
 from prime_rl.model.local import num_experts
 from prime_rl.monitor import MetricsLogger
 from prime_rl.orchestrator.advantages import build_advantage
@@ -234,12 +241,26 @@ class Orchestrator:
         steps = complete_steps(checkpoint_root(self.output_dir))
         return min(steps[0] if steps else 0, self.weights.version)
 
+    def _trainer_is_done(self) -> bool:
+        """Whether the trainer's newest checkpoint is intact and at max_steps: a trainer restarted
+        from it trains nothing and reads nothing, so a re-sent batch would wait for it forever (the
+        trainer killed after its last checkpoint, before the run saw it finish)."""
+        root = checkpoint_root(self.output_dir)
+        steps = complete_steps(root)
+        return (
+            bool(steps)
+            and steps[-1] >= self.config.max_steps
+            and verify_checkpoint(root / f"step_{steps[-1]}") is None
+        )
+
     async def _resend(self, next_step: int) -> None:
         """After a restart: send again the saved batches a (restarted) trainer may still need.
 
         Those are the steps from the trainer's oldest kept checkpoint up to the last built one; the
         trainer skips any step it already has.
         """
+        if await asyncio.to_thread(self._trainer_is_done):
+            return
         trained = self._oldest_checkpoint()
         for step in range(trained, next_step):
             batch = await asyncio.to_thread(load_batch, self.output_dir, step)
