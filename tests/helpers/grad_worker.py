@@ -1,9 +1,9 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
-argv: model_path out_file split [gae] [lora] [cp=N] [ep=N] [steps=N]. With data-parallel ranks, rank 0 takes
+argv: model_path out_file split [gae] [lora] [cp=N] [ep=N] [steps=N] [agg=MODE]. With data-parallel ranks, rank 0 takes
 samples[:split] and the others deal the rest in turn, each packed into its own micro-batches (the poorer rank gets
 filler micro-batches). With cp=N, each data-parallel rank is N context-parallel ranks sharing its
-micro-batches. With ep=N, a MoE model's experts are split over N ranks. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
+micro-batches. With ep=N, a MoE model's experts are split over N ranks. agg=MODE: the loss aggregation. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
 the ranks. With "gae", the estimator is GAE with a critic, KL in the reward and batch whitening (all
 reduced over ranks), and the critic's gradients are saved too. With steps=N, it trains N optimizer
 steps (a fresh global batch each) and saves the parameters before and after, and each step's metrics.
@@ -72,6 +72,7 @@ def main() -> None:
     cp = next((int(o[3:]) for o in options if o.startswith("cp=")), 1)
     ep = next((int(o[3:]) for o in options if o.startswith("ep=")), 1)
     steps = next((int(o[6:]) for o in options if o.startswith("steps=")), 0)
+    aggregation = next((o[4:] for o in options if o.startswith("agg=")), "token-mean")
     world = init_world(cp, ep)
     config = TrainerConfig(
         model={"name": model_path, "logprob_chunk_tokens": 48},
@@ -83,7 +84,13 @@ def main() -> None:
         # proportional to its gradient, so parameters after N steps compare the gradients' agreement.
         optim={"lr": 1e-3, "eps": 1e-3},
         # No clipping or masking: every token contributes, so any normalization error shows.
-        loss={"clip_low": 1e9, "clip_high": 1e9, "mask_low": 0.0, "mask_high": 1e30},
+        loss={
+            "clip_low": 1e9,
+            "clip_high": 1e9,
+            "mask_low": 0.0,
+            "mask_high": 1e30,
+            "aggregation": aggregation,
+        },
         **(
             {
                 "advantage": {"type": "gae", "gamma": 0.9, "lam": 0.8, "batch_normalize": "all"},

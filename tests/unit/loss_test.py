@@ -64,3 +64,26 @@ def test_both_losses_agree_on_policy(loss_type):
     out = build_loss({"ppo": PPOLoss, "cpgd": CPGDLoss}[loss_type]())(x)
     out.token_loss.sum().backward()
     torch.testing.assert_close(x.trainer_logprobs.grad, -torch.tensor(ADVANTAGES))
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "cpgd"])
+def test_one_token_sampled_far_below_the_trainer_costs_no_step(loss_type):
+    """Sampling logprob -100 against the trainer's -0.1: its ratio exp(99.9) is inf in float32. The
+    token is masked (ratio above mask_high), and the loss and gradient stay finite, so the step
+    trains on the other token instead of being skipped as non-finite."""
+    config = PPOLoss() if loss_type == "ppo" else CPGDLoss()
+    trainer = torch.tensor([-0.5, -0.1], requires_grad=True)
+    out = build_loss(config)(
+        LossInputs(
+            trainer,
+            torch.tensor([-0.6, -100.0]),
+            torch.tensor([1.0, 1.0]),
+            torch.ones(2, dtype=torch.bool),
+            torch.ones(2),
+            [2],
+        )
+    )
+    out.token_loss.sum().backward()
+    assert torch.isfinite(out.token_loss).all() and torch.isfinite(trainer.grad).all()
+    assert out.masks["masked_high"].tolist() == [False, True]
+    assert trainer.grad[0] != 0 and trainer.grad[1] == 0

@@ -11,12 +11,16 @@ from collections.abc import Callable
 from functools import partial
 
 from prime_rl.plugins import Registry
-from prime_rl.trainer.losses import cpgd, ppo
+from prime_rl.trainer.losses import cispo, cpgd, dppo, dual_clip, ppo, sapo
 from prime_rl.trainer.losses.base import CustomLoss, LossBase, LossInputs, LossOutputs, frame
 
 LOSSES = Registry("loss", LossBase, CustomLoss, [
     ppo.BUILTIN,
     cpgd.BUILTIN,
+    cispo.BUILTIN,
+    dual_clip.BUILTIN,
+    sapo.BUILTIN,
+    dppo.BUILTIN,
 ])  # fmt: skip
 
 LossConfig = LOSSES.config_type()

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 
 from prime_rl.config import BaseConfig
+from prime_rl.trainer.losses.aggregation import Aggregation
 from prime_rl.trainer.rl.returns import sample_index
 
 
@@ -40,8 +41,8 @@ class LossInputs:
     """Logprobs of the frozen starting model, when a KL penalty is configured."""
     log_ratio: torch.Tensor | None = None
     """log(trainer / sampling) per token, or per sample with `ratio_type = 'sequence'` (then the same
-    on each of its tokens, gradients flowing per token); differentiable, 0 outside the loss mask.
-    Set by the frame."""
+    on each of its tokens, gradients flowing per token); differentiable, 0 outside the loss mask
+    (so it is finite wherever a loss reads it). Set by the frame."""
 
 
 @dataclass
@@ -77,6 +78,15 @@ class LossBase(BaseConfig):
 
     top_entropy_fraction: float = Field(default=1.0, gt=0, le=1)
     """Train only on this fraction of loss tokens with the highest entropy (per micro-batch)."""
+
+    aggregation: Aggregation = "token-mean"
+    """How per-token losses become the step's loss (`losses/aggregation.py`): 'token-mean' (every
+    loss token of the global batch weighs the same), 'seq-mean-token-sum', 'seq-mean-token-mean'
+    (every sample weighs the same) or 'seq-mean-token-sum-norm' (Dr. GRPO: token sums over a
+    constant, `aggregation_norm`)."""
+
+    aggregation_norm: int | None = Field(default=None, ge=1)
+    """The constant of 'seq-mean-token-sum-norm' (unset: the trainer's seq_len)."""
 
 
 class CustomLoss(LossBase):
@@ -138,6 +148,10 @@ def frame(inputs: LossInputs, config: LossBase, loss, **kwargs) -> LossOutputs:
     masked_low = mask & (r < config.mask_low)
     masked_high = mask & (r > config.mask_high)
     keep = top_entropy_mask(inputs.entropy, mask & ~masked_low & ~masked_high, config.top_entropy_fraction)
+    # The loss sees a log-ratio of 0 on every token it does not keep: a token sampled far below the
+    # trainer's probability (log-ratio > 88.7 in float32) would make exp(log_ratio) inf, and its
+    # zeroed loss 0 * inf = NaN in value and gradient, costing the whole step.
+    log_ratio = torch.where(keep, log_ratio, torch.zeros_like(log_ratio))
     out = loss(replace(inputs, loss_mask=keep, log_ratio=log_ratio), **kwargs)
     token_loss = out.token_loss
     if config.kl_coef > 0 and inputs.ref_logprobs is not None:

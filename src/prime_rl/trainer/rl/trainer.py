@@ -30,6 +30,7 @@ from prime_rl.trainer.estimators import TokenAdvantageError, TokenAdvantageInput
 from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, position_logprobs
 from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
+from prime_rl.trainer.losses.aggregation import divisor, token_weights
 from prime_rl.trainer.model import fsdp_group_size, load_model
 from prime_rl.trainer.moe.load import load_metrics, new_counts, recording_routes
 from prime_rl.trainer.moe.replay import agreement_metrics, replay
@@ -230,11 +231,16 @@ class Trainer:
         for mb in micro_batches:
             mb.validate(seq_len=self.config.seq_len)
         prepared, prepare_metrics = self.prepare(micro_batches)
-        local = self.world.scalars(0.0)[0]
+        local = self.world.scalars(0.0, 0.0)
+        lead = self.world.cp_rank == 0  # a cp group's samples are counted once
         for p in prepared:
-            local = local + (p.t["loss_mask"] & p.t["owned"]).sum()
-        global_tokens = self.world.host(all_reduce_sum(local, self.world))
+            local[0] = local[0] + (p.t["loss_mask"] & p.t["owned"]).sum()
+            if lead:
+                local[1] += sum(1 for n in _loss_tokens_per_sample(p.mb) if n > 0)
+        global_tokens, global_samples = self.world.host(all_reduce_sum(local, self.world))
         denom = max(global_tokens, 1.0)
+        aggregation = self.config.loss.aggregation
+        loss_denom = divisor(aggregation, global_tokens, global_samples)
         train_policy = self.policy_trains(step)
         stats, results = TokenStats(self.world.device), []
         counts = new_counts(self.model, self.world.device)  # None for a dense model
@@ -266,7 +272,11 @@ class Trainer:
                 )
                 out = self.loss_fn(inputs)
                 token_loss = out.token_loss * t["owned"]
-                loss = token_loss.sum() / denom
+                weights = token_weights(aggregation, t["loss_mask"], _loss_tokens_per_sample(mb), mb.sample_lens,
+                                        self.config.loss.aggregation_norm or self.config.seq_len)  # fmt: skip
+                if weights is not None:
+                    token_loss = token_loss * weights
+                loss = token_loss.sum() / loss_denom
                 if routing is not None:  # a MoE: its load-balancing loss, weighted by the loss tokens
                     aux = routing.balance_loss() * ((t["loss_mask"] & t["owned"]).sum() / denom)
                     aux_sum = aux_sum + aux.detach()

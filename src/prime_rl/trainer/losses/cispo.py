@@ -1,0 +1,42 @@
+"""CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+Attention", arXiv:2506.13585, eq. 4): the clipped importance weight, with its gradient stopped,
+times the advantage times log pi, so every token keeps a gradient:
+
+    loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_t log pi(y_t)
+
+PPO's clip zeroes the gradient of a token whose ratio left the band in the advantage's direction
+(often the rare tokens that fork a reasoning path); CISPO bounds the token's weight instead. The
+paper sets no lower bound (clip_low = 1) and tunes clip_high only. CISPO already weights by the
+importance ratio, so a truncated-IS rollout correction on top multiplies two such weights.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from prime_rl.plugins import Builtin
+from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
+
+
+class CISPOLoss(LossBase):
+    """A clipped, stop-gradient importance weight on the policy gradient."""
+
+    type: Literal["cispo"] = "cispo"
+    """Selects this loss."""
+
+    clip_low: float = Field(default=1.0, ge=0)
+    """The weight is clipped below at 1 - clip_low (1: no lower bound, as in the paper)."""
+
+    clip_high: float = Field(default=4.0, ge=0)
+    """The weight is clipped above at 1 + clip_high (the paper's one tuned knob)."""
+
+
+def cispo(inputs: LossInputs, clip_low: float, clip_high: float) -> LossOutputs:
+    weight = torch.exp(inputs.log_ratio.detach()).clamp(1.0 - clip_low, 1.0 + clip_high)
+    return LossOutputs(-weight * inputs.advantages * inputs.trainer_logprobs)
+
+
+BUILTIN = Builtin("cispo", cispo, CISPOLoss)

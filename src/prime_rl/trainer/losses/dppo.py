@@ -1,0 +1,55 @@
+"""DPPO + KL, prime-rl's default: a trust region on the change of each token's probability, on the
+side the advantage pushes, and a squared log-ratio penalty. Per token, with p = pi(y_t), q = mu(y_t)
+(the sampler's) and r_t = p / q:
+
+    masked_t = (A_t > 0 and p - q > delta_high) or (A_t <= 0 and p - q < -delta_low)
+    loss_t   = -[not masked_t] r_t A_t + kl_tau (log r_t)^2
+
+The mask is DPPO's binary total-variation trust region ("DPPO", arXiv:2602.04879): a token whose
+probability already rose by more than delta_high stops being pushed up, one that fell by more than
+delta_low stops being pushed down, the other direction stays free. The (log r)^2 term, on every
+token (masked or not), is Kimi K2.5's KL regularizer (arXiv:2602.02276): it pulls the trainer back
+toward the sampler, with a gradient proportional to log r.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from prime_rl.plugins import Builtin
+from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
+
+
+class DPPOLoss(LossBase):
+    """A probability-difference trust region per advantage sign, plus a squared log-ratio penalty."""
+
+    type: Literal["dppo"] = "dppo"
+    """Selects this loss."""
+
+    delta_low: float = Field(default=0.2, ge=0)
+    """Tokens with A <= 0 whose probability fell by more than this are masked."""
+
+    delta_high: float = Field(default=0.2, ge=0)
+    """Tokens with A > 0 whose probability rose by more than this are masked."""
+
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the (log r)^2 penalty (the name prime-rl gives it)."""
+
+
+def dppo(inputs: LossInputs, delta_low: float, delta_high: float, kl_tau: float) -> LossOutputs:
+    log_ratio, adv, keep = inputs.log_ratio, inputs.advantages, inputs.loss_mask
+    ratio = torch.exp(log_ratio)
+    sampler_p = torch.exp(inputs.sampling_logprobs)
+    diff = (sampler_p * ratio).detach() - sampler_p  # p - q, with p = q r (finite where kept)
+    up, down = adv > 0, adv <= 0
+    masked_high = keep & up & (diff > delta_high)
+    masked_low = keep & down & (diff < -delta_low)
+    trusted = ~(masked_high | masked_low)
+    loss = -torch.where(trusted, ratio * adv, torch.zeros_like(ratio)) + kl_tau * log_ratio**2
+    return LossOutputs(loss, {"dppo_masked_high": masked_high, "dppo_masked_low": masked_low})
+
+
+BUILTIN = Builtin("dppo", dppo, DPPOLoss)
