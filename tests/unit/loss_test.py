@@ -87,3 +87,15 @@ def test_one_token_sampled_far_below_the_trainer_costs_no_step(loss_type):
     assert torch.isfinite(out.token_loss).all() and torch.isfinite(trainer.grad).all()
     assert out.masks["masked_high"].tolist() == [False, True]
     assert trainer.grad[0] != 0 and trainer.grad[1] == 0
+
+
+def test_a_sequence_ratio_with_a_token_correction_names_both_keys():
+    from pydantic import ValidationError
+
+    from prime_rl.trainer.config import TrainerConfig
+
+    with pytest.raises(
+        ValidationError, match=r"loss.ratio_type = 'sequence' .* rollout_correction.type = 'icepop'"
+    ):
+        TrainerConfig(loss={"ratio_type": "sequence"}, rollout_correction={"type": "icepop"})
+    TrainerConfig(loss={"ratio_type": "sequence"}, rollout_correction={"type": "seq_mask"})

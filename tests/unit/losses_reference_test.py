@@ -156,3 +156,71 @@ def test_cispo_keeps_a_gradient_where_ppo_clips():
     data = ([-1.0], [-1.0 + math.log(1.5)], [1.0], [True], [1])
     assert run(PPOLoss(**WIDE), data)[1].item() == 0.0
     assert run(CISPOLoss(**WIDE), data)[1].item() < 0.0  # the loss falls as log pi rises
+
+
+def corrected(formula, kind: str, data, cap=2.0, low=0.5, high=2.0):
+    """`formula` under a rollout correction, written out: TIS multiplies by min(r, cap) (a number,
+    its gradient stopped); IcePop zeroes tokens with r outside [low, high]; the sequence mask zeroes
+    the samples whose geometric-mean ratio over their loss tokens is outside it."""
+    sampling, trainer, _, mask, lens = data
+    ratio = [math.exp(t - s) for t, s in zip(trainer, sampling, strict=True)]
+    sample_of = [i for i, n in enumerate(lens) for _ in range(n)]
+    geo = []
+    for i in range(len(lens)):
+        logs = [math.log(ratio[k]) for k in range(len(trainer)) if sample_of[k] == i and mask[k]]
+        geo.append(math.exp(sum(logs) / len(logs)) if logs else 1.0)
+    position = iter(range(len(trainer)))
+
+    def f(lp, s, a):
+        k = next(position)
+        while not mask[k]:  # `reference` calls the formula on loss tokens only
+            k = next(position)
+        if kind == "tis":
+            return formula(lp, s, a) * min(ratio[k], cap)
+        if kind == "icepop" and not low <= ratio[k] <= high:
+            return lp * 0
+        if kind == "seq_mask" and not low <= geo[sample_of[k]] <= high:
+            return lp * 0
+        return formula(lp, s, a)
+
+    return f
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq_mask"])
+@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+@pytest.mark.parametrize("seed", range(4))
+def test_each_rollout_correction_composes_with_the_loss(kind, loss, seed):
+    from prime_rl.trainer.losses.correction import RolloutCorrectionConfig
+
+    config, formula = CASES[loss]
+    data = batch(seed)
+    sampling, trainer, adv, mask, lens = data
+    lp = torch.tensor(trainer, dtype=torch.float64, requires_grad=True)
+    fn = build_loss(config, correction=RolloutCorrectionConfig(type=kind))
+    out = fn(LossInputs(lp, torch.tensor(sampling, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),
+                        torch.tensor(mask), torch.ones(len(trainer), dtype=torch.float64), lens))  # fmt: skip
+    out.token_loss.sum().backward()
+    ref_values, ref_grad = reference(corrected(formula, kind, data), data)
+    torch.testing.assert_close(out.token_loss.detach(), ref_values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.grad, ref_grad, rtol=1e-5, atol=1e-5)
+    ratio = torch.exp(
+        torch.tensor(trainer, dtype=torch.float64) - torch.tensor(sampling, dtype=torch.float64)
+    )
+    m = torch.tensor(mask)
+    torch.testing.assert_close(out.values["is_ratio"][m], ratio[m])
+    if kind != "tis":
+        assert out.masks["correction_dropped"].any() or seed  # the bounds bite on some batches
+
+
+def test_the_effective_sample_size_is_logged_per_env():
+    from prime_rl.trainer.parallel.dist import World
+    from prime_rl.trainer.rl.stats import TokenStats
+
+    stats = TokenStats()
+    w = torch.tensor([1.0, 2.0, 4.0, 0.5, 0.5])
+    rows = stats.rows(["a", "a", "a", "b", "b"])
+    stats.add("is_ratio", rows, w, torch.tensor([True, True, True, True, False]))
+    out = stats.reduce(World())
+    assert out["is_ratio/a/ess"] == pytest.approx(7.0**2 / (3 * 21.0))
+    assert out["is_ratio/b/ess"] == pytest.approx(1.0)
+    assert out["is_ratio/all/ess"] == pytest.approx(7.5**2 / (4 * 21.25))

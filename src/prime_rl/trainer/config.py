@@ -14,6 +14,7 @@ from prime_rl.monitor import WandbConfig
 from prime_rl.trainer.estimators import EstimatorConfig
 from prime_rl.trainer.estimators.reinforce import Reinforce
 from prime_rl.trainer.losses import LossConfig
+from prime_rl.trainer.losses.correction import RolloutCorrectionConfig
 from prime_rl.trainer.losses.ppo import PPOLoss
 from prime_rl.transport.config import TransportConfig
 
@@ -352,6 +353,10 @@ class TrainerConfig(TrainingConfig):
     loss: LossConfig = PPOLoss()
     """The RL loss."""
 
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Correction for the sampler's probabilities differing from the trainer's (truncated IS,
+    IcePop token masking, sequence masking), whatever the loss."""
+
     advantage: EstimatorConfig = Reinforce()
     """Token-level advantage estimator."""
 
@@ -379,6 +384,17 @@ class TrainerConfig(TrainingConfig):
             raise ValueError(
                 "trainer.lora: adapters are published as files (a few MB a step); "
                 "set weight_broadcast.type = 'filesystem'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _correction_agrees_with_the_ratio(self):
+        kind = self.rollout_correction.type
+        if getattr(self.loss, "ratio_type", "token") == "sequence" and kind in ("tis", "icepop"):
+            raise ValueError(
+                f"loss.ratio_type = 'sequence' weighs each sample by one ratio, but rollout_correction.type = "
+                f"'{kind}' reweights or drops its tokens one by one: use rollout_correction.type = 'seq_mask' "
+                "(or 'none') with a sequence ratio"
             )
         return self
 

@@ -13,6 +13,7 @@ from functools import partial
 from prime_rl.plugins import Registry
 from prime_rl.trainer.losses import cispo, cpgd, dppo, dual_clip, ppo, sapo
 from prime_rl.trainer.losses.base import CustomLoss, LossBase, LossInputs, LossOutputs, frame
+from prime_rl.trainer.losses.correction import RolloutCorrectionConfig
 
 LOSSES = Registry("loss", LossBase, CustomLoss, [
     ppo.BUILTIN,
@@ -28,10 +29,13 @@ LossConfig = LOSSES.config_type()
 LossFn = Callable[[LossInputs], LossOutputs]
 
 
-def build_loss(config: LossBase, key: str = "trainer.loss") -> LossFn:
-    """The configured loss inside its frame, as one function of the micro-batch's inputs."""
+def build_loss(
+    config: LossBase, key: str = "trainer.loss", correction: RolloutCorrectionConfig | None = None
+) -> LossFn:
+    """The configured loss inside its frame (with the rollout correction, if any), as one function
+    of the micro-batch's inputs."""
     loss = LOSSES.resolve(config, key)
-    return partial(frame, config=config, loss=loss.fn, **loss.kwargs)
+    return partial(frame, config=config, loss=loss.fn, correction=correction, **loss.kwargs)
 
 
 __all__ = ["LOSSES", "LossConfig", "LossFn", "LossInputs", "LossOutputs", "build_loss"]

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from prime_rl.config import BaseConfig
 from prime_rl.trainer.losses.aggregation import Aggregation
+from prime_rl.trainer.losses.correction import RolloutCorrectionConfig, correct
 from prime_rl.trainer.rl.returns import sample_index
 
 
@@ -51,6 +52,9 @@ class LossOutputs:
     """Per-token loss (the frame zeroes it outside the kept tokens)."""
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     """Bool per-token flags for metrics (e.g. 'clipped_high'): their share of the loss tokens is logged."""
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Float per-token metrics over the loss tokens (e.g. 'is_ratio'): mean, std, max (and the
+    effective sample size of 'is_ratio') are logged."""
 
 
 class LossBase(BaseConfig):
@@ -138,25 +142,43 @@ def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, fraction: float)
     return mask & (e >= threshold)
 
 
-def frame(inputs: LossInputs, config: LossBase, loss, **kwargs) -> LossOutputs:
+def frame(
+    inputs: LossInputs, config: LossBase, loss, correction: RolloutCorrectionConfig | None = None, **kwargs
+) -> LossOutputs:
     """Run one loss (`loss(inputs, **kwargs)`) inside what every loss shares: the importance
-    log-ratio, the trust masks (`mask_low`, `mask_high`, `top_entropy_fraction`) and the KL
-    penalty to the reference model."""
+    log-ratio, the trust masks (`mask_low`, `mask_high`, `top_entropy_fraction`), the rollout
+    correction and the KL penalty to the reference model."""
     mask = inputs.loss_mask
     log_ratio = importance_log_ratio(inputs, config.ratio_type)
     r = torch.exp(log_ratio.detach())
     masked_low = mask & (r < config.mask_low)
     masked_high = mask & (r > config.mask_high)
-    keep = top_entropy_mask(inputs.entropy, mask & ~masked_low & ~masked_high, config.top_entropy_fraction)
+    # The sampler-to-trainer mismatch per token, whatever the loss's own ratio (the token's, not
+    # GSPO's sequence mean): what the rollout correction and its metrics look at.
+    token_log_ratio = ((inputs.trainer_logprobs.detach() - inputs.sampling_logprobs) * mask).clamp(
+        -30.0, 30.0
+    )
+    fix = correct(token_log_ratio, mask, inputs.sample_lens, correction or RolloutCorrectionConfig())
+    keep = top_entropy_mask(
+        inputs.entropy, mask & ~masked_low & ~masked_high & ~fix.dropped, config.top_entropy_fraction
+    )
     # The loss sees a log-ratio of 0 on every token it does not keep: a token sampled far below the
     # trainer's probability (log-ratio > 88.7 in float32) would make exp(log_ratio) inf, and its
     # zeroed loss 0 * inf = NaN in value and gradient, costing the whole step.
     log_ratio = torch.where(keep, log_ratio, torch.zeros_like(log_ratio))
     out = loss(replace(inputs, loss_mask=keep, log_ratio=log_ratio), **kwargs)
     token_loss = out.token_loss
+    if fix.weight is not None:
+        token_loss = token_loss * torch.where(keep, fix.weight, torch.ones_like(fix.weight))
     if config.kl_coef > 0 and inputs.ref_logprobs is not None:
         token_loss = token_loss + config.kl_coef * kl_penalty(
             inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator
         )
     masks = {"masked_low": masked_low, "masked_high": masked_high, **out.masks}
-    return LossOutputs(token_loss * keep, masks)
+    values = dict(out.values)
+    if correction is not None and correction.type != "none":
+        masks["correction_dropped"] = fix.dropped
+        values["is_ratio"] = torch.exp(token_log_ratio)
+        if fix.weight is not None:
+            values["is_weight"] = fix.weight
+    return LossOutputs(token_loss * keep, masks, values)

@@ -14,6 +14,10 @@ import torch.distributed as dist
 
 from prime_rl.trainer.parallel.dist import World, all_reduce_max, all_reduce_sum
 
+ESS_METRICS = ("is_ratio", "is_weight")
+"""Importance weights whose normalized effective sample size (sum w)^2 / (n sum w^2) is logged too:
+1 when every token weighs the same, 1/n when one token carries all the weight."""
+
 
 @dataclass
 class TokenStats:
@@ -81,4 +85,6 @@ class TokenStats:
                 out[f"{name}/{env}/mean"] = mean
                 out[f"{name}/{env}/std"] = math.sqrt(max(ss / n - mean * mean, 0.0))
                 out[f"{name}/{env}/max"] = maxes_host[i][j]
+                if name in ESS_METRICS and ss > 0:
+                    out[f"{name}/{env}/ess"] = s * s / (n * ss)
         return out

@@ -96,7 +96,7 @@ class Trainer:
             self.ref_model.requires_grad_(False)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
-        self.loss_fn: LossFn = loss_fn or build_loss(config.loss)
+        self.loss_fn: LossFn = loss_fn or build_loss(config.loss, correction=config.rollout_correction)
         self.estimator = build_estimator(config.advantage)
         self.kl = KLController(config.kl_reward.beta, config.kl_reward.target, config.kl_reward.horizon)
         self.critic = self.critic_optimizer = None
@@ -331,6 +331,8 @@ class Trainer:
         stats.add("token_advantage", rows, t["advantages"], mask)
         for name, flag in out.masks.items():
             stats.add(name, rows, flag.float(), mask)
+        for name, value in out.values.items():
+            stats.add(name, rows, value, mask)
 
     def optimizer_step(self, train_policy: bool = True) -> dict[str, float]:
         out = {}
