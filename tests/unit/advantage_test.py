@@ -29,6 +29,17 @@ def test_grpo_is_reward_minus_group_mean_optionally_std_normalized():
     assert all(math.isclose(abs(a), 1.0, rel_tol=1e-5) for a in out)
 
 
+def test_grpo_std_can_be_bessel_corrected():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0]
+    m = sum(rewards) / 5
+    bessel = math.sqrt(sum((r - m) ** 2 for r in rewards) / 4)
+    out = build_advantage(GRPOAdvantage(std_normalize=True, std_unbiased=True))(group(*rewards)).advantages
+    assert out == pytest.approx([(r - m) / (bessel + 1e-6) for r in rewards], rel=1e-5)
+    assert build_advantage(GRPOAdvantage(std_normalize=True, std_unbiased=True))(group(1.0)).advantages == [
+        0.0
+    ]
+
+
 def test_rloo_uses_the_mean_of_the_others():
     assert build_advantage(RLOOAdvantage())(group(1, 0, 0)).advantages == [1.0, -0.5, -0.5]
 

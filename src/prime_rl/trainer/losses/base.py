@@ -175,10 +175,10 @@ def frame(
             inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator
         )
     masks = {"masked_low": masked_low, "masked_high": masked_high, **out.masks}
-    values = dict(out.values)
-    if correction is not None and correction.type != "none":
+    # The sampler-to-trainer ratio of every loss token, always: its ESS says how off-policy a step is.
+    values = {"is_ratio": torch.exp(token_log_ratio), **out.values}
+    if correction is not None and correction.type in ("icepop", "seq_mask"):
         masks["correction_dropped"] = fix.dropped
-        values["is_ratio"] = torch.exp(token_log_ratio)
-        if fix.weight is not None:
-            values["is_weight"] = fix.weight
+    if fix.weight is not None:
+        values["is_weight"] = fix.weight
     return LossOutputs(token_loss * keep, masks, values)
