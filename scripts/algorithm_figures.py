@@ -3,8 +3,10 @@
 
     uv run python scripts/algorithm_figures.py [--runs outputs/algorithms] [--out docs/img]
 
-Writes gae_vs_grpo.png (sampled and greedy reward of both) and kl_control.png (the KL per sample
-against its target, and beta, of every kl_adaptive* run), and prints each run's summary line.
+Writes gae_vs_grpo.png (sampled and greedy reward of both), kl_control.png (the KL per sample
+against its target, and beta, of every kl_adaptive* run) and losses.png (grpo, dapo, cispo, gspo
+and ppo_tis), and prints each run's summary line: sampled and greedy reward, and the trainer's
+mismatch KL and importance-ratio ESS averaged over the steps.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 from pathlib import Path
 
 from prime_rl.plot import plot_compare
+
+LOSS_RUNS = ("grpo", "dapo", "cispo", "gspo", "ppo_tis")
 
 
 def read(path: Path) -> list[dict]:
@@ -29,7 +33,12 @@ def summary(run: Path) -> str:
     evals = [v for r in orch for k, v in r.items() if k.startswith("eval/") and k.endswith("/reward/mean")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     greedy = " / ".join(f"{v:.2f}" for v in evals)
-    return f"{run.name}: sampled {first:.3f} -> {last:.3f} ({last - first:+.3f}), greedy {greedy}"
+    trainer = read(run / "trainer" / "metrics.jsonl")
+    kl = [r["mismatch_kl/all/mean"] for r in trainer if "mismatch_kl/all/mean" in r]
+    ess = [r["is_ratio/all/ess"] for r in trainer if "is_ratio/all/ess" in r]
+    extra = f", mismatch KL {sum(kl) / len(kl):.2e}" if kl else ""
+    extra += f", ESS {sum(ess) / len(ess):.4f} (min {min(ess):.4f})" if ess else ""
+    return f"{run.name}: sampled {first:.3f} -> {last:.3f} ({last - first:+.3f}), greedy {greedy}{extra}"
 
 
 def kl_figure(runs: list[Path], out: Path) -> None:
@@ -64,6 +73,13 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plot_compare([args.runs / "grpo", args.runs / "gae"], args.out / "gae_vs_grpo.png")
+    losses = [
+        args.runs / name
+        for name in LOSS_RUNS
+        if (args.runs / name / "orchestrator" / "metrics.jsonl").is_file()
+    ]
+    if len(losses) > 1:
+        plot_compare(losses, args.out / "losses.png")
     kl_runs = sorted(p for p in args.runs.glob("kl_adaptive*") if (p / "trainer" / "metrics.jsonl").is_file())
     if kl_runs:
         kl_figure(kl_runs, args.out / "kl_control.png")

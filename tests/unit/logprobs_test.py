@@ -94,3 +94,31 @@ def test_memory_does_not_grow_with_tokens_times_vocabulary(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     growth_gb = float(proc.stdout.split()[-1])
     assert growth_gb < 0.3, f"peak grew {growth_gb:.2f} GB"
+
+
+@pytest.mark.parametrize(("chunk", "temperature"), [(64, 1.0), (7, 0.7)])
+def test_the_entropy_is_differentiated_like_the_full_logits(chunk, temperature):
+    """An entropy bonus differentiates the entropy: the chunked backward's d H / d z equals autograd
+    through the full logits, together with the logprobs' gradient."""
+    from prime_rl.trainer.logprobs import position_logprobs
+
+    m = model(bias=True)
+    ids = torch.randint(0, 1000, (200,))
+    pos = torch.cat([torch.arange(90), torch.arange(110)])
+    w, v = torch.randn(200), torch.randn(200)
+
+    def run(fn):
+        m.zero_grad()
+        lp, entropy = fn()
+        (lp * w + entropy * v).sum().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    targets = next_token_targets(ids)
+    chunked = run(lambda: position_logprobs(m, ids, pos, targets, temperature, chunk))
+    full = run(lambda: full_logits_logprobs(m, ids, pos, targets, temperature))
+    only_lp = run(lambda: (position_logprobs(m, ids, pos, targets, temperature, chunk)[0], torch.zeros(200)))
+    for name, ref in full.items():
+        torch.testing.assert_close(
+            chunked[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=name
+        )
+    assert (chunked["lm_head.weight"] - only_lp["lm_head.weight"]).abs().max() > 1e-4  # the entropy's share

@@ -99,3 +99,22 @@ def test_a_sequence_ratio_with_a_token_correction_names_both_keys():
     ):
         TrainerConfig(loss={"ratio_type": "sequence"}, rollout_correction={"type": "icepop"})
     TrainerConfig(loss={"ratio_type": "sequence"}, rollout_correction={"type": "seq_mask"})
+
+
+def test_the_trainer_differentiates_the_entropy_only_for_a_bonus(tiny_model, tmp_path):
+    import sys
+    from pathlib import Path
+
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.parallel.dist import World
+    from prime_rl.trainer.rl.trainer import Trainer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trainer_test import micro_batches
+
+    def grad_norm(coef: float) -> float:
+        config = TrainerConfig(model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path / str(coef),
+                               loss={"entropy_coef": coef})  # fmt: skip
+        return Trainer(config, World()).train_step(micro_batches(0, "e"))[0]["grad_norm"]
+
+    assert abs(grad_norm(1.0) - grad_norm(0.0)) > 1e-3

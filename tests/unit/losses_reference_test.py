@@ -224,3 +224,16 @@ def test_the_effective_sample_size_is_logged_per_env():
     assert out["is_ratio/a/ess"] == pytest.approx(7.0**2 / (3 * 21.0))
     assert out["is_ratio/b/ess"] == pytest.approx(1.0)
     assert out["is_ratio/all/ess"] == pytest.approx(7.5**2 / (4 * 21.25))
+
+
+def test_the_entropy_bonus_subtracts_coef_times_the_entropy_of_kept_tokens():
+    sampling, trainer, adv, mask, lens = batch(3)
+    entropy = torch.rand(len(trainer), dtype=torch.float64, requires_grad=True)
+    inputs = LossInputs(torch.tensor(trainer, dtype=torch.float64), torch.tensor(sampling, dtype=torch.float64),
+                        torch.tensor(adv, dtype=torch.float64), torch.tensor(mask), entropy, lens)  # fmt: skip
+    plain = build_loss(PPOLoss(**WIDE))(inputs).token_loss
+    out = build_loss(PPOLoss(**WIDE, entropy_coef=0.01))(inputs)
+    m = torch.tensor(mask)
+    torch.testing.assert_close(out.token_loss, torch.where(m, plain - 0.01 * entropy, 0.0))
+    out.token_loss.sum().backward()
+    torch.testing.assert_close(entropy.grad, torch.where(m, -0.01, 0.0).double())

@@ -29,9 +29,9 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """(log p(targets), entropy) per row of `hidden`, with logits = (hidden @ weight.T + bias) / T.
 
-    Forward keeps only the hidden states, the head and one log-sum-exp per row; backward recomputes
-    each chunk's logits and uses d logp(y) / d z = (onehot(y) - softmax(z)) / T. The entropy is a
-    metric (and a mask criterion), never differentiated.
+    Forward keeps only the hidden states, the head and one log-sum-exp (and the entropy) per row;
+    backward recomputes each chunk's logits and uses d logp(y) / d z = (onehot(y) - p) / T and, when
+    the entropy is differentiated (an entropy bonus), d H / d z = -p (log p + H) / T.
     """
 
     @staticmethod
@@ -47,14 +47,14 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             z.sub_(lse[s:e, None])  # z now holds log-probabilities: no second [chunk x vocab] buffer
             logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1)
             entropy[s:e] = -torch.einsum("cv,cv->c", z.exp(), z)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an unused entropy (no bonus) costs the backward nothing
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         # Accumulated over chunks in float32 whatever the parameter dtype (bf16 sums lose bits).
@@ -63,9 +63,14 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         for s in range(0, n, ctx.chunk_tokens):
             e = min(s + ctx.chunk_tokens, n)
-            g = grad_logp[s:e].float()
+            g = grad_logp[s:e].float() if grad_logp is not None else lse.new_zeros(e - s)
             z = _chunk_logits(hidden[s:e], weight, bias, ctx.temperature)
-            dz = z.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -g * softmax, in place
+            if grad_entropy is None:
+                dz = z.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -g * softmax, in place
+            else:
+                logp_chunk = z.sub_(lse[s:e, None])
+                h, gh = entropy[s:e, None], grad_entropy[s:e, None].float()
+                dz = logp_chunk.exp() * (-g[:, None] - gh * (logp_chunk + h))
             dz.scatter_add_(-1, targets[s:e, None], g[:, None])
             dz.div_(ctx.temperature)
             dz_h = dz.to(hidden.dtype)
@@ -179,7 +184,7 @@ def full_logits_logprobs(model, input_ids, position_ids, targets, temperature: f
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     token_logp = logp.gather(-1, targets[:, None].long()).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
-    return token_logp, entropy.detach()
+    return token_logp, entropy
 
 
 def attach_position_logprobs(model: torch.nn.Module) -> None:

@@ -37,6 +37,7 @@ class LossInputs:
     """Bool: the tokens that train. In a loss called by the frame: the sampled tokens the trust
     masks kept."""
     entropy: torch.Tensor
+    """Of the trainer's next-token distribution; differentiable when the loss has an entropy bonus."""
     sample_lens: list[int]
     ref_logprobs: torch.Tensor | None = None
     """Logprobs of the frozen starting model, when a KL penalty is configured."""
@@ -82,6 +83,11 @@ class LossBase(BaseConfig):
 
     top_entropy_fraction: float = Field(default=1.0, gt=0, le=1)
     """Train only on this fraction of loss tokens with the highest entropy (per micro-batch)."""
+
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: subtract this times each kept token's entropy (of the trainer's next-token
+    distribution) from its loss, pushing toward more varied sampling. 0: off (the entropy is then
+    not differentiated at all)."""
 
     aggregation: Aggregation = "token-mean"
     """How per-token losses become the step's loss (`losses/aggregation.py`): 'token-mean' (every
@@ -170,6 +176,8 @@ def frame(
     token_loss = out.token_loss
     if fix.weight is not None:
         token_loss = token_loss * torch.where(keep, fix.weight, torch.ones_like(fix.weight))
+    if config.entropy_coef > 0:
+        token_loss = token_loss - config.entropy_coef * inputs.entropy
     if config.kl_coef > 0 and inputs.ref_logprobs is not None:
         token_loss = token_loss + config.kl_coef * kl_penalty(
             inputs.trainer_logprobs, inputs.ref_logprobs, config.kl_estimator

@@ -137,7 +137,9 @@ class Trainer:
             self.config.model.logprob_chunk_tokens,
             **shard.model_kwargs(),
         )
-        return align_to_tokens(shard.gather(lp)), align_to_tokens(shard.gather(entropy.detach()))
+        if self.config.loss.entropy_coef == 0:  # differentiated only for an entropy bonus
+            entropy = entropy.detach()
+        return align_to_tokens(shard.gather(lp)), align_to_tokens(shard.gather(entropy))
 
     @property
     def needs_reference(self) -> bool:
