@@ -72,7 +72,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_compare([args.runs / "grpo", args.runs / "gae"], args.out / "gae_vs_grpo.png")
+    if all((args.runs / name / "orchestrator" / "metrics.jsonl").is_file() for name in ("grpo", "gae")):
+        plot_compare([args.runs / "grpo", args.runs / "gae"], args.out / "gae_vs_grpo.png")
     losses = [
         args.runs / name
         for name in LOSS_RUNS

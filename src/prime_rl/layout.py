@@ -30,6 +30,9 @@ DONE = "DONE"
 MANIFEST = "MANIFEST.json"
 READY = "READY"
 BROADCAST = "BROADCAST"
+TRAINER_STATS = "trainer_stats.json"
+"""In a published step's folder: the trainer step's mismatch figures that produced these weights
+(`is_ratio_ess`, `mismatch_kl`), which the orchestrator's adaptive async level reads."""
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -43,6 +46,15 @@ def weights_root(output_dir: Path) -> Path:
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step}"
+
+
+def read_trainer_stats(root: Path, step: int) -> dict | None:
+    """The trainer's stats published with `step`'s weights, or None (none written, or unreadable)."""
+    try:
+        stats = json.loads((step_dir(root, step) / TRAINER_STATS).read_text())
+    except (OSError, ValueError):
+        return None
+    return stats if isinstance(stats, dict) else None
 
 
 def marked_steps(root: Path, marker: str) -> list[int]:

@@ -110,6 +110,25 @@ class FilterConfig(BaseConfig):
     """Only count what the filter would drop, and train on it anyway."""
 
 
+class AdaptiveAsyncConfig(BaseConfig):
+    """Adapt the async level to the trainer's measured importance-ratio ESS (`loop/staleness.py`)."""
+
+    enabled: bool = False
+    """Let the async level move within [min_level, max_async_level] (it starts at max_async_level)."""
+
+    target_ess: float = Field(default=0.99, gt=0, le=1)
+    """Keep the trainer's importance-ratio ESS at or above this."""
+
+    margin: float = Field(default=0.002, ge=0)
+    """The ESS must exceed target_ess by this much to count toward raising the level."""
+
+    raise_after: int = Field(default=3, ge=1)
+    """Published steps in a row above target_ess + margin before the level rises by one."""
+
+    min_level: int = Field(default=0, ge=0)
+    """The lowest level (0: synchronous)."""
+
+
 class DynamicSamplingConfig(BaseConfig):
     """DAPO's dynamic sampling: a finished group whose rewards are all equal teaches nothing under a
     group baseline, so it is dropped at once (counted as filtered) and another group is sampled in
@@ -244,6 +263,10 @@ class OrchestratorConfig(RootConfig):
     max_async_level: int = Field(default=DEFAULT_MAX_ASYNC_LEVEL, ge=0)
     """How far generation runs ahead: a group is dispatched at policy version v only for a step s
     with s - v <= this (0 = synchronous: every step's rollouts come from the step's own weights)."""
+
+    adaptive_async: AdaptiveAsyncConfig = AdaptiveAsyncConfig()
+    """Let the async level follow the trainer's measured importance-ratio ESS, between
+    `adaptive_async.min_level` and `max_async_level` (`orchestrator/loop/staleness.py`)."""
 
     max_off_policy_steps: int | None = Field(default=None, ge=0)
     """The bound at training time: a rollout whose oldest tokens come from policy version v trains

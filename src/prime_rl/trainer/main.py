@@ -89,6 +89,10 @@ def transport_source(config: TrainerConfig, output_dir: Path) -> str:
     return str(transport_dir(config.transport, output_dir))
 
 
+TRAINER_STATS_OF = {"is_ratio_ess": "is_ratio/all/ess", "mismatch_kl": "mismatch_kl/all/mean"}
+"""What a published step carries for the orchestrator (`layout.TRAINER_STATS`): name -> step metric."""
+
+
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
     world = world or init_world(config.parallel.cp, config.parallel.ep)
     output_dir = Path(config.output_dir)
@@ -149,7 +153,8 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
                     )
             else:
                 nan_streak = 0
-            metrics["time/publish_blocking"] = publisher.publish(trainer.model, step + 1)
+            stats = {k: metrics[m] for k, m in TRAINER_STATS_OF.items() if m in metrics}
+            metrics["time/publish_blocking"] = publisher.publish(trainer.model, step + 1, stats)
             metrics["time/publish_write"] = publisher.last_write_s
             if publisher.last_broadcast is not None:
                 metrics["weights/broadcast"] = publisher.last_broadcast

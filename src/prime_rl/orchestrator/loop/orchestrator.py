@@ -27,6 +27,7 @@ from prime_rl.disk import writing
 from prime_rl.layout import (
     checkpoint_root,
     complete_steps,
+    read_trainer_stats,
     refusal_path,
     restart_counts,
     verify_checkpoint,
@@ -55,6 +56,7 @@ from prime_rl.orchestrator.loop.records import step_records, write_jsonl
 from prime_rl.orchestrator.loop.scheduler import Accounting, Scheduler
 from prime_rl.orchestrator.loop.sender import BatchSender
 from prime_rl.orchestrator.loop.servers import ServerPool
+from prime_rl.orchestrator.loop.staleness import AsyncLevel, adapt
 from prime_rl.orchestrator.loop.step_metrics import (
     accounting_metrics,
     batch_metrics,
@@ -132,6 +134,7 @@ class Orchestrator:
         cursors = {name: cursor_from_json(data) for name, data in progress.cursors.items()}
         self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty, cursors)
         self.prev_skipped: Counter = Counter()
+        self.async_level = AsyncLevel(c.max_async_level)
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         adapter = Adapter(c.lora_adapter, str(self.output_dir.resolve())) if c.lora_adapter else None
         self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s,
@@ -326,12 +329,14 @@ class Orchestrator:
             version = await self.weights.poll()
             if version != before:
                 t_reload += time.perf_counter() - t_poll
+                await self._adapt_async_level(version)
+            level = self.async_level.level
             sched.drop_stale(step)
-            sched.fill(step, version)
+            sched.fill(step, version, level)
             taken = sched.take_batch()
             if taken is not None:
                 break
-            blocked = not sched.inflight and step - version > c.max_async_level
+            blocked = not sched.inflight and step - version > level
             if time.perf_counter() > next_notice:
                 self._notice_waiting(step, blocked)
                 next_notice = time.perf_counter() + 30.0
@@ -351,10 +356,29 @@ class Orchestrator:
         }
         return Collected(taken.groups, taken.failures, taken.uniform, taken.short, times)
 
+    async def _adapt_async_level(self, version: int) -> None:
+        """With `adaptive_async`, move the async level by the ESS the trainer published with the
+        weights of `version` (`loop/staleness.py`)."""
+        c = self.config
+        if not c.adaptive_async.enabled:
+            return
+        stats = await asyncio.to_thread(read_trainer_stats, weights_root(self.output_dir), version)
+        before = self.async_level
+        self.async_level = adapt(
+            before, (stats or {}).get("is_ratio_ess"), c.adaptive_async, c.max_async_level
+        )
+        if self.async_level.level != before.level:
+            log.info(
+                "async level %d -> %d (trainer ESS %.4f at policy version %d, target %.4f)",
+                before.level, self.async_level.level, self.async_level.last_ess, version, c.adaptive_async.target_ess,
+            )  # fmt: skip
+
     def _notice_waiting(self, step: int, blocked: bool) -> None:
         c, sched = self.config, self.scheduler
         if blocked:
-            log.info("step %d waits for the trainer's weights of step %d", step, step - c.max_async_level)
+            log.info(
+                "step %d waits for the trainer's weights of step %d", step, step - self.async_level.level
+            )
         elif self.pool.pick() is None:
             log.info("step %d waits for an inference server to come back", step)
         else:
@@ -414,6 +438,10 @@ class Orchestrator:
         self.prev_acc = Accounting.from_snapshot(sched.acc.snapshot())
         m.update(batch_metrics(per_rank, c.seq_len))
         m["policy_version"] = self.weights.version
+        if c.adaptive_async.enabled:
+            m["async/level"] = self.async_level.level
+            if self.async_level.last_ess is not None:
+                m["async/trainer_ess"] = self.async_level.last_ess
         # Processes `rl` restarted so far (deployment.max_restarts): a small file, read once a step.
         m.update({f"restarts/{kind}": n for kind, n in restart_counts(self.output_dir).items()})
         m.update(times)

@@ -187,11 +187,12 @@ class Scheduler:
     def last_failure(self) -> str | None:
         return self._failures[-1].error if self._failures else None
 
-    def fill(self, step: int, policy_version: int) -> int:
-        """Dispatch groups at `policy_version` (what the servers serve) while the policy lag and the
-        in-flight limit allow; return how many."""
+    def fill(self, step: int, policy_version: int, async_level: int | None = None) -> int:
+        """Dispatch groups at `policy_version` (what the servers serve) while the policy lag (at most
+        `async_level`, default `max_async_level`) and the in-flight limit allow; return how many."""
         n = 0
         c = self.config
+        level = c.max_async_level if async_level is None else async_level
         while True:
             # The env is drawn once and kept until it can be dispatched, so that the RNG advances
             # only with dispatches, not with how often the loop happens to look.
@@ -204,7 +205,7 @@ class Scheduler:
             ):
                 return n
             target = step + (self.inflight_rollouts + self.ready_rollouts) // c.batch_size
-            if target >= c.max_steps or target - policy_version > c.max_async_level:
+            if target >= c.max_steps or target - policy_version > level:
                 return n
             if self.pool.pick() is None:
                 return n  # no server is up: the health monitor is bringing one back

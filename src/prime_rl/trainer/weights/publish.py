@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prime_rl.disk import writing
-from prime_rl.layout import BROADCAST, READY, marked_steps, step_dir, weights_root
+from prime_rl.layout import BROADCAST, READY, TRAINER_STATS, marked_steps, step_dir, weights_root
 from prime_rl.trainer import lora as lora_files
 from prime_rl.trainer.config import LoRAConfig
 from prime_rl.trainer.parallel.dist import World
@@ -65,13 +65,14 @@ class Publisher:
         """1.0 if the last finished publish was broadcast, 0.0 if it fell back to files, None before
         the first one finishes or without broadcast."""
 
-    def publish(self, model: torch.nn.Module, step: int) -> float:
-        """Start publishing `step`; returns the seconds training was blocked."""
+    def publish(self, model: torch.nn.Module, step: int, stats: dict[str, float] | None = None) -> float:
+        """Start publishing `step` (with the trainer's `stats` of the step that made it, for the
+        orchestrator); returns the seconds training was blocked."""
         t0 = time.perf_counter()
         state = self._gather(model)
         if self.world.is_main:
             self.wait()
-            self._pending = self._pool.submit(self._write, step, state, model.config)
+            self._pending = self._pool.submit(self._write, step, state, model.config, stats)
         return time.perf_counter() - t0
 
     def save(self, model: torch.nn.Module, path: Path) -> None:
@@ -94,7 +95,9 @@ class Publisher:
             state.pop("lm_head.weight", None)  # shared with the embedding; HF ties it on load
         return state
 
-    def _write_folder(self, path: Path, state: dict[str, torch.Tensor], config) -> None:
+    def _write_folder(
+        self, path: Path, state: dict[str, torch.Tensor], config, stats: dict | None = None
+    ) -> None:
         with writing(path, "the weights for inference"):
             if path.exists():
                 shutil.rmtree(path)
@@ -105,9 +108,11 @@ class Publisher:
                 save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
                 config.save_pretrained(path)
                 self._tokenizer.save_pretrained(path)
+            if stats:
+                (path / TRAINER_STATS).write_text(json.dumps(stats))
             (path / READY).touch()
 
-    def _write(self, step: int, state: dict[str, torch.Tensor], config) -> None:
+    def _write(self, step: int, state: dict[str, torch.Tensor], config, stats: dict | None = None) -> None:
         t0 = time.perf_counter()
         if self.broadcaster is not None:
             try:
@@ -119,14 +124,16 @@ class Publisher:
                         {"servers": pushed.servers, "seconds": pushed.seconds, "phases": pushed.phases}
                     )
                 )
+                if stats:
+                    (folder / TRAINER_STATS).write_text(json.dumps(stats))
                 (folder / READY).touch()
                 self.last_broadcast = 1.0
             except BroadcastError as e:
                 log.warning("%s; writing the weights of step %d to files instead", e, step)
-                self._write_folder(step_dir(self.root, step), state, config)
+                self._write_folder(step_dir(self.root, step), state, config, stats)
                 self.last_broadcast = 0.0
         else:
-            self._write_folder(step_dir(self.root, step), state, config)
+            self._write_folder(step_dir(self.root, step), state, config, stats)
         for old in marked_steps(self.root, READY)[: -self.keep]:
             shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
         self.last_write_s = time.perf_counter() - t0
