@@ -16,6 +16,8 @@ from prime_rl.trainer.estimators.reinforce import Reinforce
 from prime_rl.trainer.losses import LossConfig
 from prime_rl.trainer.losses.correction import RolloutCorrectionConfig
 from prime_rl.trainer.losses.ppo import PPOLoss
+from prime_rl.trainer.moe.config import MoEConfig
+from prime_rl.trainer.parallel.config import ParallelConfig, check_cp_fits, check_ep_fits
 from prime_rl.transport.config import TransportConfig
 
 
@@ -75,39 +77,6 @@ class LoRAConfig(BaseConfig):
     """Linear layers that get adapters, by the last part of their name (e.g. 'q_proj' adapts every
     layer's attention query). Each must name a linear layer of the model. Default: every linear layer
     of the blocks; of a mixture of experts, the attention's (q, k, v, o_proj)."""
-
-
-class MoEConfig(BaseConfig):
-    """Mixture-of-experts models (ignored for dense ones): router replay and the load-balancing loss."""
-
-    aux_loss_coef: float = Field(default=0.0, ge=0)
-    """Weight of the load-balancing loss added to the training loss: per layer, experts x the sum over
-    experts of (share of the token's top-k slots routed to it) x (its mean router probability), as the
-    Switch Transformer's; 1.0 when the load is even. Averaged over layers, weighted by each
-    micro-batch's share of the step's loss tokens. 0: off (the metric `moe/aux_loss` is logged
-    anyway)."""
-
-    replay: bool = True
-    """Router replay: when the micro-batches carry the sampler's routed experts (the orchestrator's
-    `return_routes`), route every token to the experts the sampler chose, with this router's own
-    weights at them (so the router still learns). False: the trainer's routers choose, and the
-    routes only measure agreement (`moe/route_agreement`)."""
-
-
-class ParallelConfig(BaseConfig):
-    """How the trainer ranks share the work: dp x cp = all ranks (torchrun's nproc x nodes)."""
-
-    cp: int = Field(default=1, ge=1)
-    """Context-parallel ranks per data-parallel replica: each micro-batch's tokens are split across
-    this many ranks (attention all-gathers keys and values). It must divide the number of ranks;
-    the data-parallel size is ranks / cp, which is the orchestrator's `trainer_ranks`."""
-
-    ep: int = Field(default=1, ge=1)
-    """Expert-parallel ranks (mixture-of-experts models only): each MoE layer's experts are split
-    across this many consecutive ranks, and every token travels to its experts' ranks and back by
-    all-to-all. It must divide the ranks (dp x cp) and each layer's number of experts; it does not
-    change the data-parallel size. The experts' shards are replicated over ranks / ep groups
-    (FSDP shards them there, as it shards everything else over all ranks)."""
 
 
 class OptimizerConfig(BaseConfig):
@@ -298,26 +267,7 @@ class TrainingConfig(RootConfig):
 
     @model_validator(mode="after")
     def _ep_splits_the_experts(self):
-        ep = self.parallel.ep
-        if ep == 1:
-            return self
-        from prime_rl.model.local import num_experts, read_config
-
-        try:
-            local = read_config(self.model.name) is not None
-        except ValueError:
-            return self  # the model key's own check says what is wrong with the folder
-        experts = num_experts(self.model.name) if local else None
-        if experts == 0:
-            raise ValueError(
-                f"parallel.ep = {ep} splits a mixture of experts, but model.name = '{self.model.name}' "
-                "is a dense model (no experts to split): set ep = 1"
-            )
-        if experts and experts % ep:
-            raise ValueError(
-                f"parallel.ep = {ep} does not divide the {experts} experts per layer of "
-                f"model.name = '{self.model.name}'"
-            )
+        check_ep_fits(self.parallel.ep, self.model.name)
         return self
 
     @model_validator(mode="before")
@@ -397,13 +347,6 @@ class TrainerConfig(TrainingConfig):
                 "(or 'none') with a sequence ratio"
             )
         return self
-
-
-def check_cp_fits(seq_len: int, cp: int) -> None:
-    if seq_len < 2 * cp:
-        raise ValueError(
-            f"parallel.cp = {cp} cuts each micro-batch into {2 * cp} chunks: seq_len = {seq_len} must be at least that"
-        )
 
 
 def contract_side(config: TrainerConfig, dp: int) -> TrainerSide:

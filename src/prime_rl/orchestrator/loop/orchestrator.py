@@ -25,12 +25,9 @@ from prime_rl import shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.layout import (
-    checkpoint_root,
-    complete_steps,
     read_trainer_stats,
     refusal_path,
     restart_counts,
-    verify_checkpoint,
     weights_root,
 )
 from prime_rl.model.local import num_experts
@@ -53,6 +50,7 @@ from prime_rl.orchestrator.loop.progress import (
     save_progress,
 )
 from prime_rl.orchestrator.loop.records import step_records, write_jsonl
+from prime_rl.orchestrator.loop.resend import oldest_resume_step, steps_to_resend
 from prime_rl.orchestrator.loop.scheduler import Accounting, Scheduler
 from prime_rl.orchestrator.loop.sender import BatchSender
 from prime_rl.orchestrator.loop.servers import ServerPool
@@ -235,37 +233,17 @@ class Orchestrator:
         await self.sender.close(deliver=True)
         self.metrics.close()
 
-    def _oldest_checkpoint(self) -> int:
-        """The earliest step a restarted trainer may resume from: its oldest kept checkpoint (it
-        falls back to an older one when the newest is damaged), 0 if none.
-
-        Batches from there on are kept and re-sent; a trainer that is further along skips them.
-        """
-        steps = complete_steps(checkpoint_root(self.output_dir))
-        return min(steps[0] if steps else 0, self.weights.version)
-
-    def _trainer_is_done(self) -> bool:
-        """Whether the trainer's newest checkpoint is intact and at max_steps: a trainer restarted
-        from it trains nothing and reads nothing, so a re-sent batch would wait for it forever (the
-        trainer killed after its last checkpoint, before the run saw it finish)."""
-        root = checkpoint_root(self.output_dir)
-        steps = complete_steps(root)
-        return (
-            bool(steps)
-            and steps[-1] >= self.config.max_steps
-            and verify_checkpoint(root / f"step_{steps[-1]}") is None
-        )
-
     async def _resend(self, next_step: int) -> None:
         """After a restart: send again the saved batches a (restarted) trainer may still need.
 
-        Those are the steps from the trainer's oldest kept checkpoint up to the last built one; the
-        trainer skips any step it already has.
+        Those are `loop/resend.py`'s: from the trainer's oldest kept checkpoint up to the last built
+        step (the trainer skips any it already has), none when the trainer has finished.
         """
-        if await asyncio.to_thread(self._trainer_is_done):
-            return
-        trained = self._oldest_checkpoint()
-        for step in range(trained, next_step):
+        c = self.config
+        steps = await asyncio.to_thread(
+            steps_to_resend, self.output_dir, next_step, self.weights.version, c.max_steps
+        )
+        for step in steps:
             batch = await asyncio.to_thread(load_batch, self.output_dir, step)
             if batch is None:
                 log.warning("the saved batch of step %d is missing: it cannot be re-sent", step)
@@ -409,7 +387,9 @@ class Orchestrator:
     def _save(self, batch: TrainingBatch, progress: Progress) -> None:
         """The step's commit point: its batch, then the progress that says it is built."""
         with writing(self.output_dir / "orchestrator", f"the batch and progress of step {batch.header.step}"):
-            save_batch(self.output_dir, batch, keep_from=self._oldest_checkpoint())
+            save_batch(
+                self.output_dir, batch, keep_from=oldest_resume_step(self.output_dir, self.weights.version)
+            )
             save_progress(self.output_dir, progress)
 
     def _write_rollouts(

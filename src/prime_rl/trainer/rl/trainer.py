@@ -32,8 +32,7 @@ from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.losses.aggregation import divisor, token_weights
 from prime_rl.trainer.model import fsdp_group_size, load_model
-from prime_rl.trainer.moe.load import load_metrics, new_counts, recording_routes
-from prime_rl.trainer.moe.replay import agreement_metrics, replay
+from prime_rl.trainer.moe.step import MoEStep, sample_positions
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.parallel.context_parallel import SequenceShard, shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
@@ -43,7 +42,6 @@ from prime_rl.trainer.rl.kl_reward import KLController, kl_rewards
 from prime_rl.trainer.rl.returns import sample_index
 from prime_rl.trainer.rl.stats import TokenStats
 from prime_rl.transport.messages import MicroBatch
-from prime_rl.transport.packing import FILLER_ENV
 
 
 @dataclass
@@ -245,23 +243,17 @@ class Trainer:
         loss_denom = divisor(aggregation, global_tokens, global_samples)
         train_policy = self.policy_trains(step)
         stats, results = TokenStats(self.world.device), []
-        counts = new_counts(self.model, self.world.device)  # None for a dense model
-        agreement = None if counts is None else counts.new_zeros(counts.shape[0], 2)
-        aux_sum = self.world.scalars(0.0)[0]
+        moe = MoEStep.start(self.model, self.config.moe.replay, self.config.moe.aux_loss_coef, self.world)
         for p in prepared:
             mb, t = p.mb, p.t
             with torch.set_grad_enabled(train_policy):
-                real = p.shard.take(sample_positions(mb, t["input_ids"])) if counts is not None else None
-                recording = (
-                    recording_routes(self.model, counts, real) if counts is not None else nullcontext()
-                )
-                routes = p.shard.take(t["routes"]) if "routes" in t and counts is not None else None
-                replaying = (
-                    replay(self.model, routes, self.config.moe.replay, real, agreement)
-                    if routes is not None
-                    else nullcontext()
-                )
-                with recording as routing, replaying:
+                routing_context = nullcontext()
+                if moe is not None:
+                    routes = p.shard.take(t["routes"]) if "routes" in t else None
+                    routing_context = moe.forward(
+                        p.shard.take(sample_positions(mb, t["input_ids"].device)), routes
+                    )
+                with routing_context as routing:
                     lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
                 inputs = LossInputs(
                     lp,
@@ -279,11 +271,9 @@ class Trainer:
                 if weights is not None:
                     token_loss = token_loss * weights
                 loss = token_loss.sum() / loss_denom
-                if routing is not None:  # a MoE: its load-balancing loss, weighted by the loss tokens
-                    aux = routing.balance_loss() * ((t["loss_mask"] & t["owned"]).sum() / denom)
-                    aux_sum = aux_sum + aux.detach()
-                    if self.config.moe.aux_loss_coef > 0:
-                        loss = loss + self.config.moe.aux_loss_coef * aux
+                if moe is not None:  # its load-balancing loss, weighted by the loss tokens
+                    aux = moe.aux_loss(routing, (t["loss_mask"] & t["owned"]).sum() / denom)
+                    loss = loss if aux is None else loss + aux
             if train_policy:
                 loss.backward()
             self._record(stats, mb, t, lp.detach(), entropy, out)
@@ -300,14 +290,8 @@ class Trainer:
                 for p in module.parameters() if module is not None else ():
                     if p.grad is not None:
                         p.grad.mul_(fsdp_group_size(p))
-        if counts is not None:
-            aux_loss = self.world.host(all_reduce_sum(aux_sum, self.world))
-            prepare_metrics = {
-                **prepare_metrics,
-                **load_metrics(counts, self.world),
-                **agreement_metrics(agreement, self.world),
-                "moe/aux_loss": aux_loss,
-            }
+        if moe is not None:
+            prepare_metrics = {**prepare_metrics, **moe.metrics()}
         return Accumulated(stats, results, global_tokens, prepare_metrics)
 
     def _critic_backward(self, stats: TokenStats, p: Prepared, denom: float) -> None:
@@ -407,12 +391,6 @@ class Trainer:
             metrics["critic/lr"] = self.config.critic.optim.lr
             metrics["critic/policy_trained"] = float(train_policy)
         return metrics, results
-
-
-def sample_positions(mb: MicroBatch, like: torch.Tensor) -> torch.Tensor:
-    """[T] bool: the positions of real samples (a filler micro-batch's pad token is not one)."""
-    real = torch.tensor([e != FILLER_ENV for e in mb.env_names], device=like.device)
-    return real.repeat_interleave(torch.tensor(mb.sample_lens, device=like.device))
 
 
 def _loss_tokens_per_sample(mb: MicroBatch) -> list[int]:
