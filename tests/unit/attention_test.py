@@ -4,7 +4,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from prime_rl.trainer.attention import sample_starts, use_packed_attention
+from prime_rl.trainer.attention import (
+    configure_attention,
+    plan_for_samples,
+    sample_starts,
+    use_packed_attention,
+)
 
 
 def tiny_model():
@@ -28,24 +33,24 @@ def test_sample_starts_reads_samples_from_positions():
 
 
 @pytest.mark.parametrize("lengths", [[7, 1, 12, 1, 1, 9], [5, 5, 5, 3, 3, 1], [30]])
-def test_per_sample_attention_equals_dense_mask(lengths):
+def test_packed_attention_equals_dense_mask(lengths):
     """Runs of equal lengths (batched together) and samples of length 1 included."""
     model = tiny_model()
     pos = torch.cat([torch.arange(n) for n in lengths])
     ids = torch.randint(0, 50, pos.shape)
     model.set_attn_implementation("sdpa")
     ref_logits, ref_grads = logits_and_grads(model, ids, pos)
-    use_packed_attention(model, "per_sample")
+    use_packed_attention(model, "packed")
     logits, grads = logits_and_grads(model, ids, pos)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-5)
 
 
-def test_per_sample_attention_keeps_samples_apart():
+def test_packed_attention_keeps_samples_apart():
     """Changing one sample's tokens leaves every other sample's logits as they were."""
     model = tiny_model()
-    use_packed_attention(model, "per_sample")
+    use_packed_attention(model, "packed")
     pos = torch.cat([torch.arange(6), torch.arange(4)])
     ids = torch.randint(0, 50, pos.shape)
     changed = ids.clone()
@@ -55,3 +60,54 @@ def test_per_sample_attention_keeps_samples_apart():
         b = model(input_ids=changed[None], position_ids=pos[None]).logits[0]
     torch.testing.assert_close(a[6:], b[6:], rtol=0, atol=1e-6)
     assert not torch.allclose(a[:6], b[:6])
+
+
+def test_packed_equals_each_sample_alone():
+    """Logprobs and gradients of a packed micro-batch equal those of its samples run one by one."""
+    model = tiny_model()
+    use_packed_attention(model, "packed")
+    lengths = [9, 1, 14, 3]
+    ids = [torch.randint(0, 50, (n,)) for n in lengths]
+    packed_logits, packed_grads = logits_and_grads(
+        model, torch.cat(ids), torch.cat([torch.arange(n) for n in lengths])
+    )
+    model.set_attn_implementation("sdpa")
+    model.zero_grad()
+    alone = []
+    for x in ids:
+        logits = model(input_ids=x[None], position_ids=torch.arange(len(x))[None], use_cache=False).logits
+        logits.logsumexp(-1).sum().div(sum(lengths)).backward()
+        alone.append(logits.detach())
+    torch.testing.assert_close(packed_logits, torch.cat(alone, 1), rtol=0, atol=1e-5)
+    for p, g in zip(model.parameters(), packed_grads, strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-5)
+
+
+def test_samples_of_similar_length_share_a_call():
+    """Short samples cost a few batched calls, not one each; a lone long sample is attended in place."""
+    plan = plan_for_samples([40, 38, 35, 50, 33, 1, 1, 2, 500], torch.device("cpu"))
+    assert len(plan.buckets) <= 4
+    assert plan.buckets[0].rows == (
+        sum([40, 38, 35, 50, 33, 1, 1, 2]),
+        sum([40, 38, 35, 50, 33, 1, 1, 2]),
+        500,
+    )
+
+
+def test_each_mechanism_says_where_it_runs():
+    model = tiny_model()
+    cpu = torch.device("cpu")
+    assert configure_attention(model, "auto", cpu, cp=1) == "packed"
+    assert model.config._attn_implementation == "prime_rl_packed"
+    with pytest.raises(ValueError, match="'flex' runs on CUDA only"):
+        configure_attention(model, "flex", cpu, cp=1)
+    with pytest.raises(ValueError, match="only 'packed' attends"):
+        configure_attention(model, "dense", cpu, cp=2)
+
+
+def test_a_sliding_window_model_keeps_dense_attention_unless_packed_is_asked_for():
+    model = tiny_model()
+    model.config.use_sliding_window = True
+    assert configure_attention(model, "auto", torch.device("cpu"), cp=1) == "dense"
+    with pytest.raises(ValueError, match="sliding-window attention.*use 'dense'"):
+        configure_attention(model, "packed", torch.device("cpu"), cp=1)

@@ -1,23 +1,157 @@
 """Packed attention: each sample of a packed micro-batch attends causally to itself only, at a cost
 that grows with the sum over samples of L², never with the micro-batch's T².
 
-Invariant: the samples are read from `position_ids` alone (a sample starts where its position is 0,
-as `transport/packing.py` lays them out), so no [T, T] mask is ever built. Every mechanism here
-computes the same function as causal attention under the block-diagonal mask, and each is a
-transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] in, [1, T, Hq, D] out.
+Invariant: no [T, T] mask is ever built. Every mechanism computes causal attention under the
+block-diagonal mask of the samples, and each is a transformers attention function: query
+[1, Hq, T, D], key/value [1, Hkv, T, D] in, [1, T, Hq, D] out.
 
-- `per_sample`: one `scaled_dot_product_attention(is_causal=True)` per sample. Runs everywhere,
-  backward included (FlexAttention has no CPU backward).
-- `flex`: FlexAttention with a block mask of the samples (CUDA; compiled by Triton).
-- `varlen`: torch's variable-length flash attention (CUDA only).
+- `packed` (default, CPU and CUDA, backward included): an `AttentionPlan` cuts the queries into
+  segments (a sample, or under context parallelism the part of a sample a rank holds, with the
+  earlier keys of that sample). Segments of similar length are padded to one length and go through
+  one batched `scaled_dot_product_attention(is_causal=True)`, so hundreds of short samples cost a
+  few kernel calls. Padding sits after a segment's real rows, where causal attention keeps it from
+  every real query; its outputs are dropped. A segment whose keys start before its queries (a
+  sample cut by context parallelism) gets a mask of its own [Lq, Lk], never one of the micro-batch.
+- `flex`: FlexAttention with a block mask of the samples (CUDA only; compiled by Triton; no backward
+  on the CPU).
+- `varlen`: torch's variable-length flash attention (CUDA only, 16-bit floats).
+
+The trainer builds the plan once per micro-batch from its sample lengths and hands it to every
+layer under the `packed_attention` keyword; a direct model call without it reads the samples from
+`position_ids` (a sample starts where its position is 0, as `transport/packing.py` lays them out).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-MECHANISMS = ("per_sample", "flex", "varlen")
+MECHANISMS = ("auto", "packed", "flex", "varlen", "dense")
+
+PLAN_KWARG = "packed_attention"
+"""The keyword under which a model call hands the `AttentionPlan` down to every attention layer."""
+
+BUCKET_FILL = 0.8
+"""Segments share a padded call when their length is at least this fraction of its longest: at
+most (1 / 0.8)² = 1.56x the attention work of unpadded calls, usually far less."""
+
+SHORT = 16
+"""Segments this short all share one call: padding them costs less than another kernel launch."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Queries at local rows `q_start + i` (i < q_len) attend to key rows `keys[: offset + i + 1]`:
+    a sample's queries and the keys of that sample up to each query (offset = keys before the first
+    query, 0 for a whole sample)."""
+
+    q_start: int
+    q_len: int
+    keys: np.ndarray  # [offset + q_len] key rows
+
+    @property
+    def offset(self) -> int:
+        return len(self.keys) - self.q_len
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Segments attended in one call: `q_index` [n, Lq] and `k_index` [n, Lk] gather their rows
+    (padding repeats a segment's last row); `mask` [n, 1, Lq, Lk] or None for plain causal."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    mask: torch.Tensor | None
+    rows: tuple[int, int, int] | None = None
+    """(query start, key start, length) when the bucket is one whole segment of contiguous rows:
+    then it is attended on views, without gathering copies."""
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one rank's `length` query rows attend: the buckets, where each query row's output lands in
+    their concatenation (`out_rows`), and, under context parallelism, `exchange`, which turns the
+    local key/value rows [L, 2, Hkv, D] into the key rows the buckets index (local ones first)."""
+
+    length: int
+    buckets: tuple[Bucket, ...]
+    out_rows: torch.Tensor | None
+    """None when the buckets' outputs are already in row order."""
+    cu_seqlens: torch.Tensor | None = None
+    """[samples + 1] sample bounds when the rank holds whole samples (for flex and varlen)."""
+    exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
+    segments: tuple[Segment, ...] = ()
+    """What the buckets attend, kept on the host (for checks and tests)."""
+
+
+def sample_segments(sample_lens: list[int]) -> list[Segment]:
+    """Whole samples laid end to end: each attends to itself (key rows = query rows)."""
+    segments, start = [], 0
+    for n in sample_lens:
+        segments.append(Segment(start, n, np.arange(start, start + n)))
+        start += n
+    return segments
+
+
+def build_plan(
+    segments: list[Segment],
+    length: int,
+    device: torch.device,
+    cu_seqlens: list[int] | None = None,
+    exchange: Callable | None = None,
+) -> AttentionPlan:
+    """Bucket `segments` (which cover query rows 0..length-1 once each) into padded calls."""
+    whole = sorted((s for s in segments if s.offset == 0), key=lambda s: -s.q_len)
+    groups: list[list[Segment]] = []
+    for s in whole:
+        if groups and (s.q_len >= BUCKET_FILL * groups[-1][0].q_len or groups[-1][0].q_len <= SHORT):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    groups += [[s] for s in segments if s.offset > 0]
+    out_rows = np.empty(length, dtype=np.int64)
+    buckets, base = [], 0
+    for group in groups:
+        lq = max(s.q_len for s in group)
+        lk = max(len(s.keys) for s in group)
+        step = np.arange(lq)
+        q_index = np.stack([s.q_start + np.minimum(step, s.q_len - 1) for s in group])
+        k_index = np.stack([s.keys[np.minimum(np.arange(lk), len(s.keys) - 1)] for s in group])
+        for i, s in enumerate(group):
+            out_rows[s.q_start : s.q_start + s.q_len] = base + i * lq + np.arange(s.q_len)
+        base += len(group) * lq
+        mask = None
+        if group[0].offset > 0:
+            s = group[0]
+            mask = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + s.offset
+            mask = torch.as_tensor(mask, device=device)[None, None]
+        rows = None
+        if (
+            len(group) == 1
+            and group[0].offset == 0
+            and np.array_equal(group[0].keys, group[0].keys[0] + step)
+        ):
+            rows = (group[0].q_start, int(group[0].keys[0]), lq)
+        buckets.append(Bucket(_tensor(q_index, device), _tensor(k_index, device), mask, rows))
+    cu = _tensor(np.asarray(cu_seqlens), device).to(torch.int32) if cu_seqlens is not None else None
+    identity = base == length and np.array_equal(out_rows, np.arange(length))
+    out = None if identity else _tensor(out_rows, device)
+    return AttentionPlan(length, tuple(buckets), out, cu, exchange, tuple(segments))
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64), device=device)
+
+
+def plan_for_samples(sample_lens: list[int], device: torch.device) -> AttentionPlan:
+    """The plan of whole samples packed end to end (no context parallelism)."""
+    cu = np.concatenate([[0], np.cumsum(sample_lens)]).tolist()
+    return build_plan(sample_segments(sample_lens), int(sum(sample_lens)), device, cu_seqlens=cu)
 
 
 def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -30,45 +164,70 @@ def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end]).to(torch.int32)
 
 
-def _expand_kv(query: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    return kv if kv.shape[1] == query.shape[1] else kv.repeat_interleave(query.shape[1] // kv.shape[1], dim=1)
+_PLANS: dict = {}
 
 
-def per_sample_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    bounds = sample_starts(kwargs["position_ids"]).tolist()
-    key, value = _expand_kv(query, key), _expand_kv(query, value)
+def plan_from_positions(position_ids: torch.Tensor) -> AttentionPlan:
+    """The plan of a call that brought none: samples read from the positions, built once for all
+    the layers of one forward. The address alone is no key (a freed tensor's memory is reused), so
+    the positions it was built from are compared too."""
+    key = (position_ids.data_ptr(), position_ids.numel(), position_ids.device)
+    cached = _PLANS.get(key)
+    if cached is None or not torch.equal(cached[0], position_ids):
+        _PLANS.clear()
+        bounds = sample_starts(position_ids).tolist()
+        lens = [b - a for a, b in itertools.pairwise(bounds)]
+        _PLANS[key] = (position_ids.clone(), plan_for_samples(lens, position_ids.device))
+    return _PLANS[key][1]
+
+
+def _plan(kwargs) -> AttentionPlan:
+    plan = kwargs.get(PLAN_KWARG)
+    return plan if plan is not None else plan_from_positions(kwargs["position_ids"])
+
+
+def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    plan = _plan(kwargs)
+    q = query[0].transpose(0, 1)  # [L, Hq, D]
+    if plan.exchange is not None:
+        kv = plan.exchange(torch.stack([key[0], value[0]]).permute(2, 0, 1, 3))  # [rows, 2, Hkv, D]
+        k, v = kv[:, 0], kv[:, 1]
+        key, value = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    else:
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    gqa = k.shape[1] != q.shape[1]
     outs = []
-    # Runs of equal-length samples go through one batched call, so many short samples cost few launches.
-    i = 0
-    while i < len(bounds) - 1:
-        length = bounds[i + 1] - bounds[i]
-        j = i + 1
-        while j < len(bounds) - 1 and bounds[j + 1] - bounds[j] == length:
-            j += 1
-        a, b, n = bounds[i], bounds[j], j - i
-        q, k, v = (t[0, :, a:b].unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling)
-        outs.append(o.transpose(0, 1).flatten(1, 2))
-        i = j
-    out = torch.cat(outs, dim=1)[None]
-    return out.transpose(1, 2).contiguous(), None
+    for b in plan.buckets:
+        if b.rows is not None:
+            qs, ks, n = b.rows
+            qb, kb, vb = query[:, :, qs : qs + n], key[:, :, ks : ks + n], value[:, :, ks : ks + n]
+        else:
+            qb, kb, vb = (x[i].transpose(1, 2) for x, i in ((q, b.q_index), (k, b.k_index), (v, b.k_index)))
+        if b.mask is not None and gqa:
+            # CUDA's fused kernels take a mask only with as many k/v heads as query heads.
+            kb = kb.repeat_interleave(qb.shape[1] // kb.shape[1], dim=1)
+            vb = vb.repeat_interleave(qb.shape[1] // vb.shape[1], dim=1)
+        o = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=b.mask, is_causal=b.mask is None, dropout_p=dropout, scale=scaling,
+            enable_gqa=gqa and b.mask is None,
+        )  # fmt: skip
+        outs.append(o.transpose(1, 2).flatten(0, 1))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return (out if plan.out_rows is None else out[plan.out_rows])[None], None
 
 
 _BLOCK_MASKS: dict = {}
 
 
-def _block_mask(position_ids: torch.Tensor, length: int):
+def _block_mask(cu: torch.Tensor, length: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    # Every layer of one forward asks for the same mask: build it once. The address alone is no key (a
-    # freed tensor's memory is reused), so the positions it was built from are compared too.
-    key = (position_ids.data_ptr(), length, position_ids.device)
+    key = (cu.data_ptr(), length, cu.device)
     cached = _BLOCK_MASKS.get(key)
-    if cached is None or not torch.equal(cached[0], position_ids):
+    if cached is None or not torch.equal(cached[0], cu):
         _BLOCK_MASKS.clear()
-        bounds = sample_starts(position_ids)
-        doc = torch.zeros(length, dtype=torch.int32, device=position_ids.device)
-        doc[bounds[1:-1].long()] = 1
+        doc = torch.zeros(length, dtype=torch.int32, device=cu.device)
+        doc[cu[1:-1].long()] = 1
         doc = doc.cumsum(0)
 
         def causal_same_sample(b, h, q, kv):
@@ -76,9 +235,9 @@ def _block_mask(position_ids: torch.Tensor, length: int):
 
         # Compiled, the mask is built block by block; eager, it would hold all T x T booleans at once.
         mask = create_block_mask(
-            causal_same_sample, None, None, length, length, device=position_ids.device, _compile=True
+            causal_same_sample, None, None, length, length, device=cu.device, _compile=True
         )
-        _BLOCK_MASKS[key] = (position_ids.clone(), mask)
+        _BLOCK_MASKS[key] = (cu.clone(), mask)
     return _BLOCK_MASKS[key][1]
 
 
@@ -91,7 +250,7 @@ def flex_attention_fn(module, query, key, value, attention_mask=None, scaling=No
 
     if _FLEX is None:
         _FLEX = torch.compile(flex_attention, dynamic=False)
-    mask = _block_mask(kwargs["position_ids"], query.shape[2])
+    mask = _block_mask(_plan(kwargs).cu_seqlens, query.shape[2])
     gqa = key.shape[1] != query.shape[1]
     out = _FLEX(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
@@ -102,26 +261,77 @@ def varlen_attention(module, query, key, value, attention_mask=None, scaling=Non
 
     from torch.nn.attention.varlen import varlen_attn
 
-    cu = sample_starts(kwargs["position_ids"])
+    cu = _plan(kwargs).cu_seqlens
     longest = int((cu[1:] - cu[:-1]).max())
     params = inspect.signature(varlen_attn).parameters
     # torch <= 2.11 spells causal `is_causal`; later ones a (left, right) window, right = 0.
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     if "enable_gqa" in params:
         causal["enable_gqa"] = key.shape[1] != query.shape[1]
-    else:
-        key, value = _expand_kv(query, key), _expand_kv(query, value)
+    elif key.shape[1] != query.shape[1]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **causal)
     return out[None], None
 
 
-FUNCTIONS = {"per_sample": per_sample_attention, "flex": flex_attention_fn, "varlen": varlen_attention}
+FUNCTIONS = {"packed": packed_attention, "flex": flex_attention_fn, "varlen": varlen_attention}
+
+
+def model_problem(model: torch.nn.Module) -> str | None:
+    """Why this model's attention cannot be replaced by packed attention, or None when it can."""
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not take a pluggable attention function from transformers"
+    config = model.config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
+        config, "use_sliding_window", False
+    ):
+        return "it uses sliding-window attention, which packed attention does not implement"
+    return None
+
+
+def mechanism_problem(mechanism: str, device: torch.device, cp: int) -> str | None:
+    """Why `mechanism` cannot run on `device` with context parallelism `cp`, or None when it can."""
+    if mechanism == "packed":
+        return None
+    if cp > 1:
+        return f"context parallelism splits samples across ranks, which only 'packed' attends (not '{mechanism}')"
+    if mechanism == "dense":
+        return None
+    if device.type != "cuda":
+        return f"'{mechanism}' runs on CUDA only (this trainer runs on {device.type}): use 'packed'"
+    if mechanism == "varlen":
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen: use 'flex' or 'packed'"
+    return None
+
+
+def configure_attention(model: torch.nn.Module, requested: str, device: torch.device, cp: int) -> str:
+    """Set `model`'s attention to `requested` ('auto': packed where the model allows it, else
+    transformers' dense sdpa) and return the mechanism; ValueError says why it cannot run."""
+    problem = model_problem(model)
+    if requested == "auto":
+        requested = "packed" if problem is None or cp > 1 else "dense"
+    if requested != "dense" and problem is not None:
+        why = "context parallelism attends through 'packed', which" if cp > 1 else f"'{requested}'"
+        fix = "use cp = 1 for this model" if cp > 1 else "use 'dense' for this model"
+        raise ValueError(f"{why} cannot replace this model's attention: {problem}; {fix}")
+    problem = mechanism_problem(requested, device, cp)
+    if problem is not None:
+        raise ValueError(problem)
+    use_packed_attention(model, requested)
+    return requested
 
 
 def use_packed_attention(model: torch.nn.Module, mechanism: str) -> None:
     """Route `model`'s attention through `mechanism` (registered with transformers under
-    `prime_rl_<mechanism>`)."""
+    `prime_rl_<mechanism>`); 'dense' keeps transformers' sdpa with its [T, T] mask."""
+    if mechanism == "dense":
+        model.set_attn_implementation("sdpa")
+        return
     from transformers import AttentionInterface
 
     name = f"prime_rl_{mechanism}"

@@ -47,6 +47,14 @@ class ModelConfig(BaseConfig):
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (less memory, one more all-gather in backward)."""
 
+    attention: Literal["auto", "packed", "flex", "varlen", "dense"] = "auto"
+    """How the samples packed in a micro-batch attend, each to itself only. 'packed' (CPU and CUDA):
+    samples of similar length padded into a few batched sdpa calls, work = the sum of their L²;
+    'flex' (CUDA): FlexAttention with a block mask; 'varlen' (CUDA, bfloat16): variable-length
+    flash attention; 'dense': transformers' sdpa with a [T, T] mask of the micro-batch (work T²).
+    'auto': 'packed', or 'dense' for a model whose attention cannot be swapped (sliding windows).
+    Context parallelism needs 'packed'."""
+
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Every linear layer of a Qwen/Llama-style decoder block (attention and MLP), not the lm_head."""

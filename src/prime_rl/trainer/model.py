@@ -14,10 +14,10 @@ import torch
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from prime_rl.trainer import lora as lora_layers
+from prime_rl.trainer.attention import configure_attention
 from prime_rl.trainer.config import LoRAConfig, ModelConfig
 from prime_rl.trainer.logprobs import attach_position_logprobs
 from prime_rl.trainer.moe.expert_parallel import ep_problem, fsdp_experts, shard_experts
-from prime_rl.trainer.parallel.context_parallel import cp_attention_problem, enable_cp_attention
 from prime_rl.trainer.parallel.dist import World
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -96,7 +96,7 @@ def add_adapters(model: torch.nn.Module, lora: LoRAConfig, seed: int, key: str, 
 
 
 def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key: str) -> None:
-    """Context-parallel attention, expert parallelism, activation checkpointing and FSDP2 sharding,
+    """Packed (or context-parallel) attention, expert parallelism, activation checkpointing and FSDP2 sharding,
     as configured."""
     experts = []
     if world.ep > 1:
@@ -107,14 +107,7 @@ def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key
                 f"experts across ranks: {problem}. Use ep = 1 for this model."
             )
         experts = shard_experts(model, world)
-    if world.cp > 1:
-        problem = cp_attention_problem(model)
-        if problem:
-            raise ModelLoadError(
-                f"trainer.parallel.cp = {world.cp}, but the attention of {key} = '{config.name}' cannot be "
-                f"split across ranks: {problem}. Use cp = 1 for this model."
-            )
-        enable_cp_attention(model)
+    set_attention(model, config.attention, world, key, config.name)
     if config.activation_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -125,6 +118,17 @@ def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key
             fully_shard(layer, mesh=world.mesh, reshard_after_forward=config.reshard_after_forward)
         fully_shard(model, mesh=world.mesh, reshard_after_forward=config.reshard_after_forward)
     model.train()
+
+
+def set_attention(model: torch.nn.Module, requested: str, world: World, key: str, name: str) -> None:
+    """The configured attention mechanism (`trainer.model.attention`), or one line saying why not."""
+    try:
+        configure_attention(model, requested, world.device, world.cp)
+    except ValueError as e:
+        cp = f" with trainer.parallel.cp = {world.cp}" if world.cp > 1 else ""
+        raise ModelLoadError(
+            f"trainer.model.attention = '{requested}'{cp} for {key} = '{name}': {e}"
+        ) from None
 
 
 def fsdp_group_size(param: torch.Tensor) -> int:

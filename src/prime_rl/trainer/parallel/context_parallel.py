@@ -5,12 +5,14 @@ Split: the micro-batch's T positions are cut into 2 * cp contiguous chunks; rank
 work. Ranks are padded to one length L (at most one or two positions); padding attends only to
 padding and its outputs are dropped.
 
-Attention: each layer all-gathers the keys and values of the group (after RoPE, which used the real
-position ids) and attends its own queries to them under a mask that lets a query see the keys of
-its own sample at or before its own place, so samples never attend to each other, exactly as
-without cp. In backward, the gathered keys' and values' gradients are reduce-scattered: summed over
-the group, each rank receiving its own slice. Both are single-buffer collectives that nccl and gloo
-have (`all_gather_into_tensor`, `reduce_scatter_tensor`), so CPU tests run the GPU's code.
+Attention: a query sees the keys of its own sample at or before it. Most of those a rank holds
+already; the others, the keys of a sample that began in an earlier chunk, come from their ranks in
+one all-to-all per layer (after RoPE, which used the real position ids), and in backward their
+gradients go back the same way. Which keys go where follows from the sample lengths alone, so every
+rank computes the exchange without talking. The attention itself is `trainer/attention.py`'s packed
+attention over this rank's segments: no mask of the micro-batch is built, and a rank's attention
+memory grows with its own tokens plus the keys of the samples it shares with earlier chunks.
+The all-to-all is a collective that nccl and gloo both have, so CPU tests run the GPU's code.
 
 Invariant: every per-position value a rank computes (logprobs, entropies, values) is gathered back
 to the full micro-batch with `SequenceShard.gather`, whose backward sums the group's gradients, so
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_to_all_single
 
-from prime_rl.trainer.rl.returns import sample_index
+from prime_rl.trainer.attention import PLAN_KWARG, AttentionPlan, Segment, build_plan, plan_for_samples
 
 
 def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
@@ -41,13 +45,6 @@ def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     fn(out, x, op=dist.ReduceOp.SUM, group=group)
 
 
-ATTENTION = "prime_rl_cp"
-"""The attention implementation name registered with transformers."""
-
-SHARD_KWARG = "cp_shard"
-"""The keyword under which a model call hands the shard down to every attention layer."""
-
-
 @dataclass(frozen=True)
 class SequenceShard:
     """This rank's share of one packed micro-batch of `length` positions."""
@@ -58,8 +55,11 @@ class SequenceShard:
     group: dist.ProcessGroup | None = None
     index: torch.Tensor | None = None
     """[L] the micro-batch position of each local position; padding holds `length` (out of range)."""
-    mask: torch.Tensor | None = None
-    """[L, size * L] bool: which gathered keys each local query may attend to."""
+    attention: AttentionPlan | None = None
+    """How the local queries attend (built once per micro-batch, used by every layer)."""
+    key_positions: np.ndarray | None = None
+    """[rows] the micro-batch position of each key row the plan indexes: the local positions (padding
+    holds `length`), then those received from the other ranks."""
 
     @property
     def split(self) -> bool:
@@ -95,8 +95,8 @@ class SequenceShard:
         return _all_indices(self.length, self.size, device).flatten()
 
     def model_kwargs(self) -> dict:
-        """Keyword arguments of a model call that make its attention layers attend across the group."""
-        return {SHARD_KWARG: self} if self.split else {}
+        """Keyword arguments of a model call that hand its attention layers this shard's plan."""
+        return {PLAN_KWARG: self.attention} if self.attention is not None else {}
 
 
 def shard_micro_batch(
@@ -105,18 +105,91 @@ def shard_micro_batch(
     """This rank's shard of a micro-batch made of samples of `sample_lens` tokens."""
     length = sum(sample_lens)
     if size == 1:
-        return SequenceShard(length)
+        return SequenceShard(length, attention=plan_for_samples(sample_lens, device))
     indices = _all_indices(length, size, device)  # [size, L]
-    sample = sample_index(sample_lens, device)
-    # Padding is a sample of its own (-1) and sits after every real position, so each padding query
-    # has at least itself to attend to (an all-masked row would give NaN).
-    sample = torch.cat([sample, sample.new_full((1,), -1)])
-    pad_order = torch.arange(indices.numel(), device=device).view_as(indices) + length
-    order = torch.where(indices < length, indices, pad_order)
-    q, k = indices[rank], indices.flatten()
-    q_order, k_order = order[rank], order.flatten()
-    mask = (sample[q][:, None] == sample[k][None, :]) & (k_order[None, :] <= q_order[:, None])
-    return SequenceShard(length, size, rank, group, q, mask)
+    layout = _Layout(sample_lens, size)
+    keys, segments, send_rows, sends, recvs = layout.for_rank(rank)
+    send_index = torch.as_tensor(send_rows, device=device)
+
+    def exchange(kv_rows: torch.Tensor) -> torch.Tensor:
+        """[L, ...] local key/value rows -> [L + received, ...]: the other ranks' rows this rank needs."""
+        sent = kv_rows[send_index]
+        got = all_to_all_single(
+            sent.new_empty((sum(recvs), *sent.shape[1:])), sent, recvs, sends, group=group
+        )
+        return torch.cat([kv_rows, got])
+
+    plan = build_plan(segments, layout.width, device, exchange=exchange)
+    return SequenceShard(length, size, rank, group, indices[rank], plan, keys)
+
+
+class _Layout:
+    """Which positions each rank holds and which keys it needs from the others, from the sample
+    lengths alone (numpy on the host: every rank computes the whole exchange the same way)."""
+
+    def __init__(self, sample_lens: list[int], size: int):
+        self.size, self.length = size, int(sum(sample_lens))
+        n = 2 * size
+        lens = np.array(
+            [len(c) for c in np.array_split(np.arange(self.length), n)]
+        )  # as torch's tensor_split
+        self.chunk_start = np.concatenate([[0], np.cumsum(lens)])
+        self.starts = np.concatenate([[0], np.cumsum(sample_lens)])
+        self.held = [lens[r] + lens[n - 1 - r] for r in range(size)]
+        self.width = int(max(self.held))
+        position = np.arange(self.length)
+        chunk = np.searchsorted(self.chunk_start, position, side="right") - 1
+        self.owner = np.where(chunk < size, chunk, n - 1 - chunk)
+        first = np.where(chunk < size, 0, lens[np.minimum(n - 1 - chunk, size - 1)])
+        self.local_row = first + position - self.chunk_start[chunk]
+        self.needed = [self._needed(r) for r in range(size)]
+
+    def chunks(self, rank: int) -> list[tuple[int, int, int]]:
+        """(start, end, first local row) of the rank's two chunks."""
+        a, b = rank, 2 * self.size - 1 - rank
+        first_b = self.chunk_start[a + 1] - self.chunk_start[a]
+        return [
+            (self.chunk_start[a], self.chunk_start[a + 1], 0),
+            (self.chunk_start[b], self.chunk_start[b + 1], first_b),
+        ]
+
+    def sample_of(self, position: int) -> int:
+        return int(np.searchsorted(self.starts, position, side="right")) - 1
+
+    def _needed(self, rank: int) -> np.ndarray:
+        """The positions before its chunks, in samples those chunks continue, that other ranks hold."""
+        parts = [np.arange(self.starts[self.sample_of(s)], s) for s, e, _ in self.chunks(rank) if e > s]
+        needed = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+        return needed[self.owner[needed] != rank]
+
+    def for_rank(self, rank: int):
+        """(key positions, segments, rows to send, send sizes, receive sizes) of one rank."""
+        size, width = self.size, self.width
+        received = np.concatenate(
+            [self.needed[rank][self.owner[self.needed[rank]] == j] for j in range(size)]
+        )
+        recvs = [int((self.owner[self.needed[rank]] == j).sum()) for j in range(size)]
+        to = [self.needed[j][self.owner[self.needed[j]] == rank] for j in range(size)]
+        send_rows = np.concatenate([self.local_row[p] for p in to]).astype(np.int64)
+        sends = [len(p) for p in to]
+        key_positions = np.full(width + len(received), self.length, dtype=np.int64)
+        for start, end, first in self.chunks(rank):
+            key_positions[first : first + end - start] = np.arange(start, end)
+        key_positions[width:] = received
+        row_of = np.full(self.length, -1, dtype=np.int64)
+        real = key_positions < self.length
+        row_of[key_positions[real]] = np.nonzero(real)[0]
+        segments = []
+        for start, end, first in self.chunks(rank):
+            if end == start:
+                continue
+            for s in range(self.sample_of(start), self.sample_of(end - 1) + 1):
+                a, b = max(self.starts[s], start), min(self.starts[s + 1], end)
+                segments.append(Segment(int(first + a - start), int(b - a), row_of[self.starts[s] : b]))
+        held = self.held[rank]
+        if held < width:  # padding attends to padding only
+            segments.append(Segment(int(held), int(width - held), np.arange(held, width)))
+        return key_positions, segments, send_rows, sends, recvs
 
 
 def _all_indices(length: int, size: int, device: torch.device) -> torch.Tensor:
@@ -146,43 +219,3 @@ class _GatherSum(torch.autograd.Function):
         out = full.new_empty((full.shape[0] // ctx.size, *full.shape[1:]))
         _reduce_scatter_single(out, full, ctx.group)
         return out.movedim(0, ctx.dim), None, None, None, None
-
-
-def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function (query [B, Hq, L, D], key/value [B, Hkv, L, D]): this rank's
-    queries against the whole group's keys and values."""
-    shard: SequenceShard | None = kwargs.get(SHARD_KWARG)
-    if shard is None:
-        raise RuntimeError(
-            "the model's attention is set up for context parallelism, but this call passed no shard "
-            f"('{SHARD_KWARG}' keyword): run it through the trainer's micro-batch path"
-        )
-    kv = _GatherSum.apply(torch.stack([key, value]), shard.group, shard.size, shard.rank, 3)
-    k, v = kv[0], kv[1]
-    if k.shape[1] != query.shape[1]:
-        # Grouped-query attention with a mask: CUDA's fused kernels take a mask only with as many k/v
-        # heads as query heads (else the math kernel holds every head's [L, S] probabilities).
-        k = k.repeat_interleave(query.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(query.shape[1] // v.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=shard.mask, dropout_p=dropout, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def cp_attention_problem(model: torch.nn.Module) -> str | None:
-    """Why this model's attention cannot be split across ranks, or None when it can."""
-    if not getattr(type(model), "_supports_attention_backend", False):
-        return f"{type(model).__name__} does not take a pluggable attention function from transformers"
-    config = model.config
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []) or getattr(
-        config, "use_sliding_window", False
-    ):
-        return "it uses sliding-window attention, which the context-parallel mask does not implement"
-    return None
-
-
-def enable_cp_attention(model: torch.nn.Module) -> None:
-    """Route the model's attention layers through `cp_attention` (registered with transformers once)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, cp_attention)
-    model.set_attn_implementation(ATTENTION)

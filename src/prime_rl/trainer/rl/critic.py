@@ -12,8 +12,15 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from prime_rl.trainer.config import CriticConfig, LoRAConfig, ModelConfig
-from prime_rl.trainer.model import DTYPES, ModelLoadError, add_adapters, building, instantiate, place
-from prime_rl.trainer.parallel.context_parallel import cp_attention_problem, enable_cp_attention
+from prime_rl.trainer.model import (
+    DTYPES,
+    ModelLoadError,
+    add_adapters,
+    building,
+    instantiate,
+    place,
+    set_attention,
+)
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 
 
@@ -60,14 +67,7 @@ def load_critic(
             add_adapters(body, lora, seed + 1, key=key, name=path)
         critic = ValueModel(body, body.config.hidden_size).to(dtype=DTYPES[policy.dtype])
     place(critic, world)
-    if world.cp > 1:
-        problem = cp_attention_problem(body)
-        if problem:
-            raise ModelLoadError(
-                f"trainer.parallel.cp = {world.cp}, but the attention of {key} = '{path}' cannot be split "
-                f"across ranks: {problem}"
-            )
-        enable_cp_attention(body)
+    set_attention(body, policy.attention, world, key, path)
     if policy.activation_checkpointing:
         body.gradient_checkpointing_enable()
     if world.distributed:
