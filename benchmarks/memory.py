@@ -2,6 +2,7 @@
 the model body, and the longest micro-batch that fits one memory budget at cp = 1 and cp = 2.
 
     uv run python benchmarks/memory.py [--tokens 2048 4096 8192] [--budget-gb B] [--ac] [--preset P] [--plan]
+    uv run python benchmarks/memory.py --attention [--tokens 8192 16384 32768 65536] [--cps 1 2 4]
 
 The model is `make-tiny-model --preset real-vocab` (Qwen3's vocabulary of 151,936, width 256, 2
 layers, random weights), or another preset (`qwen3-0.6b`: Qwen3-0.6B's shape; `--no-search` then
@@ -21,6 +22,13 @@ ranks FSDP shards the first three, and gathers each unit's parameters while it c
 longest micro-batch that fits is bisected in steps of 512 tokens against that per-rank figure
 (budget default: what the trainer at cp = 1 needs in all for the middle --tokens length), once at
 cp = 1 and once at cp = 2.
+
+`--attention`: attention memory per rank under context parallelism. Each cp rank (real torchrun
+ranks, gloo) runs one attention layer, forward and backward, over its shard of a micro-batch of ~2k
+token samples, with the all-to-all of the keys it needs: Qwen3-0.6B's attention shape (16 query
+heads, 8 key/value heads of 128), float32. Reported: the larger rank's peak RSS growth over its
+inputs (q, k, v), against cp = 1 at the same tokens per rank, and the [L, cp * L] mask the path
+before this one built (its scores came on top).
 """
 
 from __future__ import annotations
@@ -108,11 +116,70 @@ def probe(args) -> None:
     exit_rank(world, 0)
 
 
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
+
+
+def attention_probe(args) -> None:
+    """One rank's attention layer over its shard; writes {"gb", "rank_gb", "s"} to --out.<rank>."""
+    import torch
+
+    from prime_rl.trainer.attention import packed_attention
+    from prime_rl.trainer.parallel.context_parallel import shard_micro_batch
+    from prime_rl.trainer.parallel.dist import close_world, exit_rank, init_world
+
+    world = init_world(args.cp)
+    base = status("VmRSS")
+    # ~2k tokens (1.5k-2.5k), so samples cross the ranks' chunk borders and keys are exchanged.
+    rng, lens = random.Random(0), []
+    while sum(lens) < args.tokens:
+        lens.append(min(rng.randint(1536, 2560), args.tokens - sum(lens)))
+    shard = shard_micro_batch(lens, world.cp, world.cp_rank, world.cp_group, torch.device("cpu"))
+    rows = shard.attention.length
+    g = torch.Generator().manual_seed(world.rank)
+    q, k, v = (
+        torch.randn(1, h, rows, HEAD_DIM, generator=g, requires_grad=True)
+        for h in (HEADS, KV_HEADS, KV_HEADS)
+    )
+
+    def step():
+        out, _ = packed_attention(None, q, k, v, position_ids=None, packed_attention=shard.attention)
+        out.square().mean().backward()
+        q.grad = k.grad = v.grad = None
+
+    step()
+    gb, peak, s = measure(step)
+    Path(f"{args.out}.{world.rank}").write_text(json.dumps({"gb": gb, "rank_gb": peak - base, "s": s}))
+    close_world(world)
+    exit_rank(world, 0)
+
+
+def attention_sweep(args) -> None:
+    print("attention memory per rank: one layer's forward + backward over a rank's shard "
+          f"({HEADS} query / {KV_HEADS} key-value heads of {HEAD_DIM}, float32, samples of 1.5k-2.5k tokens)")  # fmt: skip
+    print("| tokens | cp | tokens per rank | peak growth, larger rank | vs cp = 1 at the same tokens per rank "
+          "| the [L, cp L] mask before | seconds |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    at_cp1 = {}
+    for cp in args.cps:
+        for n in args.tokens:
+            r = run_probe(None, "attention", n, cp)
+            per_rank = -(-n // cp)
+            if cp == 1:
+                at_cp1[n] = r["gb"]
+            ref = at_cp1.get(per_rank)
+            vs = f"{r['gb'] / ref:.2f}" if ref else ""
+            mask = per_rank * n / 2**30 if cp > 1 else 0.0
+            print(
+                f"| {n} | {cp} | {per_rank} | {r['gb']:.3f} GB | {vs} | {mask:.2f} GB | {r['s']:.1f} |",
+                flush=True,
+            )
+
+
 def run_probe(model: Path, kind: str, tokens: int, cp: int = 1, ac: bool = False) -> dict:
     out = Path(tempfile.mkdtemp()) / "probe"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(max(1, 2 // cp))}
-    cmd = [HERE.as_posix(), "--probe", kind, "--model", str(model), "--tokens", str(tokens), "--cp", str(cp),
-           "--out", str(out)] + (["--ac"] if ac else [])  # fmt: skip
+    cmd = [HERE.as_posix(), "--probe", kind, "--tokens", str(tokens), "--cp", str(cp),
+           "--out", str(out)] + (["--ac"] if ac else []) + (["--model", str(model)] if model else [])  # fmt: skip
     if cp > 1:
         from prime_rl.net import free_port
 
@@ -149,7 +216,9 @@ def longest(model: Path, cp: int, budget: float, lo: int, hi: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--probe", choices=["body", "trainer"])
+    ap.add_argument("--probe", choices=["body", "trainer", "attention"])
+    ap.add_argument("--attention", action="store_true", help="attention memory per rank at --cps")
+    ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--model")
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--cp", type=int, default=1)
@@ -166,7 +235,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.probe:
         args.tokens = args.tokens[0]
-        return probe(args)
+        return attention_probe(args) if args.probe == "attention" else probe(args)
+    if args.attention:
+        if args.tokens == ap.get_default("tokens"):
+            args.tokens = [8192, 16384, 32768, 65536]
+        return attention_sweep(args)
 
     from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 

@@ -9,6 +9,13 @@ with the full-logits logprobs it used before (`full_logits_logprobs`: the model'
 vocab] logits, then log_softmax); the bare loop through one forward, a policy-gradient loss and
 backward per micro-batch, then clipping and AdamW. Rounds alternate between the three, so machine
 noise hits all; the ratios of their median tokens/s are printed.
+
+Then micro-batch sizes (`--sizes`, default 512, 2k, 8k, 32k): the trainer's tokens/s on steps of
+`--step-tokens` tokens packed into micro-batches of each size, from short samples (~40 tokens, 20-60)
+and long ones (~2k, 1.5k-2k), with each attention of `--attention` (packed: today's default; dense:
+transformers' [T, T] mask, the path before). Printed: tokens/s, the ratio to the same attention at
+the smallest size, and packed / dense. Dense is skipped above `--dense-max` tokens (its mask and
+scores grow with T²).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +51,74 @@ def micro_batches(seq_len: int, count: int, vocab: int):
     return pack(samples, seq_len, 1, "bench", 0)[0]
 
 
+def sized_samples(kind: str, tokens: int, vocab: int, seed: int = 0) -> list[TrainingSample]:
+    """Samples of `kind` ('short' ~40 tokens, 'long' ~2k) adding up to about `tokens`."""
+    rng = random.Random(seed)
+    low, high = (20, 60) if kind == "short" else (1536, 2048)
+    out, total = [], 0
+    while total < tokens:
+        n = min(rng.randint(low, high), max(2, tokens - total))
+        p = max(1, n // 2)
+        out.append(TrainingSample([rng.randrange(3, vocab) for _ in range(p)], [rng.randrange(3, vocab) for _ in range(n - p)],
+                                  [1] * (n - p), [-6.0] * (n - p), rng.uniform(-1, 1), 0.0, "env"))  # fmt: skip
+        total += n
+    return out
+
+
+def size_sweep(folder: Path, args) -> None:
+    """tokens/s of the trainer per micro-batch size, sample kind and attention mechanism."""
+    sizes = [int(x) for x in args.sizes.split(",")]
+    mechanisms = args.attention.split(",")
+    trainers = {
+        m: Trainer(
+            TrainerConfig(
+                model={"name": str(folder), "attention": m},
+                seq_len=max(sizes),
+                output_dir=str(folder.parent / f"out-{m}"),
+            ),
+            init_world(),
+        )
+        for m in mechanisms
+    }
+    rates: dict[tuple[str, int, str], float] = {}
+    for kind in ("short", "long"):
+        samples = sized_samples(kind, args.step_tokens, 500)
+        for size in sizes:
+            if kind == "long" and size < 2048:
+                continue
+            mbs = pack(samples, size, 1, "bench", 0)[0]
+            tokens = sum(mb.num_tokens for mb in mbs)
+            runs = [m for m in mechanisms if m != "dense" or size <= args.dense_max]
+            for m in runs:
+                trainers[m].train_step(mbs)  # warm-up
+            got: dict[str, list[float]] = {m: [] for m in runs}
+            for _ in range(args.size_rounds):  # alternating, so noise hits all
+                for m in runs:
+                    t0 = time.perf_counter()
+                    trainers[m].train_step(mbs)
+                    got[m].append(tokens / (time.perf_counter() - t0))
+            for m in runs:
+                rates[kind, size, m] = statistics.median(got[m])
+                print(
+                    f"  {kind} {size} {m}: {rates[kind, size, m]:.0f} tokens/s", file=sys.stderr, flush=True
+                )
+    print(
+        f"\nmicro-batch sizes: steps of ~{args.step_tokens} tokens, {args.size_rounds} rounds, median tokens/s"
+    )
+    print("| samples | micro-batch | attention | tokens/s | vs smallest size | packed / dense |")
+    print("|---|---|---|---|---|---|")
+    for kind, size, m in sorted(rates, key=lambda k: (k[0] == "long", k[1], k[2] != "packed")):
+        first = min(s for k, s, mm in rates if k == kind and mm == m)
+        vs = rates[kind, size, m] / rates[kind, first, m]
+        dense = rates.get((kind, size, "dense"))
+        pd = (
+            f"{rates[kind, size, 'packed'] / dense:.2f}"
+            if m == "packed" and dense and (kind, size, "packed") in rates
+            else ""
+        )
+        print(f"| {kind} | {size} | {m} | {rates[kind, size, m]:.0f} | {vs:.2f} | {pd} |")
+
+
 def bare_step(model, optimizer, tensors) -> None:
     tokens = sum(int(t["loss_mask"].sum()) for t in tensors)
     for t in tensors:
@@ -63,11 +139,24 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sizes", default="512,2048,8192,32768", help="micro-batch sizes to sweep ('' skips)")
+    ap.add_argument("--step-tokens", type=int, default=32768)
+    ap.add_argument("--size-rounds", type=int, default=3)
+    ap.add_argument("--attention", default="packed,dense")
+    ap.add_argument("--dense-max", type=int, default=8192)
+    ap.add_argument("--skip-bare", action="store_true", help="only the size sweep")
     args = ap.parse_args()
 
     folder = Path(tempfile.mkdtemp()) / "model"
     make_tiny_model(TinyModelConfig(output=folder, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                                     num_layers=args.layers))  # fmt: skip
+    if not args.skip_bare:
+        compare_bare(folder, args)
+    if args.sizes:
+        size_sweep(folder, args)
+
+
+def compare_bare(folder: Path, args) -> None:
     mbs = micro_batches(args.seq_len, args.micro_batches, 500)
     num_tokens = sum(mb.num_tokens for mb in mbs)
     config = TrainerConfig(

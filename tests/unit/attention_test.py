@@ -87,11 +87,10 @@ def test_samples_of_similar_length_share_a_call():
     """Short samples cost a few batched calls, not one each; a lone long sample is attended in place."""
     plan = plan_for_samples([40, 38, 35, 50, 33, 1, 1, 2, 500], torch.device("cpu"))
     assert len(plan.buckets) <= 4
-    assert plan.buckets[0].rows == (
-        sum([40, 38, 35, 50, 33, 1, 1, 2]),
-        sum([40, 38, 35, 50, 33, 1, 1, 2]),
-        500,
-    )
+    start = sum([40, 38, 35, 50, 33, 1, 1, 2])
+    assert plan.buckets[0].rows == (start, start, 1, 500)
+    equal = plan_for_samples([64, 64, 64], torch.device("cpu"))  # attended as views of the rows
+    assert equal.buckets[0].rows == (0, 0, 3, 64) and equal.out_rows is None
 
 
 def test_each_mechanism_says_where_it_runs():
@@ -109,5 +108,5 @@ def test_a_sliding_window_model_keeps_dense_attention_unless_packed_is_asked_for
     model = tiny_model()
     model.config.use_sliding_window = True
     assert configure_attention(model, "auto", torch.device("cpu"), cp=1) == "dense"
-    with pytest.raises(ValueError, match="sliding-window attention.*use 'dense'"):
+    with pytest.raises(ValueError, match=r"sliding-window attention.*use 'dense'"):
         configure_attention(model, "packed", torch.device("cpu"), cp=1)

@@ -117,7 +117,7 @@ def test_max_model_len_beyond_the_model_is_named(tmp_path, short_context_model, 
         (["--orchestrator.advantage.type", "reinforce_baseline"],
          ["'orchestrator.advantage.type' = 'reinforce_baseline' is whitened", "'trainer.advantage.batch_normalize'"]),
         (["--seq-len", "2048", "--orchestrator.envs", '[{id = "reverse-text", sampling.max_tokens = 1024}]'],
-         ["'seq_len' = 2048", "'orchestrator.envs[0].sampling.max_tokens' = 1024", "max_model_len' = 1024"]),
+         ["'orchestrator.envs[0].sampling.max_tokens' = 1024", "max_model_len' = 1024"]),
     ],
 )  # fmt: skip
 def test_rl_names_a_mistake_before_it_starts_inference(tmp_path, args, phrases):

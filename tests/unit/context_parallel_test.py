@@ -97,8 +97,8 @@ def test_split_attention_equals_dense_attention_with_gradients(cp):
         kv_full = torch.stack([k[0], v[0]]).permute(2, 0, 1, 3)  # [n, 2, Hkv, D]
         received = torch.as_tensor(shard.key_positions[shard.attention.length :])
 
-        def exchange(rows, received=received, kv_full=kv_full):
-            return torch.cat([rows, kv_full[received]])
+        def exchange(k_rows, v_rows, received=received, kv_full=kv_full):
+            return kv_full[received, 0], kv_full[received, 1]
 
         plan = replace(shard.attention, exchange=exchange)
         o, _ = packed_attention(None, q[:, :, local], k[:, :, local], v[:, :, local], position_ids=None,

@@ -412,3 +412,32 @@ def test_token_stats_match_a_hand_computation():
     assert math.isclose(out["x/a/std"], math.sqrt(sum((v - mean) ** 2 for v in a) / 5))
     assert math.isclose(out["x/all/mean"], 26.0 / 6) and out["x/all/max"] == 10.0
     assert out["y/c/mean"] == -1.0 and out["y/all/max"] == -1.0 and "y/a/mean" not in out
+
+
+def test_a_micro_batch_may_outgrow_the_model_context_but_not_a_sample(tiny_model, tmp_path):
+    """seq_len (the packed micro-batch) is not bounded by the model's positions, since packed
+    samples restart theirs; a single sample longer than the context is one line naming both."""
+    import shutil
+
+    from prime_rl.trainer.data import SampleTooLong
+    from prime_rl.trainer.parallel.dist import init_world
+    from prime_rl.trainer.rl.trainer import Trainer
+
+    folder = tmp_path / "short"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    trainer = Trainer(
+        TrainerConfig(model={"name": str(folder)}, seq_len=256, output_dir=str(tmp_path)), init_world()
+    )
+    fits = pack(samples(0, n=12), 256, 1, "c", 0)[0]  # samples of at most 50 tokens
+    assert max(mb.num_tokens for mb in fits) > 64
+    metrics, _ = trainer.train_step(fits, 0)
+    assert math.isfinite(metrics["loss"]) and metrics["loss_tokens"] > 0
+    long = TrainingSample(
+        [5] * 30, [6] * 40, [1] * 40, [-6.0] * 40, advantage=1.0, reward=0.0, env_name="rev"
+    )
+    with pytest.raises(
+        SampleTooLong, match=r"env 'rev' .* has 70 tokens, more than the 64 positions of trainer.model.name"
+    ):
+        trainer.train_step(pack([long], 256, 1, "c", 1)[0], 1)

@@ -4,7 +4,8 @@ servers, ports and cores is `plan.py`'s.
 Invariant: a shared setting (model, output dir, max steps, seq len, max async level) has one value in
 all three processes. It is set once at the top level and handed down (`shared.py`); a process section
 may repeat it only with the same value, and conflicting explicit values are an error that names both
-keys. Every sequence length (seq_len, each env's max_tokens) fits within the server's max_model_len.
+keys. Each env's max_tokens leaves room for a prompt within the server's max_model_len; seq_len, the
+packed micro-batch, may be longer (packed samples restart their positions).
 """
 
 from pathlib import Path
@@ -273,16 +274,11 @@ class RLConfig(RootConfig):
 
     @model_validator(mode="after")
     def _sequences_fit_the_server(self):
-        # No sample is longer than the server's max_model_len, so a larger seq_len expects samples
-        # that never come. The server clamps a completion to what the prompt leaves of max_model_len,
-        # so an env whose max_tokens reaches it would silently get shorter completions than configured.
+        # The server clamps a completion to what the prompt leaves of max_model_len, so an env whose
+        # max_tokens reaches it would silently get shorter completions than configured. seq_len is
+        # not bounded by it: a micro-batch packs many samples, each within max_model_len.
         limit = self.inference.model.max_model_len
         problems = []
-        if self.seq_len > limit:
-            problems.append(
-                f"'seq_len' = {self.seq_len} does not fit within 'inference.model.max_model_len' = {limit}, "
-                "the longest sequence the server accepts; lower seq_len or raise max_model_len."
-            )
         envs = [(f"orchestrator.envs[{i}]", e) for i, e in enumerate(self.orchestrator.envs)]
         envs += [(f"orchestrator.eval.envs[{i}]", e) for i, e in enumerate(self.orchestrator.eval.envs)]
         for key, env in envs:

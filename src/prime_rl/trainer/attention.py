@@ -67,16 +67,20 @@ class Bucket:
     q_index: torch.Tensor
     k_index: torch.Tensor
     mask: torch.Tensor | None
-    rows: tuple[int, int, int] | None = None
-    """(query start, key start, length) when the bucket is one whole segment of contiguous rows:
-    then it is attended on views, without gathering copies."""
+    k_local: torch.Tensor | None = None
+    """Under context parallelism, for a segment with received keys: the local key rows it uses.
+    Its keys are then cat(local[k_local], received)[k_index], never a copy of all local rows."""
+    rows: tuple[int, int, int, int] | None = None
+    """(query start, key start, segments, length) when the bucket is whole segments of one length
+    lying end to end in the rows: then it is attended on views, without gathering copies."""
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
     """How one rank's `length` query rows attend: the buckets, where each query row's output lands in
-    their concatenation (`out_rows`), and, under context parallelism, `exchange`, which turns the
-    local key/value rows [L, 2, Hkv, D] into the key rows the buckets index (local ones first)."""
+    their concatenation (`out_rows`), and, under context parallelism, `exchange`, which takes the
+    local key and value rows ([L, Hkv, D] each) and returns the rows received from the other ranks
+    (key rows L, L + 1, ... in the segments)."""
 
     length: int
     buckets: tuple[Bucket, ...]
@@ -84,7 +88,7 @@ class AttentionPlan:
     """None when the buckets' outputs are already in row order."""
     cu_seqlens: torch.Tensor | None = None
     """[samples + 1] sample bounds when the rank holds whole samples (for flex and varlen)."""
-    exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
+    exchange: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     segments: tuple[Segment, ...] = ()
     """What the buckets attend, kept on the host (for checks and tests)."""
 
@@ -105,7 +109,8 @@ def build_plan(
     cu_seqlens: list[int] | None = None,
     exchange: Callable | None = None,
 ) -> AttentionPlan:
-    """Bucket `segments` (which cover query rows 0..length-1 once each) into padded calls."""
+    """Bucket `segments` (which cover query rows 0..length-1 once each) into padded calls. Key rows
+    from `length` on are received ones (context parallelism)."""
     whole = sorted((s for s in segments if s.offset == 0), key=lambda s: -s.q_len)
     groups: list[list[Segment]] = []
     for s in whole:
@@ -125,19 +130,27 @@ def build_plan(
         for i, s in enumerate(group):
             out_rows[s.q_start : s.q_start + s.q_len] = base + i * lq + np.arange(s.q_len)
         base += len(group) * lq
-        mask = None
+        mask = k_local = None
         if group[0].offset > 0:
             s = group[0]
             mask = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + s.offset
             mask = torch.as_tensor(mask, device=device)[None, None]
+            if (s.keys >= length).any():
+                local = np.unique(s.keys[s.keys < length])
+                k_index = np.where(
+                    s.keys < length, np.searchsorted(local, s.keys), len(local) + s.keys - length
+                )[None]
+                k_local = _tensor(local, device)
         rows = None
+        first = group[0]
+        span = np.arange(len(group) * lq)
         if (
-            len(group) == 1
-            and group[0].offset == 0
-            and np.array_equal(group[0].keys, group[0].keys[0] + step)
+            all(s.q_len == lq and s.offset == 0 for s in group)
+            and np.array_equal(q_index.reshape(-1), first.q_start + span)
+            and np.array_equal(k_index.reshape(-1), first.keys[0] + span)
         ):
-            rows = (group[0].q_start, int(group[0].keys[0]), lq)
-        buckets.append(Bucket(_tensor(q_index, device), _tensor(k_index, device), mask, rows))
+            rows = (first.q_start, int(first.keys[0]), len(group), lq)
+        buckets.append(Bucket(_tensor(q_index, device), _tensor(k_index, device), mask, k_local, rows))
     cu = _tensor(np.asarray(cu_seqlens), device).to(torch.int32) if cu_seqlens is not None else None
     identity = base == length and np.array_equal(out_rows, np.arange(length))
     out = None if identity else _tensor(out_rows, device)
@@ -188,19 +201,21 @@ def _plan(kwargs) -> AttentionPlan:
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     plan = _plan(kwargs)
-    q = query[0].transpose(0, 1)  # [L, Hq, D]
-    if plan.exchange is not None:
-        kv = plan.exchange(torch.stack([key[0], value[0]]).permute(2, 0, 1, 3))  # [rows, 2, Hkv, D]
-        k, v = kv[:, 0], kv[:, 1]
-        key, value = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    else:
-        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, H, D] views
+    k_got, v_got = plan.exchange(k, v) if plan.exchange is not None else (None, None)
     gqa = k.shape[1] != q.shape[1]
     outs = []
     for b in plan.buckets:
         if b.rows is not None:
-            qs, ks, n = b.rows
-            qb, kb, vb = query[:, :, qs : qs + n], key[:, :, ks : ks + n], value[:, :, ks : ks + n]
+            qs, ks, n, lq = b.rows
+            qb, kb, vb = (x[0, :, a : a + n * lq].unflatten(1, (n, lq)).transpose(0, 1)
+                          for x, a in ((query, qs), (key, ks), (value, ks)))  # fmt: skip
+        elif b.k_local is not None:
+            qb = q[b.q_index].transpose(1, 2)
+            kb, vb = (
+                torch.cat([x[b.k_local], got])[b.k_index].transpose(1, 2)
+                for x, got in ((k, k_got), (v, v_got))
+            )
         else:
             qb, kb, vb = (x[i].transpose(1, 2) for x, i in ((q, b.q_index), (k, b.k_index), (v, b.k_index)))
         if b.mask is not None and gqa:
@@ -213,6 +228,10 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
         )  # fmt: skip
         outs.append(o.transpose(1, 2).flatten(0, 1))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if k_got is not None and all(b.k_local is None for b in plan.buckets):
+        # This rank received no key, yet the exchange's backward is a collective that every rank of
+        # the group must enter: the output depends on what arrived, so autograd runs it here too.
+        out = out + (k_got.sum() + v_got.sum()) * 0
     return (out if plan.out_rows is None else out[plan.out_rows])[None], None
 
 

@@ -30,6 +30,25 @@ class BadMicroBatch(TransportError):
     """A micro-batch that cannot be trained on (inconsistent fields, longer than seq_len)."""
 
 
+class SampleTooLong(BadMicroBatch):
+    """A sample longer than the model's context: positions the model never learned (a restart would
+    meet the same sample, so it needs the user)."""
+
+
+def check_sample_lengths(mb: MicroBatch, context: int | None, model: str) -> None:
+    """SampleTooLong when a sample of `mb` is longer than `context` (the model's positions). The
+    micro-batch itself may be longer: packed samples restart their positions."""
+    if context is None or not mb.sample_lens or max(mb.sample_lens) <= context:
+        return
+    i = max(range(len(mb.sample_lens)), key=mb.sample_lens.__getitem__)
+    env = mb.env_names[i] if i < len(mb.env_names) else "?"
+    raise SampleTooLong(
+        f"a sample of env '{env}' (step {mb.header.step}) has {mb.sample_lens[i]} tokens, more than the "
+        f"{context} positions of trainer.model.name = '{model}' (max_position_embeddings); shorten the "
+        "env's prompts or max_tokens, or train a model with a longer context"
+    )
+
+
 class StepReceiver:
     def __init__(
         self, receiver: Receiver, seq_len: int, side: TrainerSide | None = None, refusal: Path | None = None

@@ -24,7 +24,7 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.plugins import PluginError
 from prime_rl.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.config import TrainerConfig, contract_side
-from prime_rl.trainer.data import StepReceiver, share_with_cp_group
+from prime_rl.trainer.data import SampleTooLong, StepReceiver, share_with_cp_group
 from prime_rl.trainer.estimators import TokenAdvantageError
 from prime_rl.trainer.losses import LossFn
 from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, out_of_memory
@@ -200,6 +200,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
 # One line, no traceback; NEEDS_USER exit with status 2 (`rl` never retries them), the rest with 1.
 NEEDS_USER = (
     ContractError,
+    SampleTooLong,
     OutOfMemory,
     ModelLoadError,
     NaNLossError,

@@ -111,15 +111,16 @@ def shard_micro_batch(
     keys, segments, send_rows, sends, recvs = layout.for_rank(rank)
     send_index = torch.as_tensor(send_rows, device=device)
 
-    def exchange(kv_rows: torch.Tensor) -> torch.Tensor:
-        """[L, ...] local key/value rows -> [L + received, ...]: the other ranks' rows this rank needs."""
-        sent = kv_rows[send_index]
-        got = all_to_all_single(
-            sent.new_empty((sum(recvs), *sent.shape[1:])), sent, recvs, sends, group=group
-        )
-        return torch.cat([kv_rows, got])
+    def exchange(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local key and value rows [L, Hkv, D] -> the other ranks' rows this rank needs [R, Hkv, D]."""
+        sent = torch.stack([k[send_index], v[send_index]], 1)
+        empty = sent.new_empty((sum(recvs), *sent.shape[1:]))
+        got = all_to_all_single(empty, sent, recvs, sends, group=group)
+        return got[:, 0], got[:, 1]
 
-    plan = build_plan(segments, layout.width, device, exchange=exchange)
+    # Every rank sees the whole exchange: when no sample crosses a chunk border, no rank calls it.
+    shared = any(len(n) for n in layout.needed)
+    plan = build_plan(segments, layout.width, device, exchange=exchange if shared else None)
     return SequenceShard(length, size, rank, group, indices[rank], plan, keys)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.data import check_sample_lengths
 from prime_rl.trainer.estimators import TokenAdvantageError, TokenAdvantageInputs, build_estimator
 from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, position_logprobs
 from prime_rl.trainer.lora import adapters_off
@@ -228,8 +229,10 @@ class Trainer:
 
     def accumulate(self, micro_batches: list[MicroBatch], step: int = 0) -> Accumulated:
         """Forward and backward over this rank's micro-batches (policy, and critic when there is one)."""
+        context = getattr(self.model.config, "max_position_embeddings", None)
         for mb in micro_batches:
             mb.validate(seq_len=self.config.seq_len)
+            check_sample_lengths(mb, context, self.config.model.name)
         prepared, prepare_metrics = self.prepare(micro_batches)
         local = self.world.scalars(0.0, 0.0)
         lead = self.world.cp_rank == 0  # a cp group's samples are counted once
