@@ -43,6 +43,10 @@ most (1 / 0.8)² = 1.56x the attention work of unpadded calls, usually far less.
 SHORT = 16
 """Segments this short all share one call: padding them costs less than another kernel launch."""
 
+ALONE = 512
+"""Segments this long get a call each, on views of the rows: their work dwarfs a kernel launch, and
+batching them would copy their queries, keys and values into padded buffers."""
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -114,11 +118,15 @@ def build_plan(
     whole = sorted((s for s in segments if s.offset == 0), key=lambda s: -s.q_len)
     groups: list[list[Segment]] = []
     for s in whole:
-        if groups and (s.q_len >= BUCKET_FILL * groups[-1][0].q_len or groups[-1][0].q_len <= SHORT):
+        head = groups[-1][0].q_len if groups else 0
+        if groups and head < ALONE and (s.q_len >= BUCKET_FILL * head or head <= SHORT):
             groups[-1].append(s)
         else:
             groups.append([s])
     groups += [[s] for s in segments if s.offset > 0]
+    # In row order (within a bucket too): when every bucket is a run of rows, the outputs are
+    # already in place and need no gather.
+    groups = sorted((sorted(g, key=lambda s: s.q_start) for g in groups), key=lambda g: g[0].q_start)
     out_rows = np.empty(length, dtype=np.int64)
     buckets, base = [], 0
     for group in groups:
@@ -227,7 +235,7 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
             enable_gqa=gqa and b.mask is None,
         )  # fmt: skip
         outs.append(o.transpose(1, 2).flatten(0, 1))
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (transient: the next layer keeps its own copy)
     if k_got is not None and all(b.k_local is None for b in plan.buckets):
         # This rank received no key, yet the exchange's backward is a collective that every rank of
         # the group must enter: the output depends on what arrived, so autograd runs it here too.
