@@ -212,7 +212,11 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, H, D] views
     k_got, v_got = plan.exchange(k, v) if plan.exchange is not None else (None, None)
     gqa = k.shape[1] != q.shape[1]
-    outs = []
+    # Outputs in row order go straight into one buffer (no copy per bucket, no concatenation);
+    # otherwise they are concatenated and put in row order by one gather.
+    in_place = plan.out_rows is None
+    out = q.new_empty(q.shape) if in_place else None
+    outs, row = [], 0
     for b in plan.buckets:
         if b.rows is not None:
             qs, ks, n, lq = b.rows
@@ -234,13 +238,19 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
             qb, kb, vb, attn_mask=b.mask, is_causal=b.mask is None, dropout_p=dropout, scale=scaling,
             enable_gqa=gqa and b.mask is None,
         )  # fmt: skip
-        outs.append(o.transpose(1, 2).flatten(0, 1))
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (transient: the next layer keeps its own copy)
+        o = o.transpose(1, 2)  # [n, Lq, Hq, D]
+        if in_place:
+            out[row : row + o.shape[0] * o.shape[1]].view(o.shape).copy_(o)
+            row += o.shape[0] * o.shape[1]
+        else:
+            outs.append(o.flatten(0, 1))
+    if not in_place:
+        out = (torch.cat(outs) if len(outs) > 1 else outs[0])[plan.out_rows]
     if k_got is not None and all(b.k_local is None for b in plan.buckets):
         # This rank received no key, yet the exchange's backward is a collective that every rank of
         # the group must enter: the output depends on what arrived, so autograd runs it here too.
-        out = out + (k_got.sum() + v_got.sum()) * 0
-    return (out if plan.out_rows is None else out[plan.out_rows])[None], None
+        out[:1] += (k_got.sum() + v_got.sum()) * 0
+    return out[None], None
 
 
 _BLOCK_MASKS: dict = {}
