@@ -74,6 +74,9 @@ class Bucket:
     k_local: torch.Tensor | None = None
     """Under context parallelism, for a segment with received keys: the local key rows it uses.
     Its keys are then cat(local[k_local], received)[k_index], never a copy of all local rows."""
+    k_received: torch.Tensor | None = None
+    """Set when a segment's keys are received rows (these) followed by its own query rows, the
+    usual case: its keys are then cat(received[k_received], own rows), with no gather of local rows."""
     rows: tuple[int, int, int, int] | None = None
     """(query start, key start, segments, length) when the bucket is whole segments of one length
     lying end to end in the rows: then it is attended on views, without gathering copies."""
@@ -138,7 +141,7 @@ def build_plan(
         for i, s in enumerate(group):
             out_rows[s.q_start : s.q_start + s.q_len] = base + i * lq + np.arange(s.q_len)
         base += len(group) * lq
-        mask = k_local = None
+        mask = k_local = k_received = None
         if group[0].offset > 0:
             s = group[0]
             mask = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + s.offset
@@ -149,6 +152,10 @@ def build_plan(
                     s.keys < length, np.searchsorted(local, s.keys), len(local) + s.keys - length
                 )[None]
                 k_local = _tensor(local, device)
+                if (s.keys[: s.offset] >= length).all() and np.array_equal(
+                    s.keys[s.offset :], s.q_start + step
+                ):
+                    k_received = _tensor(s.keys[: s.offset] - length, device)
         rows = None
         first = group[0]
         span = np.arange(len(group) * lq)
@@ -158,7 +165,9 @@ def build_plan(
             and np.array_equal(k_index.reshape(-1), first.keys[0] + span)
         ):
             rows = (first.q_start, int(first.keys[0]), len(group), lq)
-        buckets.append(Bucket(_tensor(q_index, device), _tensor(k_index, device), mask, k_local, rows))
+        buckets.append(
+            Bucket(_tensor(q_index, device), _tensor(k_index, device), mask, k_local, k_received, rows)
+        )
     cu = _tensor(np.asarray(cu_seqlens), device).to(torch.int32) if cu_seqlens is not None else None
     identity = base == length and np.array_equal(out_rows, np.arange(length))
     out = None if identity else _tensor(out_rows, device)
@@ -212,22 +221,31 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, H, D] views
     k_got, v_got = plan.exchange(k, v) if plan.exchange is not None else (None, None)
     gqa = k.shape[1] != q.shape[1]
-    # Outputs in row order go straight into one buffer (no copy per bucket, no concatenation);
-    # otherwise they are concatenated and put in row order by one gather.
+    # When the buckets cover the rows in order, each takes its own piece of one split: in backward the
+    # pieces' gradients are put together once (a slice or gather per bucket would each build a
+    # full-size gradient), and the outputs go straight into one buffer.
     in_place = plan.out_rows is None
-    out = q.new_empty(q.shape) if in_place else None
+    if in_place:
+        sizes = [b.q_index.numel() for b in plan.buckets]
+        pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)), strict=True)
+        out = q.new_empty(q.shape)
+    else:
+        pieces = [(None, None, None)] * len(plan.buckets)
     outs, row = [], 0
-    for b in plan.buckets:
+    for b, (qp, kp, vp) in zip(plan.buckets, pieces, strict=True):
         if b.rows is not None:
             qs, ks, n, lq = b.rows
-            qb, kb, vb = (x[0, :, a : a + n * lq].unflatten(1, (n, lq)).transpose(0, 1)
-                          for x, a in ((query, qs), (key, ks), (value, ks)))  # fmt: skip
+            if qp is None:
+                qp, kp, vp = (x[:, :, a : a + n * lq] for x, a in ((query, qs), (key, ks), (value, ks)))
+            qb, kb, vb = (x[0].unflatten(1, (n, lq)).transpose(0, 1) for x in (qp, kp, vp))
+        elif b.k_received is not None and qp is not None:
+            qb = qp
+            kb, vb = (torch.cat([got[b.k_received].transpose(0, 1)[None], own], 2)
+                      for got, own in ((k_got, kp), (v_got, vp)))  # fmt: skip
         elif b.k_local is not None:
             qb = q[b.q_index].transpose(1, 2)
-            kb, vb = (
-                torch.cat([x[b.k_local], got])[b.k_index].transpose(1, 2)
-                for x, got in ((k, k_got), (v, v_got))
-            )
+            kb, vb = (torch.cat([x[b.k_local], got])[b.k_index].transpose(1, 2)
+                      for x, got in ((k, k_got), (v, v_got)))  # fmt: skip
         else:
             qb, kb, vb = (x[i].transpose(1, 2) for x, i in ((q, b.q_index), (k, b.k_index), (v, b.k_index)))
         if b.mask is not None and gqa:

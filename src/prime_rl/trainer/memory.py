@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.parallel.dist import World
 
 
 class OutOfMemory(RuntimeError):
@@ -49,3 +50,12 @@ def out_of_memory(
         f"step {step} ran out of {where} memory on micro-batches of up to {tokens} tokens ({first}). "
         f"To fit, try: {'; '.join(advice(config, ranks))}. See 'Memory' in docs/trainer.md."
     )
+
+
+def peak_memory_gb(world: World) -> float:
+    """This process's peak memory so far: CUDA's allocator on a GPU, else the peak RSS."""
+    if world.device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

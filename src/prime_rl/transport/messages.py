@@ -197,6 +197,12 @@ class MicroBatch(msgspec.Struct, tag=True):
             **route_fields,
         )
 
+    def loss_tokens_per_sample(self) -> list[int]:
+        """Each sample's loss tokens, counted on the host (no device sync)."""
+        mask = self.arrays()["loss_mask"].astype(bool)
+        ends = np.cumsum(self.sample_lens)
+        return [int(mask[e - n : e].sum()) for e, n in zip(ends, self.sample_lens, strict=True)]
+
     def arrays(self) -> dict[str, np.ndarray]:
         """Per-token arrays as read-only numpy views of the message's bytes (no copy);
         'token_advantages' and 'routes' ([T, layers, top-k]) only when the micro-batch has them."""

@@ -131,9 +131,8 @@ class _Layout:
     def __init__(self, sample_lens: list[int], size: int):
         self.size, self.length = size, int(sum(sample_lens))
         n = 2 * size
-        lens = np.array(
-            [len(c) for c in np.array_split(np.arange(self.length), n)]
-        )  # as torch's tensor_split
+        # Chunk sizes as torch's tensor_split (`_all_indices`) makes them: the first ones one longer.
+        lens = np.array([len(c) for c in np.array_split(np.arange(self.length), n)])
         self.chunk_start = np.concatenate([[0], np.cumsum(lens)])
         self.starts = np.concatenate([[0], np.cumsum(sample_lens)])
         self.held = [lens[r] + lens[n - 1 - r] for r in range(size)]
@@ -141,7 +140,7 @@ class _Layout:
         position = np.arange(self.length)
         chunk = np.searchsorted(self.chunk_start, position, side="right") - 1
         self.owner = np.where(chunk < size, chunk, n - 1 - chunk)
-        first = np.where(chunk < size, 0, lens[np.minimum(n - 1 - chunk, size - 1)])
+        first = np.where(chunk < size, 0, lens[n - 1 - chunk])  # a late chunk follows its rank's early one
         self.local_row = first + position - self.chunk_start[chunk]
         self.needed = [self._needed(r) for r in range(size)]
 

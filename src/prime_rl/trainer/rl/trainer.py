@@ -22,7 +22,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from prime_rl.trainer.config import TrainerConfig
@@ -32,6 +31,7 @@ from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, posit
 from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.losses.aggregation import divisor, token_weights
+from prime_rl.trainer.memory import peak_memory_gb
 from prime_rl.trainer.model import fsdp_group_size, load_model
 from prime_rl.trainer.moe.step import MoEStep, sample_positions
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -193,7 +193,7 @@ class Trainer:
                 )
                 kl_sum += (kl * t["owned"]).sum().double()
                 if lead:
-                    samples += sum(1 for n in _loss_tokens_per_sample(mb) if n > 0)
+                    samples += sum(1 for n in mb.loss_tokens_per_sample() if n > 0)
             est = self.estimator(
                 TokenAdvantageInputs(
                     loss_mask=mask,
@@ -239,7 +239,7 @@ class Trainer:
         for p in prepared:
             local[0] = local[0] + (p.t["loss_mask"] & p.t["owned"]).sum()
             if lead:
-                local[1] += sum(1 for n in _loss_tokens_per_sample(p.mb) if n > 0)
+                local[1] += sum(1 for n in p.mb.loss_tokens_per_sample() if n > 0)
         global_tokens, global_samples = self.world.host(all_reduce_sum(local, self.world))
         denom = max(global_tokens, 1.0)
         aggregation = self.config.loss.aggregation
@@ -269,7 +269,7 @@ class Trainer:
                 )
                 out = self.loss_fn(inputs)
                 token_loss = out.token_loss * t["owned"]
-                weights = token_weights(aggregation, t["loss_mask"], _loss_tokens_per_sample(mb), mb.sample_lens,
+                weights = token_weights(aggregation, t["loss_mask"], mb.loss_tokens_per_sample(), mb.sample_lens,
                                         self.config.loss.aggregation_norm or self.config.seq_len)  # fmt: skip
                 if weights is not None:
                     token_loss = token_loss * weights
@@ -394,18 +394,3 @@ class Trainer:
             metrics["critic/lr"] = self.config.critic.optim.lr
             metrics["critic/policy_trained"] = float(train_policy)
         return metrics, results
-
-
-def _loss_tokens_per_sample(mb: MicroBatch) -> list[int]:
-    """Counted on the host, from the micro-batch as it arrived (no device sync)."""
-    mask = mb.arrays()["loss_mask"].astype(bool)
-    ends = np.cumsum(mb.sample_lens)
-    return [int(mask[e - n : e].sum()) for e, n in zip(ends, mb.sample_lens, strict=True)]
-
-
-def peak_memory_gb(world: World) -> float:
-    if world.device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
