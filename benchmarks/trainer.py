@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.logprobs import full_logits_logprobs
+from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import init_world
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
@@ -147,6 +148,7 @@ def main() -> None:
     ap.add_argument("--skip-bare", action="store_true", help="only the size sweep")
     args = ap.parse_args()
 
+    keep_freed_memory(init_world())  # as the trainer process does
     folder = Path(tempfile.mkdtemp()) / "model"
     make_tiny_model(TinyModelConfig(output=folder, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                                     num_layers=args.layers))  # fmt: skip

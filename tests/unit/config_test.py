@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from prime_rl.config.cli import parse_config
 from prime_rl.defaults import DEFAULT_MODEL
@@ -167,6 +168,19 @@ def test_max_model_len_defaults_to_the_models_own_limit(short_context_model):
     assert InferenceConfig(model={"name": str(shipped)}).model.max_model_len == positions
     # A hub id is not read here (no download, no import of transformers): the fallback.
     assert InferenceConfig(model={"name": "org/model"}).model.max_model_len == FALLBACK_MAX_MODEL_LEN
+
+
+def test_seq_len_may_exceed_the_model_context_but_max_tokens_may_not(short_context_model):
+    """A micro-batch packs many samples, each restarting its positions: seq_len is not bounded by
+    the model's 512 positions; a completion budget that leaves no room for a prompt is."""
+    config = RLConfig(model=str(short_context_model), seq_len=4096)
+    assert config.trainer.seq_len == config.orchestrator.seq_len == 4096
+    assert config.inference.model.max_model_len == 512
+    with pytest.raises(
+        ValidationError, match=r"'orchestrator.envs\[0\].sampling.max_tokens' = 512 leaves no room"
+    ):
+        RLConfig(model=str(short_context_model), seq_len=4096,
+                 orchestrator={"envs": [{"id": "reverse-text", "sampling": {"max_tokens": 512}}]})  # fmt: skip
 
 
 POSITIONS = "max_position_embeddings in its config.json"

@@ -441,3 +441,32 @@ def test_a_micro_batch_may_outgrow_the_model_context_but_not_a_sample(tiny_model
         SampleTooLong, match=r"env 'rev' .* has 70 tokens, more than the 64 positions of trainer.model.name"
     ):
         trainer.train_step(pack([long], 256, 1, "c", 1)[0], 1)
+
+
+KEEP_FREED = """
+import sys, torch
+from prime_rl.trainer.memory import keep_freed_memory
+from prime_rl.trainer.parallel.dist import World
+
+def rss_mb():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+
+if sys.argv[1] == "keep":
+    assert keep_freed_memory(World())
+x = torch.ones(64 * 2**20 // 4)  # 64 MB, above glibc's largest mmap threshold
+before = rss_mb()
+del x
+print(before - rss_mb())
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "keep"])
+def test_a_cpu_trainer_keeps_freed_activations_in_its_heap(mode):
+    """glibc unmaps a freed 64 MB block (the next step would fault its pages in again); after
+    keep_freed_memory, the trainer's heap keeps it for the next step."""
+    out = subprocess.run(
+        [sys.executable, "-c", KEEP_FREED, mode], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    returned = float(out.stdout.split()[-1])
+    assert (returned > 48) if mode == "default" else (returned < 16), returned

@@ -27,7 +27,7 @@ from prime_rl.trainer.config import TrainerConfig, contract_side
 from prime_rl.trainer.data import SampleTooLong, StepReceiver, share_with_cp_group
 from prime_rl.trainer.estimators import TokenAdvantageError
 from prime_rl.trainer.losses import LossFn
-from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, out_of_memory
+from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, keep_freed_memory, out_of_memory
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.preflight import check_trainer
@@ -95,6 +95,7 @@ TRAINER_STATS_OF = {"is_ratio_ess": "is_ratio/all/ess", "mismatch_kl": "mismatch
 
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
     world = world or init_world(config.parallel.cp, config.parallel.ep)
+    keep_freed_memory(world)
     output_dir = Path(config.output_dir)
     trainer = Trainer(config, world, loss_fn)
     start = resume_step(config, world)

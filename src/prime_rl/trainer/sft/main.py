@@ -20,6 +20,7 @@ from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.trainer.losses import LossInputs, LossOutputs
 from prime_rl.trainer.main import NEEDS_USER, USER_ERRORS, resume_step
+from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.sft.config import SFTConfig, SFTDataConfig
@@ -147,6 +148,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
     from transformers import AutoTokenizer
 
     world = world or init_world(config.parallel.cp, config.parallel.ep)
+    keep_freed_memory(world)
     output_dir = Path(config.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     samples = []
