@@ -88,9 +88,9 @@ def test_samples_of_similar_length_share_a_call():
     plan = plan_for_samples([40, 38, 35, 50, 33, 1, 1, 2, 500], torch.device("cpu"))
     assert len(plan.buckets) <= 4
     start = sum([40, 38, 35, 50, 33, 1, 1, 2])
-    assert plan.buckets[-1].rows == (start, start, 1, 500)
+    assert plan.buckets[-1].rows == (start, 1, 500)
     equal = plan_for_samples([64, 64, 64], torch.device("cpu"))  # attended as views of the rows
-    assert equal.buckets[0].rows == (0, 0, 3, 64) and equal.out_rows is None
+    assert equal.buckets[0].rows == (0, 3, 64) and equal.out_rows is None
 
 
 def test_each_mechanism_says_where_it_runs():

@@ -31,8 +31,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-MECHANISMS = ("auto", "packed", "flex", "varlen", "dense")
-
 PLAN_KWARG = "packed_attention"
 """The keyword under which a model call hands the `AttentionPlan` down to every attention layer."""
 
@@ -77,9 +75,9 @@ class Bucket:
     k_received: torch.Tensor | None = None
     """Set when a segment's keys are received rows (these) followed by its own query rows, the
     usual case: its keys are then cat(received[k_received], own rows), with no gather of local rows."""
-    rows: tuple[int, int, int, int] | None = None
-    """(query start, key start, segments, length) when the bucket is whole segments of one length
-    lying end to end in the rows: then it is attended on views, without gathering copies."""
+    rows: tuple[int, int, int] | None = None
+    """(start, segments, length) when the bucket is whole segments of one length lying end to end
+    in the rows, each its own keys: then it is attended on views, without gathering copies."""
 
 
 @dataclass(frozen=True)
@@ -162,9 +160,9 @@ def build_plan(
         if (
             all(s.q_len == lq and s.offset == 0 for s in group)
             and np.array_equal(q_index.reshape(-1), first.q_start + span)
-            and np.array_equal(k_index.reshape(-1), first.keys[0] + span)
+            and np.array_equal(k_index.reshape(-1), first.q_start + span)
         ):
-            rows = (first.q_start, int(first.keys[0]), len(group), lq)
+            rows = (first.q_start, len(group), lq)
         buckets.append(
             Bucket(_tensor(q_index, device), _tensor(k_index, device), mask, k_local, k_received, rows)
         )
@@ -234,9 +232,9 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     outs, row = [], 0
     for b, (qp, kp, vp) in zip(plan.buckets, pieces, strict=True):
         if b.rows is not None:
-            qs, ks, n, lq = b.rows
+            start, n, lq = b.rows
             if qp is None:
-                qp, kp, vp = (x[:, :, a : a + n * lq] for x, a in ((query, qs), (key, ks), (value, ks)))
+                qp, kp, vp = (x[:, :, start : start + n * lq] for x in (query, key, value))
             qb, kb, vb = (x[0].unflatten(1, (n, lq)).transpose(0, 1) for x in (qp, kp, vp))
         elif b.k_received is not None and qp is not None:
             qb = qp
