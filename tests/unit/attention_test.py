@@ -110,3 +110,43 @@ def test_a_sliding_window_model_keeps_dense_attention_unless_packed_is_asked_for
     assert configure_attention(model, "auto", torch.device("cpu"), cp=1) == "dense"
     with pytest.raises(ValueError, match=r"sliding-window attention.*use 'dense'"):
         configure_attention(model, "packed", torch.device("cpu"), cp=1)
+
+
+def test_the_trainer_step_is_the_same_with_packed_and_dense_attention(tiny_model, tmp_path):
+    """Multi-turn samples (loss masks with gaps) and samples of length 1 and 2, packed: the trainer's
+    per-token statistics (logprobs, entropy, mismatch KL, loss) and gradients with packed attention
+    equal the dense mask's."""
+    import random
+
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.parallel.dist import init_world
+    from prime_rl.trainer.rl.trainer import Trainer
+    from prime_rl.transport.messages import TrainingSample
+    from prime_rl.transport.packing import pack
+
+    rng = random.Random(0)
+    samples = []
+    for p, c in [(5, 30), (1, 1), (12, 20), (1, 1), (3, 40), (7, 9)]:
+        mask = [1 if (i // 6) % 2 == 0 else 0 for i in range(c)]  # turns: sampled, env, sampled...
+        samples.append(TrainingSample([rng.randrange(3, 500) for _ in range(p)], [rng.randrange(3, 500) for _ in range(c)],
+                                      mask, [-5.0] * c, rng.uniform(-1, 1), 0.0, "env"))  # fmt: skip
+    mbs = pack(samples, 256, 1, "p", 0)[0]
+    results = {}
+    for attention in ("packed", "dense"):
+        config = TrainerConfig(model={"name": str(tiny_model), "attention": attention}, seq_len=256,
+                               output_dir=str(tmp_path / attention))  # fmt: skip
+        trainer = Trainer(config, init_world())
+        assert (
+            trainer.model.config._attn_implementation
+            == {"packed": "prime_rl_packed", "dense": "sdpa"}[attention]
+        )
+        stats = trainer.accumulate(mbs, 0).stats.reduce(trainer.world)
+        grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+        results[attention] = (stats, grads)
+    (packed, packed_grads), (dense, dense_grads) = results["packed"], results["dense"]
+    assert packed.keys() == dense.keys()
+    for key, value in dense.items():
+        assert abs(packed[key] - value) <= 1e-5 * max(1.0, abs(value)), key
+    for name, g in dense_grads.items():
+        assert g.abs().max() > 0 or "embed" in name, name
+        torch.testing.assert_close(packed_grads[name], g, rtol=1e-5, atol=1e-6)
