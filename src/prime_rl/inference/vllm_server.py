@@ -22,6 +22,7 @@ Routes added (nothing else: vLLM's development endpoints stay off):
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from prime_rl import activity
 from prime_rl.inference.adapters import make_adapter_router
 from prime_rl.layout import READY
 
@@ -57,6 +59,7 @@ def make_router(weights_dir: Path) -> APIRouter:
         engine = request.app.state.engine_client
         async with lock:
             t0 = time.perf_counter()
+            activity.doing(f"loading the weights of step {step}", "", step)
             # Between two engine steps: running requests stay, with their KV cache, and go on with
             # the new weights (clearing the cache made every one of them recompute its prefix on
             # resume, which halved generation throughput with a reload every 0.5 s). New requests
@@ -67,6 +70,7 @@ def make_router(weights_dir: Path) -> APIRouter:
                 await engine.collective_rpc("prime_rl_reload", args=(str(resolved),))
             finally:
                 await engine.resume_generation()
+                Requests.say()
             request.app.state.prime_rl_step = step
         return {"step": step, "seconds": time.perf_counter() - t0}
 
@@ -85,6 +89,7 @@ def make_router(weights_dir: Path) -> APIRouter:
         engine = request.app.state.engine_client
         async with lock:
             t0 = time.perf_counter()
+            activity.doing(f"receiving the weights of step {step} from the trainer", "trainer", step)
             await engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 await engine.collective_rpc("prime_rl_receive", args=args)
@@ -98,6 +103,7 @@ def make_router(weights_dir: Path) -> APIRouter:
                 return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
             finally:
                 await engine.resume_generation()
+                Requests.say()
         return {"step": step, "seconds": time.perf_counter() - t0}
 
     @router.get("/prime_rl/weights")
@@ -109,6 +115,34 @@ def make_router(weights_dir: Path) -> APIRouter:
         return {"step": step, "workers": workers, "dtype": dtype, "weights_dir": str(root)}
 
     return router
+
+
+class Requests:
+    """ASGI middleware that keeps the activity record: how many generation requests are in flight.
+    (A plain ASGI wrapper: a counter and a memory copy per request, nothing else.)"""
+
+    in_flight = 0
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        Requests.in_flight += 1
+        Requests.say()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            Requests.in_flight -= 1
+            Requests.say()
+
+    @staticmethod
+    def say() -> None:
+        if Requests.in_flight:
+            activity.doing(f"generating, {Requests.in_flight} request(s)")
+        else:
+            activity.doing("idle, waiting for requests", "orchestrator")
 
 
 def main() -> None:
@@ -124,6 +158,8 @@ def main() -> None:
         adapters_root = Path(argv[i + 1])
         del argv[i : i + 2]
     routers = [make_router(weights_dir), make_adapter_router(adapters_root)]
+    label = os.environ.get(activity.ENV_LABEL, "inference")
+    activity.start(label, "inference", weights_dir.parent, doing="starting vLLM")
 
     import vllm.entrypoints.launchers.api_server.entry as entry
 
@@ -133,6 +169,11 @@ def main() -> None:
         app = build_app(*args, **kwargs)
         for router in routers:
             app.include_router(router)
+        if app.middleware_stack is None:
+            app.add_middleware(Requests)
+        else:  # vLLM built the stack already (its own middleware): wrap it
+            app.middleware_stack = Requests(app.middleware_stack)
+        Requests.say()
         return app
 
     entry.build_app = build_app_with_reload

@@ -4,6 +4,7 @@ import asyncio
 import os
 import sys
 
+from prime_rl import activity
 from prime_rl.config import parse_config
 from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = parse_config(OrchestratorConfig, argv, prog="orchestrator", check=check_orchestrator)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        activity.start("orchestrator", "orchestrator", config.output_dir, doing="loading the envs")
         asyncio.run(make_orchestrator(config).run())
     except USER_ERRORS as e:
         if stopping() is not None:  # an error the stop caused

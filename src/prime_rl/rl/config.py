@@ -130,6 +130,20 @@ class DeploymentConfig(BaseConfig):
     restart_backoff_s: float = Field(default=2.0, ge=0)
     """Wait before a restart: this, doubled with each restart of the same process (at most 60 s)."""
 
+    stall_timeout_s: float | None = Field(default=None, ge=0)
+    """Seconds in which no process of the run changed what it is doing after which the run counts
+    as hung: the process it hangs on is named, every stack written to logs/stall_<step>_<time>.txt,
+    and that process killed, then restarted as after a crash (max_restarts) or the run stops with
+    status 1. Unset: adapt, 5 times the slowest trainer step so far, at least stall_floor_s, and
+    stall_first_step_s before the first step and after a restart. 0: no watchdog."""
+
+    stall_floor_s: float = Field(default=60.0, gt=0)
+    """The adaptive stall timeout is never shorter than this."""
+
+    stall_first_step_s: float = Field(default=600.0, gt=0)
+    """The stall timeout until the first trainer step (model loads, first generation) and after a
+    restart, when stall_timeout_s is unset."""
+
     inference_urls: list[str] = []
     """Use inference servers that are already running, at these URLs (e.g. http://10.0.0.5:8000),
     instead of starting any: rl starts only the trainer and the orchestrator. For a server several

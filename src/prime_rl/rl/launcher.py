@@ -9,6 +9,11 @@ exited with status 2, an error a restart cannot fix): a server comes back on its
 orchestrator loads it with the current weights; a trainer resumes from its checkpoint, and the
 orchestrator is restarted with it so that it re-sends the batches from there. Each restart is one
 console line and one record in `restarts.jsonl`, which the orchestrator's metrics count.
+
+A child that hangs instead of dying is found by the watchdog (`watchdog.py`, `deployment.
+stall_timeout_s`): one line names it, every stack goes to `logs/stall_<step>_<time>.txt`, and the
+hung process is killed, so that it is restarted (or stops the run) exactly as if it had died. A hung
+env worker is killed alone: the orchestrator starts another in its place.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from prime_rl import activity
 from prime_rl.config.cli import to_toml
 from prime_rl.disk import DiskFull, writing
 from prime_rl.inference.server import server_env, wait_until_healthy
@@ -34,8 +41,11 @@ from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here
 from prime_rl.rl.plan import Plan, Server, hosts, plan
+from prime_rl.rl.watchdog import Stall, Watchdog, stack_file, stall_line, write_stacks
 
 GRACE_S = 15.0
+CHECK_S = 1.0
+"""How often the watchdog reads the processes' activity records."""
 # Console view: the lines that say what each process is doing; everything is in the log files.
 CONSOLE_MARKERS = (" step ", "error", "Error", "resum", "waiting", "eval at", "saved", "Traceback")
 
@@ -56,6 +66,8 @@ class Child:
     spawn: Callable[[], subprocess.Popen] | None = None
     """Starts the child again (same command, environment and cores, plus `again`), for restarts."""
     restarts: int = 0
+    hung: bool = False
+    """Killed by the watchdog: it hung (the console says so instead of its exit status)."""
 
     def __post_init__(self):
         self.group = self.group or self.name
@@ -115,6 +127,10 @@ class Launcher:
         self.children: list[Child] = []
         self.stopping = False
         self.grace_s = GRACE_S
+        d = config.deployment
+        self.watchdog = Watchdog(activity.folder(self.out), d.stall_timeout_s, d.stall_floor_s,
+                                 d.stall_first_step_s)  # fmt: skip
+        self.log_dir = self.out / "logs"
 
     def _write_configs(self, plan: Plan) -> None:
         folder = next(iter(plan.config_files)).parent
@@ -162,7 +178,7 @@ class Launcher:
         started = []
         for s in servers:
             # The plan's defaults, under the environment's own, under the server's run folders.
-            env = {**s.env_defaults, **server_env(s.config, base_env)}
+            env = {**s.env_defaults, **server_env(s.config, base_env), activity.ENV_LABEL: s.name}
             started.append(self._start(s.name, s.command, env, s.cpus, s.log_path, False, s.group))
             print(f"rl: starting {s.label} at {s.url} ...", flush=True)
         for child, s in zip(started, servers, strict=True):
@@ -219,7 +235,7 @@ class Launcher:
         child.restarts += 1
         wait_s = min(MAX_BACKOFF_S, d.restart_backoff_s * 2 ** (child.restarts - 1))
         also = [w for w in workers if w.kind == "orchestrator"] if child.kind == "trainer" else []
-        print(f"rl: {child.name} exited with status {code}; restarting it ({child.restarts} of "
+        print(f"rl: {child.name} {exit_words(child, code)}; restarting it ({child.restarts} of "
               f"{d.max_restarts}) in {wait_s:.0f} s{', with the orchestrator' if also else ''} "
               f"(see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
         for other in also:  # an orchestrator that had died on its own is a restart of its own too
@@ -228,7 +244,9 @@ class Launcher:
                 self._record(other, other.proc.returncode)
         self._stop([child, *also])  # what is left of its process group, and the orchestrator
         self._record(child, code)
+        child.hung = False
         time.sleep(wait_s)
+        self.watchdog.restarted()  # the new process gets the first step's time to show progress
         # A signal between starting a child and holding it would leave that child behind: rl's
         # handlers (stop everything, exit) wait until the new process is in `c.proc`.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -254,6 +272,8 @@ class Launcher:
         base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         where = f" (node {d.node}: {', '.join(sorted(p.roles))})" if d.nodes else ""
         print(f"rl: output in {self.out} (logs in {p.log_dir}){where}", flush=True)
+        self.log_dir = p.log_dir
+        forget_activity(activity.folder(self.out))
         servers: list[Child] = []
         if p.servers:
             started = self._start_servers(p.servers, base_env)
@@ -277,6 +297,7 @@ class Launcher:
         run goes on while another server of its group lives (the orchestrator moves the work there),
         and stops when none does. With no workers (an inference-only node) rl serves until stopped."""
         done: set[str] = set()
+        next_check = time.monotonic() + CHECK_S
         while True:
             for child in servers + workers:
                 code = child.proc.poll()
@@ -301,7 +322,7 @@ class Launcher:
                     self.stop_all()
                     return code if code > 0 else 1
                 if code != 0:
-                    print(f"rl: {child.name} exited with status {code}; stopping the others (see {child.log_path})",
+                    print(f"rl: {child.name} {exit_words(child, code)}; stopping the others (see {child.log_path})",
                           file=sys.stderr, flush=True)  # fmt: skip
                     self.stop_all()
                     return code if code > 0 else 1
@@ -312,7 +333,60 @@ class Launcher:
                     f"rl: done; metrics in {self.out / 'trainer'} and {self.out / 'orchestrator'}", flush=True
                 )
                 return 0
+            if time.monotonic() >= next_check and not self.stopping:
+                self._watch_for_stall(servers + workers)
+                next_check = time.monotonic() + CHECK_S
             time.sleep(poll_s)
+
+    def _watch_for_stall(self, children: list[Child]) -> None:
+        """A stalled run (`watchdog.py`): one line, the stacks, and the hung process killed, so that
+        the loop restarts it, or stops the run, as for a process that died."""
+        groups = {c.name: c.proc.pid for c in children if c.proc.poll() is None}
+        ours = set(groups.values())
+
+        def in_run(s: activity.State) -> bool:
+            with contextlib.suppress(OSError):
+                return os.getpgid(s.pid) in ours
+            return False
+
+        stall = self.watchdog.check(host=socket.gethostname(), keep=in_run)
+        if stall is None:
+            return
+        path = stack_file(self.log_dir, stall.step)
+        try:
+            write_stacks(path, stall, self.watchdog.states, groups, resume_stopped=True)
+        except OSError as e:
+            print(f"rl: cannot write the stacks to {path} ({e})", file=sys.stderr, flush=True)
+            path = None
+        print(stall_line(stall, path), file=sys.stderr, flush=True)
+        self._kill_hung(stall, children)
+
+    def _kill_hung(self, stall: Stall, children: list[Child]) -> None:
+        c = stall.culprit
+        if c.kind == "env-worker":  # the orchestrator replaces it and fails its groups (counted)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c.pid, signal.SIGKILL)
+            return
+        with contextlib.suppress(OSError):
+            pgid = os.getpgid(c.pid)
+            for child in children:
+                if child.proc.pid == pgid and child.proc.poll() is None:
+                    child.hung = True
+                    os.killpg(pgid, signal.SIGKILL)  # a stopped process ignores SIGTERM
+
+
+def exit_words(child: Child, code: int) -> str:
+    return "hung and was killed" if child.hung else f"exited with status {code}"
+
+
+def forget_activity(folder: Path) -> None:
+    """Remove the records of this machine's processes that are gone (an earlier session's)."""
+    host = socket.gethostname()
+    for state in activity.read_all(folder):
+        if state.host == host and not activity.alive(state.pid):
+            for path in (state.path, state.stack_path):
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
 
 def install_signal_handlers(launcher: Launcher) -> None:

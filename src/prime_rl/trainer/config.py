@@ -250,6 +250,15 @@ class TrainingConfig(RootConfig):
     parallel: ParallelConfig = ParallelConfig()
     """Data, context and expert parallelism (data parallelism is torchrun's ranks / cp)."""
 
+    dist_timeout_s: float = Field(default=300.0, gt=0)
+    """How long a collective between the ranks waits for a peer before this rank stops with one line
+    (exit status 1) instead of hanging: a peer that died or hung (SIGSTOP, a stuck kernel) is noticed
+    within this. torch's defaults (30 min on gloo, 10 min on nccl) leave a run stuck that long. It must
+    cover the slowest lone work inside a step, which other ranks wait for in a collective: rank 0
+    finishing the previous step's weight write before it publishes the next (tens of seconds for a
+    model of tens of GB); waits for data or for a checkpoint's files wait longer on their own
+    (`parallel.dist.patient`). Several ranks only."""
+
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts models: the load-balancing loss."""
 

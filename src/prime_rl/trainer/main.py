@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from prime_rl import activity
 from prime_rl.config import parse_config
 from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
@@ -29,7 +30,16 @@ from prime_rl.trainer.estimators import TokenAdvantageError
 from prime_rl.trainer.losses import LossFn
 from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, keep_freed_memory, out_of_memory
 from prime_rl.trainer.model import ModelLoadError
-from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
+from prime_rl.trainer.parallel.dist import (
+    FILE_WORK_TIMEOUT_S,
+    World,
+    collective_error,
+    collective_failure,
+    init_world,
+    init_world_or_exit,
+    patient,
+    run_rank,
+)
 from prime_rl.trainer.preflight import check_trainer
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.weights.checkpoint import (
@@ -63,7 +73,8 @@ def resume_step(config: TrainerConfig, world: World) -> int:
         except CheckpointError as e:
             choice = [e]
     if world.distributed:
-        torch.distributed.broadcast_object_list(choice, src=0)
+        with patient(world, FILE_WORK_TIMEOUT_S):  # rank 0 reads the whole checkpoint to verify it
+            torch.distributed.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], BaseException):
         raise CheckpointError(str(choice[0]))
     return choice[0]
@@ -94,9 +105,10 @@ TRAINER_STATS_OF = {"is_ratio_ess": "is_ratio/all/ess", "mismatch_kl": "mismatch
 
 
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
-    world = world or init_world(config.parallel.cp, config.parallel.ep)
+    world = world or init_world(config.parallel.cp, config.parallel.ep, config.dist_timeout_s)
     keep_freed_memory(world)
     output_dir = Path(config.output_dir)
+    activity.start(f"trainer-rank{world.rank}", "trainer", output_dir, doing="loading the model")
     trainer = Trainer(config, world, loss_fn)
     start = resume_step(config, world)
     critic = (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None
@@ -133,11 +145,18 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         log.info("ready for the orchestrator's micro-batches (%s)", transport_source(config, output_dir))
     nan_streak = 0
     t0, t_ckpt = time.perf_counter(), 0.0
+    step = start
     try:
         for step in range(start, config.max_steps):
             t_get = time.perf_counter()
-            micro_batches = share_with_cp_group(receiver.get(step) if receiver else None, world)
+            # (cp peers take theirs from their group's first rank, a trainer rank)
+            activity.doing(f"waiting for the micro-batches of step {step}",
+                           "orchestrator" if receiver else "trainer", step)  # fmt: skip
+            # A cp peer waits in a collective while its leader waits for the orchestrator's data.
+            with patient(world, config.transport.timeout_s + config.dist_timeout_s, world.cp_group):
+                micro_batches = share_with_cp_group(receiver.get(step) if receiver else None, world)
             t_wait = time.perf_counter() - t_get
+            activity.doing(f"step {step}: training", "", step)
             try:
                 metrics, results = trainer.train_step(micro_batches, step)
             except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -155,6 +174,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             else:
                 nan_streak = 0
             stats = {k: metrics[m] for k, m in TRAINER_STATS_OF.items() if m in metrics}
+            activity.doing(f"step {step}: publishing the weights of step {step + 1}", "", step)
             metrics["time/publish_blocking"] = publisher.publish(trainer.model, step + 1, stats)
             metrics["time/publish_write"] = publisher.last_write_s
             if publisher.last_broadcast is not None:
@@ -186,10 +206,15 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             # kill after it loses nothing, and one before it has the step trained and logged again.
             t0, t_ckpt = time.perf_counter(), 0.0
             if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
+                activity.doing(f"step {step}: writing the checkpoint of step {step + 1}", "", step)
                 save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
                                 trainer.scheduler, world, config.ckpt.keep, critic=critic,
                                 extra=trainer.extra_state())  # fmt: skip
                 t_ckpt = time.perf_counter() - t0
+    except RuntimeError as e:
+        if not world.distributed or not collective_failure(e):
+            raise
+        raise collective_error(e, world, "trainer.dist_timeout_s", step) from None
     finally:
         publisher.close()
         if metrics_log is not None:
@@ -255,11 +280,13 @@ def main(argv: list[str] | None = None) -> None:
             from prime_rl.trainer.gpu.dry_run import main_dry_run
 
             return main_dry_run(config, ranks)
-        world = init_world_or_exit(config.parallel.cp, "trainer", config.parallel.ep)
+        world = init_world_or_exit(config.parallel.cp, "trainer", config.parallel.ep, config.dist_timeout_s)
     except Stopped:  # before the ranks' work (`run_rank` says the line from there on)
         exit_stopped()
     setup_logging(f"trainer[{world.rank}]" if world.distributed else "trainer")
-    run_rank(world, "trainer", lambda: train(config, world), USER_ERRORS, NEEDS_USER)
+    run_rank(
+        world, "trainer", lambda: train(config, world), USER_ERRORS, NEEDS_USER, "trainer.dist_timeout_s"
+    )
 
 
 if __name__ == "__main__":

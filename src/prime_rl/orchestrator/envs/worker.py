@@ -25,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from prime_rl import activity
 from prime_rl.environments import EnvError
 from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -69,13 +70,23 @@ async def serve(address: str, config: OrchestratorConfig) -> None:
     gc.freeze()
     await sock.send(encoder.encode(Ready(os.getpid())))
     running: dict[int, asyncio.Task] = {}
+    beats = asyncio.create_task(activity.beat_loop(), name="activity-beat")
+
+    def say() -> None:
+        if running:
+            activity.doing(f"running {len(running)} group(s)", "inference")
+        else:
+            activity.doing("waiting for groups", "orchestrator")
 
     async def run(job) -> None:
         try:
             rollouts = await envs.run(job)
         finally:
             running.pop(job.id, None)
+            say()
         await sock.send(encoder.encode(GroupDone(job.id, rollouts)))
+
+    say()
 
     try:
         while True:
@@ -89,6 +100,7 @@ async def serve(address: str, config: OrchestratorConfig) -> None:
                 running[message.job.id] = asyncio.create_task(
                     run(message.job), name=f"group-{message.job.id}"
                 )
+                say()
             elif isinstance(message, Cancel):
                 task = running.pop(message.id, None)
                 if task is not None:
@@ -96,6 +108,7 @@ async def serve(address: str, config: OrchestratorConfig) -> None:
             elif isinstance(message, Stop):
                 return
     finally:
+        beats.cancel()
         for task in running.values():
             task.cancel()
         await asyncio.gather(*running.values(), return_exceptions=True)
@@ -110,6 +123,7 @@ def main() -> None:
     setup_logging(f"env-worker-{index}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = OrchestratorConfig.model_validate_json(config_path.read_text())
+    activity.start(f"env-worker-{index}", "env-worker", config.output_dir, doing="loading the envs")
     try:
         asyncio.run(serve(address, config))
     except EnvError:

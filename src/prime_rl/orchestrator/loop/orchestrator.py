@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_rl import shutdown
+from prime_rl import activity, shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.layout import (
@@ -119,6 +119,7 @@ class Orchestrator:
         self.temperatures = {e.name: e.config.sampling.temperature for e in self.envs}
         self.pool = ServerPool(c.client)
         log.info("checking inference at %s", ", ".join(c.client.base_urls))
+        activity.doing("waiting for the inference servers to answer", "inference")
         await self.pool.wait_healthy()
         await check_weights_dirs(self.pool, self.output_dir, adapter=c.lora_adapter is not None)
         self.pipeline = PipelineConfig(
@@ -176,6 +177,7 @@ class Orchestrator:
         """The whole run. The trainer gets this orchestrator's side of the run contract first, and
         a refusal from it stops the run with the trainer's line, whatever the run is doing."""
         self._take_signals()
+        beats = asyncio.create_task(activity.beat_loop(), name="activity-beat")
         self.sender = BatchSender(self.config)
         self.sender.hello(self.run_id, self.contract)
         watch = asyncio.create_task(self._stop_on_refusal(asyncio.current_task()), name="contract")
@@ -187,6 +189,7 @@ class Orchestrator:
             raise
         finally:
             watch.cancel()
+            beats.cancel()
             await self.sender.close(deliver=False)  # a no-op after a clean end
 
     async def _stop_on_refusal(self, main: asyncio.Task) -> None:
@@ -264,6 +267,7 @@ class Orchestrator:
     async def _step(self, step: int) -> None:
         t0 = self._step_clock  # since the previous step's commit: its send belongs to this step's time
         collected = await self._collect(step)
+        activity.doing(f"step {step}: building, saving and sending its batch", "", step)
         built, per_rank = await asyncio.to_thread(self._build, collected.groups, step)
         # The step's records (rollouts, metrics line) are written before its commit point, the
         # progress save: a kill after it loses none, one before it has them rewritten by the rebuilt
@@ -292,6 +296,7 @@ class Orchestrator:
         await asyncio.to_thread(self._write_rollouts, step, built, failures, collected.uniform)
         await asyncio.to_thread(self._save, built.batch, progress)
         t1 = time.perf_counter()
+        activity.doing(f"step {step}: sending its batch (the trainer takes it)", "trainer", step)
         await self.sender.send(per_rank)
         self._send_s = time.perf_counter() - t1
 
@@ -315,6 +320,7 @@ class Orchestrator:
             if taken is not None:
                 break
             blocked = not sched.inflight and step - version > level
+            activity.doing(*waiting_for(step, step - level, blocked), step)
             if time.perf_counter() > next_notice:
                 self._notice_waiting(step, blocked)
                 next_notice = time.perf_counter() + 30.0
@@ -428,3 +434,10 @@ class Orchestrator:
         m["throughput/tokens_per_s"] = m["batch/tokens"] / max(times["time/step"], 1e-9)
         self.metrics.log(step, m)
         log.info(step_line(step, m, envs))
+
+
+def waiting_for(step: int, weights: int, blocked: bool) -> tuple[str, str]:
+    """What the step loop waits for while it collects (activity record: words, the kind waited for)."""
+    if blocked:
+        return f"step {step}: waiting for the trainer's weights of step {weights}", "trainer"
+    return f"step {step}: collecting rollouts", "inference"

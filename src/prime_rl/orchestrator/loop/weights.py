@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from prime_rl import activity
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 
@@ -190,6 +191,7 @@ class WeightSync:
         """Make `servers` serve the weights of `step`; return those that could not be reached or,
         for a broadcast step, that do not serve it (now suspected, see `ServerPool.suspect`)."""
         path = str(step_dir(self.root, step).resolve())
+        activity.doing(f"loading the weights of step {step} into {len(servers)} server(s)", "inference")
         unreachable: list[Server] = []
         broadcast = self.broadcast(step)
         async with httpx.AsyncClient(timeout=self.timeout_s) as http:

@@ -21,7 +21,14 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.trainer.losses import LossInputs, LossOutputs
 from prime_rl.trainer.main import NEEDS_USER, USER_ERRORS, resume_step
 from prime_rl.trainer.memory import keep_freed_memory
-from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
+from prime_rl.trainer.parallel.dist import (
+    World,
+    collective_error,
+    collective_failure,
+    init_world,
+    init_world_or_exit,
+    run_rank,
+)
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.sft.config import SFTConfig, SFTDataConfig
 from prime_rl.trainer.weights.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
@@ -147,7 +154,7 @@ def sample_stream(samples: list[TrainingSample], seed: int, start: int) -> Itera
 def run_sft(config: SFTConfig, world: World | None = None) -> Path:
     from transformers import AutoTokenizer
 
-    world = world or init_world(config.parallel.cp, config.parallel.ep)
+    world = world or init_world(config.parallel.cp, config.parallel.ep, config.dist_timeout_s)
     keep_freed_memory(world)
     output_dir = Path(config.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
@@ -172,18 +179,24 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
         forget_steps_from(output_dir / "sft" / "metrics.jsonl", start)  # steps trained again
         metrics_log = MetricsLogger(output_dir / "sft" / "metrics.jsonl", config.wandb)
     log.info("sft: %d examples, %d steps of %d", len(samples), config.max_steps, config.batch_size)
-    for step in range(start, config.max_steps):
-        t0 = time.perf_counter()
-        batch = [next(stream) for _ in range(config.batch_size)]
-        mbs = pack(batch, config.seq_len, world.dp, "sft", step)[world.dp_rank]  # cp ranks share them
-        metrics, _ = trainer.train_step(mbs)
-        if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
-            metrics_log.log(step, metrics)
-            log.info("step %d | loss %.4f | grad_norm %.3f | %.1fs", step, metrics["loss"], metrics["grad_norm"],
-                     time.perf_counter() - t0)  # fmt: skip
-        if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-            save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer, trainer.scheduler,
-                            world, config.ckpt.keep)  # fmt: skip
+    step = start
+    try:
+        for step in range(start, config.max_steps):
+            t0 = time.perf_counter()
+            batch = [next(stream) for _ in range(config.batch_size)]
+            mbs = pack(batch, config.seq_len, world.dp, "sft", step)[world.dp_rank]  # cp ranks share them
+            metrics, _ = trainer.train_step(mbs)
+            if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
+                metrics_log.log(step, metrics)
+                log.info("step %d | loss %.4f | grad_norm %.3f | %.1fs", step, metrics["loss"],
+                         metrics["grad_norm"], time.perf_counter() - t0)  # fmt: skip
+            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
+                save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
+                                trainer.scheduler, world, config.ckpt.keep)  # fmt: skip
+    except RuntimeError as e:
+        if not world.distributed or not collective_failure(e):
+            raise
+        raise collective_error(e, world, "dist_timeout_s", step) from None
     save_dir = Path(config.save_dir or output_dir / "model")
     publisher.save(trainer.model, save_dir)
     publisher.close()
@@ -195,7 +208,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(SFTConfig, argv, prog="sft")
-    world = init_world_or_exit(config.parallel.cp, "sft", config.parallel.ep)
+    world = init_world_or_exit(config.parallel.cp, "sft", config.parallel.ep, config.dist_timeout_s)
     setup_logging("sft")
     run_rank(
         world,

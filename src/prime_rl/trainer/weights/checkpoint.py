@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from prime_rl.disk import writing
 from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
-from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.parallel.dist import FILE_WORK_TIMEOUT_S, World, patient
 
 __all__ = ["checkpoint_root", "choose_checkpoint", "complete_steps", "load_checkpoint", "save_checkpoint"]
 
@@ -66,8 +66,11 @@ def choose_checkpoint(root: Path, wanted: int | None) -> tuple[int, list[str]]:
 
 
 def _barrier(world: World) -> None:
+    """The ranks wait here for rank 0's work on the checkpoint's files (removing a step, writing the
+    manifest, which reads every file): it grows with the model, so they wait up to FILE_WORK_TIMEOUT_S."""
     if world.distributed:
-        dist.barrier()
+        with patient(world, FILE_WORK_TIMEOUT_S):
+            dist.barrier()
 
 
 TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)

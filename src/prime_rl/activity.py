@@ -1,0 +1,227 @@
+"""What each process of a run is doing now, and since when: one small record per process (per
+trainer rank, per env worker), which `rl`'s watchdog (`rl/watchdog.py`) reads to tell a run that
+hangs from one that works, and to name the process that hangs.
+
+A record is a 4 KiB file `<output_dir>/activity/<label>.<pid>` that the process maps into memory:
+
+    [0:8]   sequence number (u64), odd while a state is being written
+    [8:16]  heartbeat: wall time (f64), written every BEAT_S by a thread of the process
+    [16:24] loop beat: wall time (f64), written every BEAT_S by its asyncio loop (0: no loop)
+    [24:28] length of the state (u32), then the state as JSON: label, kind, pid, host, doing,
+            waits_on, step, since
+
+A process that stops beating is frozen (SIGSTOP, a C call that holds the GIL, a dead-locked
+interpreter); one whose loop stops beating has a blocked event loop; one that beats but whose state
+has not changed for a long time is stuck in what its state says. `waits_on` names the kind of
+process it waits for ("" when it waits for nobody): the watchdog follows these to the culprit.
+
+Invariants: setting a state is a memory copy into a shared page, no system call, no host-device
+sync and no collective, so it may be called anywhere, often; a reader never takes a half-written
+state for a whole one (the sequence number); without `start` every call here does nothing (tests
+that run a loop in a thread, processes outside a run). Each process also registers `faulthandler`
+for STACK_SIGNAL, writing every thread's stack to `<label>.<pid>.stack` beside its record: the
+watchdog's way to the stacks where `py-spy` cannot attach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import mmap
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SIZE = 4096
+HEADER = struct.Struct("<QddI")
+BEAT_S = 1.0
+"""How often a process says it is alive (thread and event loop)."""
+STACK_SIGNAL = signal.SIGUSR1
+ENV_DIR = "PRIME_RL_ACTIVITY_DIR"
+"""Set by `rl` for its children: the folder of the run's records (default: <output_dir>/activity)."""
+ENV_LABEL = "PRIME_RL_ACTIVITY_LABEL"
+"""Set by `rl` for its servers (inference-1, teacher, ...): the record's label."""
+
+
+def folder(output_dir: Path | str) -> Path:
+    return Path(os.environ.get(ENV_DIR) or Path(output_dir) / "activity")
+
+
+@dataclass(frozen=True)
+class State:
+    """A process's state as the watchdog reads it."""
+
+    label: str
+    """trainer-rank0, orchestrator, env-worker-1, inference, ..."""
+    kind: str
+    """trainer, orchestrator, env-worker or inference."""
+    pid: int
+    host: str
+    doing: str
+    """What it is doing, in words: "waiting for the micro-batches of step 9"."""
+    waits_on: str
+    """The kind of process it waits for, "" when it waits for nobody (it is working)."""
+    step: int
+    since: float
+    """Wall time at which it began `doing`."""
+    beat: float
+    """Wall time of its last heartbeat."""
+    loop_beat: float
+    """Wall time of its event loop's last beat, 0.0 for a process without one."""
+    path: Path
+
+    @property
+    def stack_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".stack")
+
+
+class _Record:
+    def __init__(self, path: Path, label: str, kind: str):
+        self.path = path
+        self.fields = {"label": label, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
+                       "doing": "starting", "waits_on": "", "step": 0, "since": time.time()}  # fmt: skip
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, SIZE)
+            self.map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self.seq = 0
+        self.lock = threading.Lock()
+        self._write_state()
+
+    def _write_state(self) -> None:
+        body = json.dumps(self.fields).encode()[: SIZE - HEADER.size]
+        with self.lock:  # the beat thread writes the same header
+            self.seq += 1
+            self.map[0:8] = struct.pack("<Q", self.seq)
+            self.map[24:28] = struct.pack("<I", len(body))
+            self.map[HEADER.size : HEADER.size + len(body)] = body
+            self.seq += 1
+            self.map[0:8] = struct.pack("<Q", self.seq)
+
+    def set(self, doing: str, waits_on: str, step: int | None) -> None:
+        f = self.fields
+        step = f["step"] if step is None else step
+        if f["doing"] == doing and f["waits_on"] == waits_on and f["step"] == step:
+            return
+        f["doing"], f["waits_on"], f["step"], f["since"] = doing, waits_on, step, time.time()
+        self._write_state()
+
+    def beat(self, offset: int) -> None:
+        self.map[offset : offset + 8] = struct.pack("<d", time.time())
+
+
+_record: _Record | None = None
+
+
+def start(label: str, kind: str, output_dir: Path | str, doing: str = "starting") -> None:
+    """Keep this process's record from now on (one per process: a second call does nothing)."""
+    global _record
+    if _record is not None:
+        return
+    where = folder(output_dir)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / f"{label}.{os.getpid()}"
+        _record = _Record(path, label, kind)
+        # Line-buffered text file kept open for the life of the process: faulthandler writes to
+        # its descriptor from the signal handler.
+        stacks = path.with_name(path.name + ".stack").open("a")
+        faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
+    except OSError:  # an unwritable run folder is reported by whoever writes there next
+        _record = None
+        return
+    _record.set(doing, "", None)
+    threading.Thread(target=_beat_forever, args=(_record,), daemon=True, name="activity-beat").start()
+
+
+def _beat_forever(record: _Record) -> None:
+    while True:
+        record.beat(8)
+        time.sleep(BEAT_S)
+
+
+async def beat_loop() -> None:
+    """Run as a task of an asyncio process: its loop beats, so that a blocked loop is seen."""
+    import asyncio
+
+    while _record is not None:
+        _record.beat(16)
+        await asyncio.sleep(BEAT_S)
+
+
+def doing(what: str, waits_on: str = "", step: int | None = None) -> None:
+    """Say what this process is doing now (`waits_on`: the kind of process it waits for)."""
+    if _record is not None:
+        _record.set(what, waits_on, step)
+
+
+def now() -> str:
+    """What this process is doing (for its own log lines), "" without a record."""
+    return _record.fields["doing"] if _record is not None else ""
+
+
+def stop() -> None:
+    """Remove this process's record (a clean exit: nothing of it is left to read)."""
+    global _record
+    if _record is not None:
+        with contextlib.suppress(OSError):
+            _record.path.unlink()
+        _record = None
+
+
+def read(path: Path) -> State | None:
+    """The state in the record at `path`, None if it is gone or unreadable."""
+    for _ in range(20):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        if len(data) < HEADER.size:
+            return None
+        seq, beat, loop_beat, length = HEADER.unpack_from(data)
+        if seq % 2 == 0 and seq > 0:
+            try:
+                f = json.loads(data[HEADER.size : HEADER.size + length])
+                return State(f["label"], f["kind"], int(f["pid"]), f["host"], f["doing"], f["waits_on"],
+                             int(f["step"]), float(f["since"]), beat, loop_beat, path)  # fmt: skip
+            except (ValueError, KeyError, TypeError):
+                pass  # written between our reads of the header and the body: read again
+        time.sleep(0.001)
+    return None
+
+
+def read_all(where: Path) -> list[State]:
+    """Every readable record under `where` (also those of processes that are gone: see `alive`)."""
+    try:
+        paths = [p for p in where.iterdir() if not p.name.endswith(".stack")]
+    except OSError:
+        return []
+    return [s for p in sorted(paths) if (s := read(p)) is not None]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped) is not alive.
+    return process_state(pid) not in ("Z", "X", "")
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter of `pid` (R, S, D, T stopped, t traced, Z zombie), "" if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2 :].split(" ", 1)[0]
