@@ -3,6 +3,7 @@ SIGKILLed). The orchestrator keeps work off it, waits, puts the current weights 
 serves again, and finishes every step once with exact rollout accounting."""
 
 import asyncio
+import json
 import signal
 import socket
 import subprocess
@@ -235,3 +236,57 @@ def test_with_broadcast_weights_a_restarted_server_gets_no_work_until_a_broadcas
     assert events[0] == "broadcast 2" and "chat" in events[1:]  # no rollout before the weights came
     metrics = check_accounting(run)
     assert [m["step"] for m in metrics] == list(range(6))
+
+
+# Replies take 1 s: the freeze lands with rollouts in flight however fast the machine.
+@pytest.mark.parametrize("server", [1.0], indirect=True)
+def test_a_server_that_stops_answering_loses_its_groups_at_once_and_their_examples_go_again(tmp_path, server):
+    """SIGSTOP: the server accepts connections and answers nothing, the shape of a hang. Its groups in
+    flight fail after `client.silent_s`, not after the requests' 300 s timeout, and the same examples
+    are dispatched again once it is back; nothing is lost or counted twice."""
+    run = tmp_path / "run"
+    client = {"base_urls": [server.url + "/v1"], "timeout_s": 300, "health_interval_s": 0.2, "silent_s": 2}
+    cfg = config(run, server, max_async_level=10, client=client)
+    frozen_for = []
+
+    def scenario():
+        wait_for(lambda: len(metric_steps(run)) >= 2, "two steps")
+        assert len(metric_steps(run)) < 6, "the run ended before the freeze"
+        server.proc.send_signal(signal.SIGSTOP)  # rollouts of the next step are in flight
+        t0 = time.monotonic()
+        try:
+            # The server stays frozen until its groups are given up (a restart would end it so too).
+            wait_for(lambda: abandoned.is_set(), "the orchestrator to give up the groups in flight", 60)
+            frozen_for.append(time.monotonic() - t0)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+
+    abandoned = threading.Event()
+    from prime_rl.orchestrator.loop import scheduler
+
+    original = scheduler.Scheduler.abandon
+
+    def abandon(self, srv):
+        n = original(self, srv)
+        abandoned.set()
+        return n
+
+    scheduler.Scheduler.abandon = abandon
+    try:
+        assert run_with(cfg, scenario) is None
+    finally:
+        scheduler.Scheduler.abandon = original
+    assert frozen_for and frozen_for[0] < 30, frozen_for  # not the requests' 300 s
+    metrics = check_accounting(run)
+    assert [m["step"] for m in metrics] == list(range(6))  # every step once
+    records = [
+        json.loads(line)
+        for p in sorted((run / "rollouts").glob("*.jsonl"))
+        for line in p.read_text().splitlines()
+    ]
+    lost = [r for r in records if "ServerSilentError" in (r.get("error") or "")]
+    assert lost, "no rollout failed with the silent server"
+    trained = {(r["env"], r["example_id"]) for r in records if r.get("trained")}
+    # Each example lost with the frozen server was dispatched again, and trained.
+    again = [(r["env"], r["example_id"]) in trained for r in lost]
+    assert all(again), [(r["example_id"], a) for r, a in zip(lost, again, strict=True)]

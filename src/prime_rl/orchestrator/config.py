@@ -231,6 +231,11 @@ class ClientConfig(BaseConfig):
     """How often to check that each server answers and serves the current weights (a server is also
     checked at once when a whole group on it fails)."""
 
+    silent_s: float = Field(default=30.0, gt=0)
+    """A server that has answered no health check for this long (hung, or gone) loses the groups in
+    flight on it at once, instead of each request waiting out `timeout_s`: they count as failed, and
+    their examples are dispatched again, to another server or to this one once it is back."""
+
 
 class OrchestratorConfig(RootConfig):
     """Orchestrator: keeps inference busy with rollouts and streams training batches to the trainer."""

@@ -251,13 +251,15 @@ class TrainingConfig(RootConfig):
     """Data, context and expert parallelism (data parallelism is torchrun's ranks / cp)."""
 
     dist_timeout_s: float = Field(default=300.0, gt=0)
-    """How long a collective between the ranks waits for a peer before this rank stops with one line
-    (exit status 1) instead of hanging: a peer that died or hung (SIGSTOP, a stuck kernel) is noticed
-    within this. torch's defaults (30 min on gloo, 10 min on nccl) leave a run stuck that long. It must
-    cover the slowest lone work inside a step, which other ranks wait for in a collective: rank 0
-    finishing the previous step's weight write before it publishes the next (tens of seconds for a
-    model of tens of GB); waits for data or for a checkpoint's files wait longer on their own
-    (`parallel.dist.patient`). Several ranks only."""
+    """Seconds a collective between the ranks waits for a peer before it fails and this rank stops with
+    one line, exit status 1 (a restart can fix it): a rank that died or hung (a stuck kernel, SIGSTOP)
+    stops the others within this instead of torch's 30 minutes (gloo; nccl: 10). It must outlast a
+    step's longest wait on one rank's own work: the other ranks wait in a step's first collective
+    while rank 0 finishes writing or broadcasting the previous step's weights (up to 140 s for 140 GB
+    at 1 GB/s); raise it for larger weights or slower disks. Waits that may be longer
+    have their own bounds: a cp peer's for its leader's data (this + transport.timeout_s), the
+    ranks' for rank 0 verifying or writing a checkpoint (30 min). On CUDA, nccl's watchdog ends a
+    rank whose GPU collective timed out (SIGABRT) without the line."""
 
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts models: the load-balancing loss."""

@@ -73,7 +73,8 @@ def resume_step(config: TrainerConfig, world: World) -> int:
         except CheckpointError as e:
             choice = [e]
     if world.distributed:
-        with patient(world, FILE_WORK_TIMEOUT_S):  # rank 0 reads the whole checkpoint to verify it
+        # The other ranks wait while rank 0 reads the whole checkpoint to verify it.
+        with patient(world, FILE_WORK_TIMEOUT_S if not world.is_main else 0.0):
             torch.distributed.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], BaseException):
         raise CheckpointError(str(choice[0]))
@@ -152,8 +153,10 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             # (cp peers take theirs from their group's first rank, a trainer rank)
             activity.doing(f"waiting for the micro-batches of step {step}",
                            "orchestrator" if receiver else "trainer", step)  # fmt: skip
-            # A cp peer waits in a collective while its leader waits for the orchestrator's data.
-            with patient(world, config.transport.timeout_s + config.dist_timeout_s, world.cp_group):
+            # A cp peer waits for its leader's data in a collective while the leader waits for the
+            # orchestrator (up to transport.timeout_s); the leader's own side waits as usual.
+            data_wait_s = config.transport.timeout_s + config.dist_timeout_s if receiver is None else 0.0
+            with patient(world, data_wait_s, world.cp_group):
                 micro_batches = share_with_cp_group(receiver.get(step) if receiver else None, world)
             t_wait = time.perf_counter() - t_get
             activity.doing(f"step {step}: training", "", step)

@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 
 from prime_rl.orchestrator.rollout import Rollout, failure_reason
 
+SERVER_SILENT = "ServerSilentError"
+"""The failure reason of the rollouts of a group whose server stopped answering (`health.py`)."""
+
 UNREACHABLE = ("APIConnectionError", "ConnectError", "ConnectionRefusedError", "RemoteProtocolError",
-               "ReadError", "ConnectionResetError")  # fmt: skip
+               "ReadError", "ConnectionResetError", SERVER_SILENT)  # fmt: skip
 """Exception names of a request that never reached a live server (timeouts are not among them)."""
 
 WORKER_DIED = "EnvWorkerDied"

@@ -6,7 +6,10 @@ version (it restarted from the base model). A suspected server gets no new rollo
 and is polled with back-off until it answers; then, under the weight lock, it is loaded with the
 current version and only after that marked up again. So rollouts are never tagged with a policy
 version their server does not serve, and a restart costs only the rollouts that were on it (counted
-as failed). Invariant: if no server has been up for `health_timeout_s`, the run stops with
+as failed). A server silent for `silent_s` (hung: it accepts connections and answers nothing)
+also loses its groups in flight at once (`on_silent`, the scheduler's `abandon`): they count as
+failed, and their examples go to the next dispatch, instead of each request waiting out its timeout.
+Invariant: if no server has been up for `health_timeout_s`, the run stops with
 `InferenceUnavailable` rather than waiting forever.
 """
 
@@ -16,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -33,12 +37,16 @@ class ServerHealth:
         interval_s: float,
         give_up_s: float,
         request_timeout_s: float = 5.0,
+        silent_s: float = 30.0,
+        on_silent: Callable[[Server], int] | None = None,
     ):
         self.pool = pool
         self.weights = weights
         self.interval_s = interval_s
         self.give_up_s = give_up_s
         self.request_timeout_s = request_timeout_s
+        self.silent_s = silent_s
+        self.on_silent = on_silent
         self._recovering: dict[Server, asyncio.Task] = {}
         self._behind: set[Server] = set()
         """Servers waiting for a broadcast to catch up (said once, not at every check)."""
@@ -83,13 +91,19 @@ class ServerHealth:
     async def _recover(self, http: httpx.AsyncClient, server: Server) -> None:
         # Suspected servers that answer at once and serve the current weights (a group failed for
         # another reason) go back to work silently; anything else is logged.
-        delay, t0, noted = 0.25, time.monotonic(), False
+        delay, t0, noted, abandoned = 0.25, time.monotonic(), False, False
         try:
             while (step := await served_step(http, server, self.weights.adapter)) is None:
                 if not noted:
                     log.warning("inference server %s does not answer: no new rollouts go to it until it is back",
                                 server.root_url)  # fmt: skip
                     noted = True
+                if not abandoned and self.on_silent and time.monotonic() - t0 >= self.silent_s:
+                    abandoned = True
+                    n = self.on_silent(server)
+                    log.warning("inference server %s has not answered for %.0f s: its %d group(s) in flight "
+                                "failed, their examples go to the next dispatch", server.root_url,
+                                time.monotonic() - t0, n)  # fmt: skip
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
             async with self.weights.lock:

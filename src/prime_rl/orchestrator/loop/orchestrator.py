@@ -140,9 +140,8 @@ class Orchestrator:
                                   adapter=adapter)  # fmt: skip
         await self.weights.claim()
         await self.weights.poll()
-        self.health = ServerHealth(
-            self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s
-        )
+        self.health = ServerHealth(self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s,
+                                   silent_s=c.client.silent_s, on_silent=self.scheduler.abandon)  # fmt: skip
         forget_uncommitted(self.output_dir, progress.step)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")

@@ -38,12 +38,12 @@ from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 from prime_rl.orchestrator.loop.examples import Cursor, ExampleSource
-from prime_rl.orchestrator.loop.failures import FailureStreak
+from prime_rl.orchestrator.loop.failures import SERVER_SILENT, FailureStreak
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
 from prime_rl.orchestrator.messages import EnvSide, EnvView, GroupJob
-from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class Group:
     policy_version: int
     size: int
     server: Server
+    index: int = 0
+    """The example's position in its env's dataset (to dispatch it again, `Scheduler.abandon`)."""
     rollouts: list[Rollout] = field(default_factory=list)
     """Once back: the surviving rollouts."""
 
@@ -161,6 +163,8 @@ class Scheduler:
         self.skipped: Counter = Counter()
         """Examples the difficulty filter skipped, per env, since the start of this process."""
         self.streak = FailureStreak(config.max_failed_groups, config.client.health_timeout_s)
+        self._again: deque[tuple[EnvView[EnvConfig], int]] = deque()
+        """Examples whose groups were lost with a silent server: dispatched again first."""
 
     # ---------------------------------------------------------------- counts
 
@@ -196,9 +200,10 @@ class Scheduler:
         while True:
             # The env is drawn once and kept until it can be dispatched, so that the RNG advances
             # only with dispatches, not with how often the loop happens to look.
-            if self._next_env is None:
+            again = self._again[0] if self._again else None
+            if again is None and self._next_env is None:
                 self._next_env = self.rng.choices(self.envs, weights=self._weights)[0]
-            env = self._next_env
+            env = again[0] if again else self._next_env
             if (
                 # Training's own in-flight count: evaluation borrows the servers without blocking it.
                 self.inflight_rollouts + env.config.group_size > c.max_inflight_rollouts and self.inflight
@@ -209,8 +214,11 @@ class Scheduler:
                 return n
             if self.pool.pick() is None:
                 return n  # no server is up: the health monitor is bringing one back
-            self._next_env = None
-            self._dispatch(env, policy_version)
+            if again:
+                self._again.popleft()
+            else:
+                self._next_env = None
+            self._dispatch(env, policy_version, again[1] if again else None)
             n += 1
 
     def _next_example(self, env: EnvView[EnvConfig]) -> tuple[int, dict]:
@@ -225,8 +233,11 @@ class Scheduler:
             index, row = examples.next_indexed()
         return index, row
 
-    def _dispatch(self, env: EnvView[EnvConfig], policy_version: int) -> None:
-        index, row = self._next_example(env)
+    def _dispatch(self, env: EnvView[EnvConfig], policy_version: int, index: int | None = None) -> None:
+        if index is None:
+            index, row = self._next_example(env)
+        else:
+            row = self.examples[env.name].dataset[index]
         server = self.pool.pick()
         assert server is not None
         job = GroupJob(
@@ -234,7 +245,7 @@ class Scheduler:
             policy_version, server.base_url,
             model=request_model(self.config.model.name, self.config.lora_adapter, policy_version),
         )  # fmt: skip
-        group = Group(job.id, env, job.example_id, job.policy_version, job.size, server)
+        group = Group(job.id, env, job.example_id, job.policy_version, job.size, server, index)
         self._next_group_id += 1
         self.acc.dispatched[env.name] += group.size
         task = run_on(self.env_side, self.pool, server, job)
@@ -251,8 +262,23 @@ class Scheduler:
             self.inflight.keys(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
         )
         for task in done:
-            group = self.inflight.pop(task)
-            self._finalize(group, task.result())
+            group = self.inflight.pop(task, None)
+            if group is not None:  # (None: abandoned meanwhile, already finalized)
+                self._finalize(group, task.result())
+
+    def abandon(self, server: Server) -> int:
+        """`server` stopped answering: its groups in flight fail now (counted, as failed), rather
+        than each request waiting out its timeout, and their examples are dispatched again first.
+        Returns the number of groups."""
+        lost = [(task, g) for task, g in self.inflight.items() if g.server is server]
+        reason = f"{SERVER_SILENT}: inference server {server.root_url} stopped answering"
+        for task, group in lost:
+            task.cancel()
+            del self.inflight[task]
+            self._finalize(group, [failed_rollout(group.env_name, group.example_id, group.policy_version, reason)
+                                   for _ in range(group.size)])  # fmt: skip
+            self._again.append((group.env, group.index))
+        return len(lost)
 
     def _finalize(self, group: Group, rollouts: list[Rollout]) -> None:
         name = group.env_name

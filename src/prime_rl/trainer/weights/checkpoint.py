@@ -66,10 +66,11 @@ def choose_checkpoint(root: Path, wanted: int | None) -> tuple[int, list[str]]:
 
 
 def _barrier(world: World) -> None:
-    """The ranks wait here for rank 0's work on the checkpoint's files (removing a step, writing the
-    manifest, which reads every file): it grows with the model, so they wait up to FILE_WORK_TIMEOUT_S."""
+    """The other ranks wait here for rank 0's work on the checkpoint's files (removing a step, writing
+    the manifest, which reads every file): it grows with the model, so they wait up to
+    FILE_WORK_TIMEOUT_S; rank 0's own side waits as usual."""
     if world.distributed:
-        with patient(world, FILE_WORK_TIMEOUT_S):
+        with patient(world, FILE_WORK_TIMEOUT_S if not world.is_main else 0.0):
             dist.barrier()
 
 
