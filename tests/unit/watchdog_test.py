@@ -55,6 +55,15 @@ def speakers(tmp_path):
         p.wait()
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP `pid` and wait until it is stopped (the signal takes effect asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while activity.process_state(pid) != "T":
+        assert time.monotonic() < deadline, activity.process_state(pid)
+        time.sleep(0.01)
+
+
 def state(label, kind, waits_on="", since=0.0, beat=None, pid=None) -> activity.State:
     now = time.time()
     return activity.State(label, kind, pid or os.getpid(), "host", f"{label} doing", waits_on, 0, since,
@@ -97,7 +106,7 @@ def test_the_culprit_is_the_frozen_process_else_the_working_one_the_others_wait_
 
 def test_a_process_stopped_with_sigstop_is_frozen_whatever_its_heartbeat(speakers):
     proc = speakers("inference", "inference", "generating, 3 request(s)")
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop(proc.pid)
     stopped = state("inference", "inference", pid=proc.pid)  # a fresh heartbeat
     working = state("orchestrator", "orchestrator", since=0.0)
     assert blame([working, stopped], time.time()) == (stopped, "frozen (stopped by a signal)")
@@ -162,7 +171,7 @@ def test_the_stack_file_holds_the_frozen_frame_of_a_stopped_process(speakers, tm
     other = speakers(
         "orchestrator", "orchestrator", "step 7: waiting for the trainer's weights of step 6", "trainer"
     )
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop(proc.pid)
     states = activity.read_all(tmp_path / "activity")
     culprit = next(s for s in states if s.pid == proc.pid)
     stall = Stall(culprit, "frozen (stopped by a signal)", 61.0, 60.0, 6)
@@ -174,3 +183,39 @@ def test_the_stack_file_holds_the_frozen_frame_of_a_stopped_process(speakers, tm
     assert f"=== trainer-rank0 (pid {proc.pid}) [culprit] ===" in culprit_part
     assert "frozen_here" in culprit_part, text  # the frame the process was stopped in
     assert "frozen_here" in rest  # every process's stack, not only the culprit's
+
+
+def test_the_standalone_watchdog_names_a_frozen_process_writes_its_stack_and_kills_it(speakers, tmp_path):
+    """`watchdog` for processes started by hand: the same verdict and stack file; `--kill` kills it."""
+    frozen = speakers("trainer-rank0", "trainer", "step 3: training", "", 3)
+    speakers(
+        "orchestrator", "orchestrator", "step 4: waiting for the trainer's weights of step 3", "trainer", 4
+    )
+    stop(frozen.pid)
+    cmd = [str(Path(sys.executable).parent / "watchdog"), "--output_dir", str(tmp_path), "--stall_timeout_s", "1",
+           "--kill", "--poll_s", "0.2"]  # fmt: skip
+    dog = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert frozen.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        dog.terminate()
+    out = dog.communicate(timeout=30)[0]
+    (line,) = [x for x in out.splitlines() if x.startswith("watchdog: stall:")]
+    assert f'trainer-rank0 (pid {frozen.pid}) is frozen (stopped by a signal), in "step 3: training"' in line
+    (stacks,) = (tmp_path / "logs").glob("stall_3_*.txt")
+    assert "frozen_here" in stacks.read_text() and str(stacks) in line
+    assert f"watchdog: killed trainer-rank0 (pid {frozen.pid})" in out
+
+
+def test_a_long_wait_is_one_line_saying_what_every_process_does():
+    line = watchdog.waiting_line(
+        [
+            state("trainer-rank0", "trainer", since=time.time()),
+            state("orchestrator", "orchestrator", "trainer"),
+        ],
+        42,
+    )
+    assert line.startswith(
+        'rl: nothing moved for 42 s: orchestrator "orchestrator doing" (waiting for the trainer)'
+    )
+    assert 'trainer-rank0 "trainer-rank0 doing" (waiting for nobody)' in line

@@ -41,11 +41,13 @@ from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here
 from prime_rl.rl.plan import Plan, Server, hosts, plan
-from prime_rl.rl.watchdog import Stall, Watchdog, stack_file, stall_line, write_stacks
+from prime_rl.rl.watchdog import Stall, Watchdog, stack_file, stall_line, waiting_line, write_stacks
 
 GRACE_S = 15.0
 CHECK_S = 1.0
 """How often the watchdog reads the processes' activity records."""
+WAITING_S = 30.0
+"""After this long without any process changing what it does, the console says what each does."""
 # Console view: the lines that say what each process is doing; everything is in the log files.
 CONSOLE_MARKERS = (" step ", "error", "Error", "resum", "waiting", "eval at", "saved", "Traceback")
 
@@ -131,6 +133,7 @@ class Launcher:
         self.watchdog = Watchdog(activity.folder(self.out), d.stall_timeout_s, d.stall_floor_s,
                                  d.stall_first_step_s)  # fmt: skip
         self.log_dir = self.out / "logs"
+        self._next_waiting_line = 0.0
 
     def _write_configs(self, plan: Plan) -> None:
         folder = next(iter(plan.config_files)).parent
@@ -351,6 +354,11 @@ class Launcher:
 
         stall = self.watchdog.check(host=socket.gethostname(), keep=in_run)
         if stall is None:
+            # A long wait says what everyone is doing, once a while (a stall, or just a long step).
+            idle_s = self.watchdog.idle_s()
+            if idle_s >= WAITING_S and time.monotonic() >= self._next_waiting_line and self.watchdog.states:
+                print(waiting_line(self.watchdog.states, idle_s), flush=True)
+                self._next_waiting_line = time.monotonic() + 2 * WAITING_S
             return
         path = stack_file(self.log_dir, stall.step)
         try:

@@ -72,6 +72,10 @@ class Watchdog:
             return self.first_step_s
         return max(self.floor_s, STALL_FACTOR * self._slowest_s)
 
+    def idle_s(self, now: float | None = None) -> float:
+        """Seconds since a process last changed what it is doing."""
+        return (time.time() if now is None else now) - self._progress_at
+
     def restarted(self, now: float | None = None) -> None:
         """A process was restarted: its successor gets the first step's time again."""
         now = time.time() if now is None else now
@@ -138,6 +142,12 @@ def describe(s: State) -> str:
     return f'"{s.doing}" ({waits}) since {time.strftime("%H:%M:%S", time.localtime(s.since))}'
 
 
+def waiting_line(states: list[State], idle_s: float) -> str:
+    """What every process is doing, in one console line, while the run has not moved for a while."""
+    doing = "; ".join(f"{s.label} {describe(s)}" for s in sorted(states, key=lambda s: s.label))
+    return f"rl: nothing moved for {idle_s:.0f} s: {doing}"
+
+
 def stall_line(stall: Stall, stack_file: Path | None) -> str:
     c = stall.culprit
     where = f"; stacks in {stack_file}" if stack_file else ""
@@ -185,12 +195,15 @@ def stack_of(pid: int, state: State | None, resume_stopped: bool) -> str:
     before = path.stat().st_size if path.exists() else 0
     try:
         os.kill(pid, STACK_SIGNAL)
-        if resume_stopped and process_state(pid) in ("T", "t"):
-            os.kill(pid, signal.SIGCONT)  # the handler runs once the process runs
     except ProcessLookupError:
         return "(gone)\n"
     deadline = time.monotonic() + STACK_WAIT_S
     while time.monotonic() < deadline:
+        if resume_stopped and process_state(pid) in ("T", "t"):
+            # The handler runs once the process runs (checked in the loop: a stop signal sent just
+            # before takes effect asynchronously).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         if path.exists() and path.stat().st_size > before:
             time.sleep(0.2)  # let it finish writing every thread
             with path.open() as f:
