@@ -163,6 +163,22 @@ def doing(what: str, waits_on: str = "", step: int | None = None) -> None:
         _record.set(what, waits_on, step)
 
 
+@contextlib.contextmanager
+def waiting(what: str, on: str):
+    """Inside, this process's state is its current one plus `what`, waiting for the `on` kind (a
+    collective: the other ranks); the state before comes back after."""
+    record = _record
+    if record is None:
+        yield
+        return
+    doing, waits_on = record.fields["doing"], record.fields["waits_on"]
+    record.set(f"{doing}, in {what}", on, None)
+    try:
+        yield
+    finally:
+        record.set(doing, waits_on, None)
+
+
 def now() -> str:
     """What this process is doing (for its own log lines), "" without a record."""
     return _record.fields["doing"] if _record is not None else ""

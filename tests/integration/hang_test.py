@@ -32,8 +32,10 @@ def trainer_steps(run: Path) -> list[int]:
 
 
 def freeze(run: Path, kind: str) -> activity.State:
-    """SIGSTOP the live process of `kind` (a server: its whole process group, engine included)."""
-    target = next(s for s in activity.read_all(run / "activity") if s.kind == kind and activity.alive(s.pid))
+    """SIGSTOP the live process of `kind`, or with that label (a server: its whole process group, engine
+    included)."""
+    states = activity.read_all(run / "activity")
+    target = next(s for s in states if kind in (s.kind, s.label) and activity.alive(s.pid))
     if kind == "inference":
         os.killpg(os.getpgid(target.pid), signal.SIGSTOP)
     else:
@@ -148,3 +150,23 @@ def test_without_restarts_a_frozen_trainer_stops_the_run_with_status_1_and_the_l
     timeout_s = float(re.search(r"stall timeout (\d+) s", lines[0]).group(1))
     assert exit_s < timeout_s + 30, (exit_s, lines[0])
     assert "rl: trainer hung and was killed; stopping the others" in console
+
+
+def test_two_trainer_ranks_one_frozen_mid_run_the_other_gives_up_and_rl_restarts_the_trainer(
+    tiny_model, tmp_path
+):
+    """One rank of two (gloo) SIGSTOPped: the other stops within `trainer.dist_timeout_s` with one line
+    naming the collective and the step; under `rl` the trainer (both ranks) restarts and resumes."""
+    steps = 8
+    flags = ("--deployment.trainer-ranks", "2", "--trainer.dist-timeout-s", "10")
+    code, console, frozen, _, _ = run_with_freeze(tmp_path, tiny_model, "trainer-rank1", steps, 2, *flags)
+    assert code == 0, console[-3000:]
+    assert frozen.label == "trainer-rank1"
+    run = tmp_path / "run"
+    log = (run / "logs" / "trainer.log").read_text()
+    gave_up = [
+        line for line in log.splitlines() if "did not complete within trainer.dist_timeout_s = 10 s" in line
+    ]
+    assert gave_up and "rank 0, step " in gave_up[0], log[-3000:]
+    assert "rl: trainer" in console and "restarting it (1 of 2)" in console, console[-3000:]
+    assert trainer_steps(run) == list(range(steps)), console[-3000:]

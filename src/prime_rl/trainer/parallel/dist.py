@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from prime_rl import activity
 from prime_rl.shutdown import Stopped, exit_now, say_stopped, stopping
 
 FILE_WORK_TIMEOUT_S = 1800.0
@@ -249,13 +250,15 @@ def _filled(shape: list[int], value: float) -> Any:
 
 def all_reduce_sum(value: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        with activity.waiting("an all_reduce (sum)", "trainer"):
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
 
 def all_reduce_max(value: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        with activity.waiting("an all_reduce (max)", "trainer"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from prime_rl import activity
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 from prime_rl.trainer.rl.returns import sample_index
 
@@ -58,7 +59,8 @@ def whiten(items: list[Credit], mode: str, world: World) -> list[torch.Tensor]:
     names = sorted({e for c in items for e in c.env_names if e}) if mode == "env" else ["all"]
     if world.distributed and mode == "env":
         gathered: list = [None] * world.world_size
-        dist.all_gather_object(gathered, names)
+        with activity.waiting("an all_gather of the env names", "trainer"):
+            dist.all_gather_object(gathered, names)
         names = sorted({e for g in gathered for e in g})
     index = {e: i for i, e in enumerate(names)}
     dev = world.device

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from prime_rl import activity
 from prime_rl.trainer.parallel.dist import World, all_reduce_max, all_reduce_sum
 
 ESS_METRICS = ("is_ratio", "is_weight")
@@ -60,7 +61,8 @@ class TokenStats:
         metrics, envs = sorted(self.moments), sorted(self.envs)
         if world.distributed:
             gathered: list = [None] * world.world_size
-            dist.all_gather_object(gathered, (metrics, envs))
+            with activity.waiting("an all_gather of the metric names", "trainer"):
+                dist.all_gather_object(gathered, (metrics, envs))
             metrics = sorted({k for ms, _ in gathered for k in ms})
             envs = sorted({e for _, es in gathered for e in es})
         moments = torch.zeros(len(metrics), len(envs), 3, dtype=torch.float64, device=self.device)
