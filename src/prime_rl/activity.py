@@ -7,8 +7,9 @@ A record is a 4 KiB file `<output_dir>/activity/<label>.<pid>` that the process 
     [0:8]   sequence number (u64), odd while a state is being written
     [8:16]  heartbeat: wall time (f64), written every BEAT_S by a thread of the process
     [16:24] loop beat: wall time (f64), written every BEAT_S by its asyncio loop (0: no loop)
-    [24:28] length of the state (u32), then the state as JSON: label, kind, pid, host, doing,
-            waits_on, step, since
+    [24:28] length of the state (u32), then the state as JSON: label, kind, pid, host, started
+            (the kernel's start time of the process, so that a reused pid is not taken for it),
+            doing, waits_on, step, since
 
 A process that stops beating is frozen (SIGSTOP, a C call that holds the GIL, a dead-locked
 interpreter); one whose loop stops beating has a blocked event loop; one that beats but whose state
@@ -63,6 +64,8 @@ class State:
     """trainer, orchestrator, env-worker or inference."""
     pid: int
     host: str
+    started: int
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat), 0 if unknown."""
     doing: str
     """What it is doing, in words: "waiting for the micro-batches of step 9"."""
     waits_on: str
@@ -80,15 +83,24 @@ class State:
     def stack_path(self) -> Path:
         return self.path.with_name(self.path.name + ".stack")
 
+    def running(self) -> bool:
+        """Whether the process that wrote this record is still running (not a later process that
+        was given the same pid, not a zombie)."""
+        return alive(self.pid) and start_ticks(self.pid) == self.started
+
 
 class _Record:
     def __init__(self, path: Path, label: str, kind: str):
         self.path = path
         self.fields = {"label": label, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
-                       "doing": "starting", "waits_on": "", "step": 0, "since": time.time()}  # fmt: skip
+                       "started": start_ticks(os.getpid()), "doing": "starting", "waits_on": "", "step": 0,
+                       "since": time.time()}  # fmt: skip
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, SIZE)
+            # Written, not truncated to size: a sparse page would be allocated at the first store
+            # through the map, and on a full disk that store is a SIGBUS; a write fails with OSError.
+            if os.write(fd, bytes(SIZE)) != SIZE:
+                raise OSError("short write")
             self.map = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
@@ -206,8 +218,8 @@ def read(path: Path) -> State | None:
         if seq % 2 == 0 and seq > 0:
             try:
                 f = json.loads(data[HEADER.size : HEADER.size + length])
-                return State(f["label"], f["kind"], int(f["pid"]), f["host"], f["doing"], f["waits_on"],
-                             int(f["step"]), float(f["since"]), beat, loop_beat, path)  # fmt: skip
+                return State(f["label"], f["kind"], int(f["pid"]), f["host"], int(f.get("started", 0)), f["doing"],
+                             f["waits_on"], int(f["step"]), float(f["since"]), beat, loop_beat, path)  # fmt: skip
             except (ValueError, KeyError, TypeError):
                 pass  # written between our reads of the header and the body: read again
         time.sleep(0.001)
@@ -215,7 +227,7 @@ def read(path: Path) -> State | None:
 
 
 def read_all(where: Path) -> list[State]:
-    """Every readable record under `where` (also those of processes that are gone: see `alive`)."""
+    """Every readable record under `where` (also those of processes that are gone: `State.running`)."""
     try:
         paths = [p for p in where.iterdir() if not p.name.endswith(".stack")]
     except OSError:
@@ -232,6 +244,15 @@ def alive(pid: int) -> bool:
         return True
     # A zombie (exited, not yet reaped) is not alive.
     return process_state(pid) not in ("Z", "X", "")
+
+
+def start_ticks(pid: int) -> int:
+    """When `pid` started, in clock ticks since boot (0 if unknown): with the pid, names a process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def process_state(pid: int) -> str:

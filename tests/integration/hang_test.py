@@ -35,7 +35,7 @@ def freeze(run: Path, kind: str) -> activity.State:
     """SIGSTOP the live process of `kind`, or with that label (a server: its whole process group, engine
     included)."""
     states = activity.read_all(run / "activity")
-    target = next(s for s in states if kind in (s.kind, s.label) and activity.alive(s.pid))
+    target = next(s for s in states if kind in (s.kind, s.label) and s.running())
     if kind == "inference":
         os.killpg(os.getpgid(target.pid), signal.SIGSTOP)
     else:

@@ -3,6 +3,7 @@ a stall is declared after the (adaptive) timeout and not before; the culprit is 
 else the working one that others wait for; stacks come from py-spy, or from the process's own
 faulthandler, also for a process stopped with SIGSTOP."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -66,7 +67,7 @@ def stop(pid: int) -> None:
 
 def state(label, kind, waits_on="", since=0.0, beat=None, pid=None) -> activity.State:
     now = time.time()
-    return activity.State(label, kind, pid or os.getpid(), "host", f"{label} doing", waits_on, 0, since,
+    return activity.State(label, kind, pid or os.getpid(), "host", 0, f"{label} doing", waits_on, 0, since,
                           now if beat is None else beat, 0.0, Path("/nonexistent"))  # fmt: skip
 
 
@@ -148,6 +149,7 @@ def _rewriter(path: Path, pid: int):
         record = activity._Record.__new__(activity._Record)
         record.path, record.seq = path, 1000 + 2 * step
         record.fields = {"label": "trainer-rank0", "kind": "trainer", "pid": pid, "host": os.uname().nodename,
+                         "started": activity.start_ticks(pid),
                          "doing": f"step {step}: training", "waits_on": "", "step": step, "since": time.time()}  # fmt: skip
         import mmap
         import threading
@@ -219,3 +221,14 @@ def test_a_long_wait_is_one_line_saying_what_every_process_does():
         'rl: nothing moved for 42 s: orchestrator "orchestrator doing" (waiting for the trainer)'
     )
     assert 'trainer-rank0 "trainer-rank0 doing" (waiting for nobody)' in line
+
+
+def test_a_record_of_a_process_that_is_gone_is_not_taken_for_a_process_with_its_pid(speakers, tmp_path):
+    proc = speakers("orchestrator", "orchestrator", "step 1: collecting rollouts", "inference", 1)
+    (s,) = activity.read_all(tmp_path / "activity")
+    assert s.running() and s.started == activity.start_ticks(proc.pid) > 0
+    reused = dataclasses.replace(s, started=s.started - 1)  # the same pid, another process
+    assert not reused.running()
+    proc.kill()
+    proc.wait()
+    assert not s.running()

@@ -391,7 +391,7 @@ def forget_activity(folder: Path) -> None:
     """Remove the records of this machine's processes that are gone (an earlier session's)."""
     host = socket.gethostname()
     for state in activity.read_all(folder):
-        if state.host == host and not activity.alive(state.pid):
+        if state.host == host and not state.running():
             for path in (state.path, state.stack_path):
                 with contextlib.suppress(OSError):
                     path.unlink()

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prime_rl.activity import STACK_SIGNAL, State, alive, process_state, read_all
+from prime_rl.activity import STACK_SIGNAL, State, process_state, read_all
 
 STALL_FACTOR = 5.0
 """Stall timeout = this many times the slowest trainer step so far (at least the floor)."""
@@ -90,7 +90,7 @@ class Watchdog:
         states = [
             s
             for s in read_all(self.folder)
-            if (host is None or s.host == host) and alive(s.pid) and (keep is None or keep(s))
+            if (host is None or s.host == host) and s.running() and (keep is None or keep(s))
         ]
         self.states = states
         seen = {s.pid: (s.doing, s.waits_on, s.step, s.since) for s in states}
