@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import struct
@@ -63,22 +64,18 @@ def real_run(steps: int) -> dict:
            "--max-steps", str(steps), "--output-dir", str(out)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     orch_pid, orch_cpu = None, 0.0
+    changes: dict[str, int] = {}  # label -> state changes (records go away at a clean exit: sampled)
     while proc.poll() is None:
-        if orch_pid is None:
-            orch_pid = next(
-                (s.pid for s in activity.read_all(out / "activity") if s.kind == "orchestrator"), None
-            )
-        elif (c := cpu_s(orch_pid)) is not None:
+        for state in activity.read_all(out / "activity"):
+            with contextlib.suppress(OSError, struct.error):
+                seq = struct.unpack("<Q", state.path.read_bytes()[:8])[0]
+                changes[state.label] = max(changes.get(state.label, 0), seq // 2)
+            if state.kind == "orchestrator":
+                orch_pid = state.pid
+        if orch_pid is not None and (c := cpu_s(orch_pid)) is not None:
             orch_cpu = c
         time.sleep(0.2)
     assert proc.returncode == 0, f"rl failed ({proc.returncode}); see {out}/logs"
-    changes: dict[str, int] = {}
-    for path in sorted((out / "activity").iterdir()):
-        if path.name.endswith(".stack"):
-            continue
-        state = activity.read(path)
-        seq = struct.unpack("<Q", path.read_bytes()[:8])[0]
-        changes[state.label] = changes.get(state.label, 0) + seq // 2
     trainer = [json.loads(line) for line in (out / "trainer/metrics.jsonl").read_text().splitlines()]
     orch = [json.loads(line) for line in (out / "orchestrator/metrics.jsonl").read_text().splitlines()]
     rollouts = max(m.get("rollouts/all/dispatched_total", 0) for m in orch)  # (eval records lack it)

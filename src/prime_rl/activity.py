@@ -9,12 +9,15 @@ A record is a 4 KiB file `<output_dir>/activity/<label>.<pid>` that the process 
     [16:24] loop beat: wall time (f64), written every BEAT_S by its asyncio loop (0: no loop)
     [24:28] length of the state (u32), then the state as JSON: label, kind, pid, host, started
             (the kernel's start time of the process, so that a reused pid is not taken for it),
-            doing, waits_on, step, since
+            doing, waits_on, step, since, io, progress
 
 A process that stops beating is frozen (SIGSTOP, a C call that holds the GIL, a dead-locked
 interpreter); one whose loop stops beating has a blocked event loop; one that beats but whose state
 has not changed for a long time is stuck in what its state says. `waits_on` names the kind of
 process it waits for ("" when it waits for nobody): the watchdog follows these to the culprit.
+A state marked `io` (loading or writing checkpoints and weights) also moves while the process reads
+or writes (its /proc I/O counters); `progress` is a counter a process raises while one state lasts
+(a server's engine outputs while it generates).
 
 Invariants: setting a state is a memory copy into a shared page, no system call, no host-device
 sync and no collective, so it may be called anywhere, often; a reader never takes a half-written
@@ -26,6 +29,7 @@ watchdog's way to the stacks where `py-spy` cannot attach.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -45,7 +49,8 @@ BEAT_S = 1.0
 """How often a process says it is alive (thread and event loop)."""
 STACK_SIGNAL = signal.SIGUSR1
 ENV_DIR = "PRIME_RL_ACTIVITY_DIR"
-"""Set by `rl` for its children: the folder of the run's records (default: <output_dir>/activity)."""
+"""Set by `rl` for its children (a teacher server's output dir is another): the folder of the run's
+records (default: <output_dir>/activity)."""
 ENV_LABEL = "PRIME_RL_ACTIVITY_LABEL"
 """Set by `rl` for its servers (inference-1, teacher, ...): the record's label."""
 
@@ -73,6 +78,10 @@ class State:
     step: int
     since: float
     """Wall time at which it began `doing`."""
+    io: bool
+    """Reading or writing files is progress in this state."""
+    progress: int
+    """A counter the process raises while the state lasts."""
     beat: float
     """Wall time of its last heartbeat."""
     loop_beat: float
@@ -94,7 +103,7 @@ class _Record:
         self.path = path
         self.fields = {"label": label, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
                        "started": start_ticks(os.getpid()), "doing": "starting", "waits_on": "", "step": 0,
-                       "since": time.time()}  # fmt: skip
+                       "since": time.time(), "io": False, "progress": 0}  # fmt: skip
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             # Written, not truncated to size: a sparse page would be allocated at the first store
@@ -110,7 +119,7 @@ class _Record:
 
     def _write_state(self) -> None:
         body = json.dumps(self.fields).encode()[: SIZE - HEADER.size]
-        with self.lock:  # the beat thread writes the same header
+        with self.lock:  # threads of one process may set states at once (the beats touch other bytes)
             self.seq += 1
             self.map[0:8] = struct.pack("<Q", self.seq)
             self.map[24:28] = struct.pack("<I", len(body))
@@ -118,13 +127,18 @@ class _Record:
             self.seq += 1
             self.map[0:8] = struct.pack("<Q", self.seq)
 
-    def set(self, doing: str, waits_on: str, step: int | None) -> None:
+    def set(self, doing: str, waits_on: str, step: int | None, io: bool = False) -> None:
         f = self.fields
         step = f["step"] if step is None else step
-        if f["doing"] == doing and f["waits_on"] == waits_on and f["step"] == step:
+        if f["doing"] == doing and f["waits_on"] == waits_on and f["step"] == step and f["io"] == io:
             return
-        f["doing"], f["waits_on"], f["step"], f["since"] = doing, waits_on, step, time.time()
+        f["doing"], f["waits_on"], f["step"], f["since"], f["io"] = doing, waits_on, step, time.time(), io
         self._write_state()
+
+    def advance(self, progress: int) -> None:
+        if self.fields["progress"] != progress:
+            self.fields["progress"] = progress
+            self._write_state()
 
     def beat(self, offset: int) -> None:
         self.map[offset : offset + 8] = struct.pack("<d", time.time())
@@ -139,19 +153,23 @@ def start(label: str, kind: str, output_dir: Path | str, doing: str = "starting"
     if _record is not None:
         return
     where = folder(output_dir)
+    path = where / f"{label}.{os.getpid()}"
     try:
         where.mkdir(parents=True, exist_ok=True)
-        path = where / f"{label}.{os.getpid()}"
-        _record = _Record(path, label, kind)
-        # Line-buffered text file kept open for the life of the process: faulthandler writes to
-        # its descriptor from the signal handler.
+        record = _Record(path, label, kind)
+        # Kept open for the life of the process: faulthandler writes to its descriptor from the
+        # signal handler.
         stacks = path.with_name(path.name + ".stack").open("a")
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
     except OSError:  # an unwritable run folder is reported by whoever writes there next
-        _record = None
+        with contextlib.suppress(OSError):
+            path.unlink()  # a record that would never beat would look frozen
         return
-    _record.set(doing, "", None)
-    threading.Thread(target=_beat_forever, args=(_record,), daemon=True, name="activity-beat").start()
+    _record = record
+    record.beat(8)
+    record.set(doing, "", None)
+    threading.Thread(target=_beat_forever, args=(record,), daemon=True, name="activity-beat").start()
+    atexit.register(stop)
 
 
 def _beat_forever(record: _Record) -> None:
@@ -165,14 +183,27 @@ async def beat_loop() -> None:
     import asyncio
 
     while _record is not None:
-        _record.beat(16)
+        loop_beat()
         await asyncio.sleep(BEAT_S)
 
 
-def doing(what: str, waits_on: str = "", step: int | None = None) -> None:
-    """Say what this process is doing now (`waits_on`: the kind of process it waits for)."""
+def loop_beat() -> None:
+    """The event loop is alive (call from a task of the loop, every BEAT_S)."""
     if _record is not None:
-        _record.set(what, waits_on, step)
+        _record.beat(16)
+
+
+def doing(what: str, waits_on: str = "", step: int | None = None, io: bool = False) -> None:
+    """Say what this process is doing now (`waits_on`: the kind of process it waits for; `io`:
+    reading or writing files is progress while it lasts)."""
+    if _record is not None:
+        _record.set(what, waits_on, step, io)
+
+
+def progress(count: int) -> None:
+    """Say that the current state moves on (`count` grows while it does)."""
+    if _record is not None:
+        _record.advance(count)
 
 
 @contextlib.contextmanager
@@ -197,11 +228,13 @@ def now() -> str:
 
 
 def stop() -> None:
-    """Remove this process's record (a clean exit: nothing of it is left to read)."""
+    """Remove this process's record and stack file (at a clean exit; a killed process leaves them,
+    and readers tell by `State.running`)."""
     global _record
     if _record is not None:
-        with contextlib.suppress(OSError):
-            _record.path.unlink()
+        for path in (_record.path, _record.path.with_name(_record.path.name + ".stack")):
+            with contextlib.suppress(OSError):
+                path.unlink()
         _record = None
 
 
@@ -215,15 +248,24 @@ def read(path: Path) -> State | None:
         if len(data) < HEADER.size:
             return None
         seq, beat, loop_beat, length = HEADER.unpack_from(data)
-        if seq % 2 == 0 and seq > 0:
+        if seq % 2 == 0 and seq > 0 and _sequence(path) == seq:  # no write began since: whole
             try:
                 f = json.loads(data[HEADER.size : HEADER.size + length])
                 return State(f["label"], f["kind"], int(f["pid"]), f["host"], int(f.get("started", 0)), f["doing"],
-                             f["waits_on"], int(f["step"]), float(f["since"]), beat, loop_beat, path)  # fmt: skip
+                             f["waits_on"], int(f["step"]), float(f["since"]), bool(f.get("io", False)),
+                             int(f.get("progress", 0)), beat, loop_beat, path)  # fmt: skip
             except (ValueError, KeyError, TypeError):
-                pass  # written between our reads of the header and the body: read again
+                pass
         time.sleep(0.001)
     return None
+
+
+def _sequence(path: Path) -> int:
+    try:
+        with path.open("rb") as f:
+            return struct.unpack("<Q", f.read(8))[0]
+    except (OSError, struct.error):
+        return -1
 
 
 def read_all(where: Path) -> list[State]:

@@ -100,12 +100,13 @@ def culprit_section(stack_file: Path, label: str) -> str:
     return text[start : end if end > 0 else None]
 
 
-# The frame each frozen process is expected to be in, in its own stack (Python frames only).
+# The frame each frozen process is expected to be in, in its own stack: py-spy's `function (file:line)`
+# or, where py-spy cannot attach, faulthandler's `File "file", line N in function`.
 LAST_FRAMES = {
-    "trainer": r"train \(prime_rl/trainer/main\.py:\d+\)",
-    "orchestrator": r"\(prime_rl/orchestrator/main\.py:\d+\)",
-    "inference": r"\(prime_rl/inference/vllm_server\.py:\d+\)",
-    "env-worker": r"\(prime_rl/orchestrator/envs/worker\.py:\d+\)",
+    "trainer": r"train \(prime_rl/trainer/main\.py:\d+\)|trainer/main\.py\", line \d+ in train\b",
+    "orchestrator": r"prime_rl/orchestrator/main\.py[:\"]",
+    "inference": r"prime_rl/inference/vllm_server\.py[:\"]",
+    "env-worker": r"prime_rl/orchestrator/envs/worker\.py[:\"]",
 }
 
 
@@ -127,7 +128,7 @@ def test_a_frozen_process_is_named_its_stack_written_and_it_is_restarted(tiny_mo
     assert "[culprit]" in section and "process state T" in section, section[:2000]
     assert re.search(LAST_FRAMES[kind], section), section[:3000]
     # Healed within the stall timeout plus the restart: the trainer went on past the freeze.
-    assert healed_s is not None and healed_s < timeout_s + 150, (healed_s, console[-3000:])
+    assert healed_s is not None and healed_s < timeout_s + 240, (healed_s, console[-3000:])
     run = tmp_path / "run"
     assert trainer_steps(run) == list(range(steps)), console[-3000:]  # every step exactly once
     orch = read_metrics(run / "orchestrator" / "metrics.jsonl")

@@ -4,8 +4,10 @@ else the working one that others wait for; stacks come from py-spy, or from the 
 faulthandler, also for a process stopped with SIGSTOP."""
 
 import dataclasses
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -67,8 +69,8 @@ def stop(pid: int) -> None:
 
 def state(label, kind, waits_on="", since=0.0, beat=None, pid=None) -> activity.State:
     now = time.time()
-    return activity.State(label, kind, pid or os.getpid(), "host", 0, f"{label} doing", waits_on, 0, since,
-                          now if beat is None else beat, 0.0, Path("/nonexistent"))  # fmt: skip
+    return activity.State(label, kind, pid or os.getpid(), "host", 0, f"{label} doing", waits_on, 0, since, False,
+                          0, now if beat is None else beat, 0.0, Path("/nonexistent"))  # fmt: skip
 
 
 def test_a_record_says_what_its_process_said_and_its_heartbeat_moves(speakers, tmp_path):
@@ -101,9 +103,11 @@ def test_the_culprit_is_the_frozen_process_else_the_working_one_the_others_wait_
     frozen_orch = state("orchestrator", "orchestrator", waits_on="inference", beat=time.time() - 100)
     culprit, why = blame([trainer, frozen_orch, server], time.time())
     assert culprit is frozen_orch and why.startswith("frozen (no heartbeat for")
-    # Everybody waits on someone (a lost message): the oldest state.
+    # Everybody waits on someone (a lost message): the oldest state of the cycle, not the trainer.
     waiting = [trainer, orch, state("inference", "inference", waits_on="orchestrator", since=3.0)]
-    assert blame(waiting, time.time())[0] is trainer
+    assert blame(waiting, time.time()) == (orch, "waiting in a cycle (every process here waits for another)")
+    # ... or for a kind that is not here: no verdict (another machine's watchdog has it).
+    assert blame([trainer], time.time()) is None
 
 
 def test_a_process_stopped_with_sigstop_is_frozen_whatever_its_heartbeat(speakers):
@@ -114,54 +118,163 @@ def test_a_process_stopped_with_sigstop_is_frozen_whatever_its_heartbeat(speaker
     assert blame([working, stopped], time.time()) == (stopped, "frozen (stopped by a signal)")
 
 
-def test_a_stall_is_declared_after_the_adaptive_timeout_and_not_before(speakers, tmp_path):
-    trainer = speakers(
-        "trainer-rank0", "trainer", "waiting for the micro-batches of step 0", "orchestrator", 0
-    )
-    dog = Watchdog(tmp_path / "activity", timeout_s=None, floor_s=60.0, first_step_s=600.0)
-    t0 = time.time()
-    assert dog.check(t0) is None
-    assert dog.check(t0 + 599) is None  # the first step's timeout
-    stall = dog.check(t0 + 601)
-    assert stall is not None and stall.culprit.pid == trainer.pid and stall.timeout_s == 600.0
-    assert dog.check(t0 + 602) is None  # one verdict per stall
+@pytest.fixture
+def sleepers():
+    """Live processes that keep no record themselves: the tests write their records (`fake`), with
+    heartbeats at the times the test chooses."""
+    procs = []
 
-    # Steps of 10 s, then one of 30 s: 5x the slowest = 150 s (above the 60 s floor).
-    dog = Watchdog(tmp_path / "activity", timeout_s=None, floor_s=60.0, first_step_s=600.0)
-    path = activity.read_all(tmp_path / "activity")[0].path
-    rewrite = _rewriter(path, trainer.pid)
-    dog.check(t0)
-    for step, at in ((1, 10), (2, 20), (3, 50)):
-        rewrite(step)
+    def start() -> int:
+        procs.append(subprocess.Popen(["sleep", "1000"]))
+        return procs[-1].pid
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def fake(folder: Path, pid: int, label: str, kind: str, doing: str, waits_on: str = "", step: int = 0,
+         at: float = 0.0, io: bool = False, beat: float | None = None) -> None:  # fmt: skip
+    """Write `pid`'s record as its process would: its state begun at time `at`, its heartbeat at
+    `beat` (default: `at`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{label}.{pid}"
+    if not path.exists():
+        path.write_bytes(bytes(activity.SIZE))
+    body = json.dumps({"label": label, "kind": kind, "pid": pid, "host": "h", "started": activity.start_ticks(pid),
+                       "doing": doing, "waits_on": waits_on, "step": step, "since": at, "io": io,
+                       "progress": 0}).encode()  # fmt: skip
+    data = bytearray(path.read_bytes())
+    seq = struct.unpack("<Q", data[:8])[0] + 2
+    data[: activity.HEADER.size] = activity.HEADER.pack(seq, at if beat is None else beat, 0.0, len(body))
+    data[activity.HEADER.size : activity.HEADER.size + len(body)] = body
+    path.write_bytes(bytes(data))
+
+
+def test_a_stall_is_declared_after_the_adaptive_timeout_and_not_before(sleepers, tmp_path):
+    folder = tmp_path / "activity"
+    trainer, orch = sleepers(), sleepers()
+    t0 = time.time()
+    fake(folder, trainer, "trainer-rank0", "trainer", "loading the model", at=t0)
+    fake(folder, orch, "orchestrator", "orchestrator", "step 0: collecting rollouts", "inference", at=t0)
+    dog = Watchdog(folder, timeout_s=None, floor_s=60.0, first_step_s=600.0)
+    assert dog.check(t0) is None
+    # Steps: start-up (not counted), then 10 s, 10 s, 30 s: 5x the slowest = 150 s (above the floor).
+    for step, at in ((0, 100), (1, 110), (2, 120), (3, 150)):
+        fake(folder, trainer, "trainer-rank0", "trainer", f"step {step}: training", step=step, at=t0 + at)
+        fake(
+            folder,
+            orch,
+            "orchestrator",
+            "orchestrator",
+            f"step {step + 1}: collecting",
+            "inference",
+            at=t0 + at,
+        )
         assert dog.check(t0 + at) is None
     assert dog.stall_timeout_s() == 150.0
-    assert dog.check(t0 + 50 + 149) is None
-    assert dog.check(t0 + 50 + 151) is not None
-    # A fixed timeout overrides the adaptive one; 0 turns the watchdog off.
-    assert Watchdog(tmp_path, timeout_s=20.0).stall_timeout_s() == 20.0
-    off = Watchdog(tmp_path / "activity", timeout_s=0.0)
+    # Heartbeats go on (the processes live), states stand still.
+    for at in (299, 301):
+        fake(
+            folder, trainer, "trainer-rank0", "trainer", "step 3: training", step=3, at=t0 + 150, beat=t0 + at
+        )
+        fake(
+            folder,
+            orch,
+            "orchestrator",
+            "orchestrator",
+            "step 4: collecting",
+            "inference",
+            at=t0 + 150,
+            beat=t0 + at,
+        )
+        stall = dog.check(t0 + at)
+        assert (stall is None) == (at == 299)
+    assert stall is not None and stall.culprit.pid == trainer and stall.step == 3 and stall.timeout_s == 150.0
+    assert dog.check(t0 + 150 + 152) is None  # one verdict per stall, then a first step's timeout
+
+
+def test_before_the_first_step_the_fixed_first_step_timeout_holds_and_a_fixed_one_overrides(
+    sleepers, tmp_path
+):
+    folder = tmp_path / "activity"
+    pid = sleepers()
+    t0 = time.time()
+    fake(folder, pid, "trainer-rank0", "trainer", "loading the model", at=t0)
+    dog = Watchdog(folder, timeout_s=None, floor_s=60.0, first_step_s=600.0)
+    assert dog.check(t0) is None and dog.check(t0 + 599) is None
+    assert dog.check(t0 + 601) is not None
+    assert Watchdog(folder, timeout_s=20.0).stall_timeout_s() == 20.0
+    off = Watchdog(folder, timeout_s=0.0)  # 0: no watchdog
     assert off.check(t0) is None and off.check(t0 + 10_000) is None
 
 
-def _rewriter(path: Path, pid: int):
-    """Write a trainer record at `path` as process `pid` would (its state moving to `step`)."""
+def test_one_process_frozen_for_the_timeout_is_a_stall_while_the_others_go_on(sleepers, tmp_path):
+    folder = tmp_path / "activity"
+    server, other, orch = sleepers(), sleepers(), sleepers()
+    t0 = time.time()
+    dog = Watchdog(folder, timeout_s=30.0)
+    for at in range(0, 40, 5):  # the orchestrator and one server move; one server's heartbeat stops at 0
+        fake(folder, server, "inference", "inference", "generating, 2 request(s)", at=t0)
+        fake(folder, other, "inference-1", "inference", f"generating, {at} request(s)", at=t0 + at)
+        fake(folder, orch, "orchestrator", "orchestrator", f"step {at}: collecting", "inference", at=t0 + at)
+        stall = dog.check(t0 + at)
+        assert (stall is None) == (at < 30), at
+    assert stall.culprit.pid == server and stall.why.startswith("frozen (no heartbeat for 35 s)")
 
-    def rewrite(step: int) -> None:
-        record = activity._Record.__new__(activity._Record)
-        record.path, record.seq = path, 1000 + 2 * step
-        record.fields = {"label": "trainer-rank0", "kind": "trainer", "pid": pid, "host": os.uname().nodename,
-                         "started": activity.start_ticks(pid),
-                         "doing": f"step {step}: training", "waits_on": "", "step": step, "since": time.time()}  # fmt: skip
-        import mmap
-        import threading
 
-        with path.open("r+b") as f:
-            record.map = mmap.mmap(f.fileno(), activity.SIZE)
-        record.lock = threading.Lock()
-        record._write_state()
-        record.beat(8)
+def test_file_work_is_progress_in_a_state_marked_io(tmp_path, monkeypatch):
+    """A trainer writing a checkpoint for longer than the timeout is not hung while it writes."""
+    monkeypatch.setattr(watchdog, "frozen", lambda s, now: "")  # (its real heartbeats, simulated time)
+    folder = tmp_path / "activity"
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from prime_rl import activity
+        activity.start("trainer-rank0", "trainer", sys.argv[1])
+        activity.doing("step 5: writing the checkpoint of step 6", "", 5, io=True)
+        print("ready", flush=True)
+        with open(sys.argv[2], "wb") as f:
+            while sys.stdin.readline().strip() == "write":
+                f.write(b"x" * 4096)
+                f.flush()
+                print("wrote", flush=True)
+        time.sleep(1000)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(tmp_path / "ckpt")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        dog = Watchdog(folder, timeout_s=10.0)
+        t0 = time.time()
+        assert dog.check(t0) is None
+        for at in (8, 16, 24):  # past the timeout, but writing
+            proc.stdin.write("write\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "wrote"
+            assert dog.check(t0 + at) is None, at
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert dog.check(t0 + 30) is None  # (what it wrote before counts once more)
+        stall = dog.check(t0 + 41)
+        assert stall is not None and stall.culprit.pid == proc.pid and stall.why.startswith("stuck")
+    finally:
+        proc.kill()
+        proc.wait()
 
-    return rewrite
+
+def test_processes_that_wait_for_a_process_elsewhere_get_no_verdict_here(sleepers, tmp_path):
+    """An inference-only node: its idle server waits for an orchestrator on another machine."""
+    folder = tmp_path / "activity"
+    server = sleepers()
+    t0 = time.time()
+    fake(folder, server, "inference", "inference", "idle, waiting for requests", "orchestrator", at=t0)
+    dog = Watchdog(folder, timeout_s=10.0)
+    assert dog.check(t0) is None
+    fake(folder, server, "inference", "inference", "idle, waiting for requests", "orchestrator", at=t0 + 11)
+    assert dog.check(t0 + 11) is None
 
 
 @pytest.mark.parametrize("tool", ["py-spy", "faulthandler"])
@@ -186,6 +299,9 @@ def test_the_stack_file_holds_the_frozen_frame_of_a_stopped_process(speakers, tm
     assert f"=== trainer-rank0 (pid {proc.pid}) [culprit] ===" in culprit_part
     assert "frozen_here" in culprit_part, text  # the frame the process was stopped in
     assert "frozen_here" in rest  # every process's stack, not only the culprit's
+    # Which tool wrote it: py-spy's header, or faulthandler's frame lines.
+    written_by = f"Process {proc.pid}:" if tool == "py-spy" else 'File "<string>", line'
+    assert written_by in culprit_part, culprit_part
 
 
 def test_the_standalone_watchdog_names_a_frozen_process_writes_its_stack_and_kills_it(speakers, tmp_path):
@@ -203,7 +319,7 @@ def test_the_standalone_watchdog_names_a_frozen_process_writes_its_stack_and_kil
     finally:
         dog.terminate()
     out = dog.communicate(timeout=30)[0]
-    (line,) = [x for x in out.splitlines() if x.startswith("watchdog: stall:")]
+    line = next(x for x in out.splitlines() if x.startswith("watchdog: stall:"))
     assert f'trainer-rank0 (pid {frozen.pid}) is frozen (stopped by a signal), in "step 3: training"' in line
     (stacks,) = (tmp_path / "logs").glob("stall_3_*.txt")
     assert "frozen_here" in stacks.read_text() and str(stacks) in line

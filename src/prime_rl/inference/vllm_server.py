@@ -118,10 +118,18 @@ def make_router(weights_dir: Path) -> APIRouter:
 
 
 class Requests:
-    """ASGI middleware that keeps the activity record: how many generation requests are in flight.
+    """ASGI middleware that keeps the activity record: how many generation requests are in flight,
+    and, while there are some, how many batches of engine outputs came back (the record's progress,
+    once a second), so that one long request is seen to move and a hung engine is seen not to.
     (A plain ASGI wrapper: a counter and a memory copy per request, nothing else.)"""
 
     in_flight = 0
+    outputs = 0
+    app = None
+    """The FastAPI app: its engine client, once vLLM has made it."""
+    ticking = False
+    ticker: asyncio.Task | None = None
+    """(Held: the loop keeps only a weak reference to a task.)"""
 
     def __init__(self, app):
         self.app = app
@@ -130,12 +138,38 @@ class Requests:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         Requests.in_flight += 1
+        if not Requests.ticking:
+            Requests.count_outputs()
         Requests.say()
         try:
             await self.app(scope, receive, send)
         finally:
             Requests.in_flight -= 1
             Requests.say()
+
+    @staticmethod
+    def count_outputs() -> None:
+        engine = getattr(getattr(Requests.app, "state", None), "engine_client", None)
+        processor = getattr(engine, "output_processor", None)
+        if processor is None or not hasattr(processor, "process_outputs"):
+            return  # another vLLM: requests are counted, outputs not
+        Requests.ticking = True
+        original = processor.process_outputs
+
+        def counted(*args, **kwargs):
+            Requests.outputs += 1
+            return original(*args, **kwargs)
+
+        processor.process_outputs = counted  # looked up on the instance for every batch of outputs
+        Requests.ticker = asyncio.get_running_loop().create_task(Requests.tick())
+
+    @staticmethod
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(activity.BEAT_S)
+            activity.loop_beat()
+            if Requests.in_flight:
+                activity.progress(Requests.outputs)
 
     @staticmethod
     def say() -> None:
@@ -169,6 +203,7 @@ def main() -> None:
         app = build_app(*args, **kwargs)
         for router in routers:
             app.include_router(router)
+        Requests.app = app
         if app.middleware_stack is None:
             app.add_middleware(Requests)
         else:  # vLLM built the stack already (its own middleware): wrap it

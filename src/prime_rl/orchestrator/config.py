@@ -232,9 +232,10 @@ class ClientConfig(BaseConfig):
     checked at once when a whole group on it fails)."""
 
     silent_s: float = Field(default=30.0, gt=0)
-    """A server that has answered no health check for this long (hung, or gone) loses the groups in
-    flight on it at once, instead of each request waiting out `timeout_s`: they count as failed, and
-    their examples are dispatched again, to another server or to this one once it is back."""
+    """A server that has answered no health check for this long since it was first found silent
+    (hung, or gone) loses the groups in flight on it at once, instead of each request waiting out
+    `timeout_s`: they count as failed, and their examples are dispatched again, to another server
+    or to this one once it is back (not across an orchestrator restart)."""
 
 
 class OrchestratorConfig(RootConfig):

@@ -272,7 +272,9 @@ class Launcher:
         p = plan(self.config, here(self.config))
         self._write_configs(p)
         d = self.config.deployment
-        base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # One folder for every record of the run (a teacher server's output dir is another).
+        base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                    activity.ENV_DIR: str(activity.folder(self.out))}  # fmt: skip
         where = f" (node {d.node}: {', '.join(sorted(p.roles))})" if d.nodes else ""
         print(f"rl: output in {self.out} (logs in {p.log_dir}){where}", flush=True)
         self.log_dir = p.log_dir
@@ -371,6 +373,8 @@ class Launcher:
 
     def _kill_hung(self, stall: Stall, children: list[Child]) -> None:
         c = stall.culprit
+        if not c.running():  # it ended while its stacks were taken (its pid may be another's now)
+            return
         if c.kind == "env-worker":  # the orchestrator replaces it and fails its groups (counted)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(c.pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ loop) can start it again. It never restarts anything itself, and keeps watching 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -48,6 +49,16 @@ class WatchdogConfig(RootConfig):
     """How often to read the records."""
 
 
+def kill(pid: int) -> None:
+    """SIGKILL `pid`, and its process group when it leads one (vLLM's engine core goes with its
+    server, which `inference` starts as a group of its own)."""
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(WatchdogConfig, argv, prog="watchdog")
     out = Path(config.output_dir)
@@ -63,12 +74,9 @@ def main(argv: list[str] | None = None) -> None:
                 path = stack_file(out / "logs", stall.step)
                 write_stacks(path, stall, dog.states, {}, resume_stopped=config.kill)
                 print(stall_line(stall, path).replace("rl: ", "watchdog: ", 1), flush=True)
-                if config.kill:
-                    try:
-                        os.kill(stall.culprit.pid, signal.SIGKILL)
-                        print(f"watchdog: killed {stall.culprit.label} (pid {stall.culprit.pid})", flush=True)
-                    except ProcessLookupError:
-                        pass
+                if config.kill and stall.culprit.running():
+                    kill(stall.culprit.pid)
+                    print(f"watchdog: killed {stall.culprit.label} (pid {stall.culprit.pid})", flush=True)
             time.sleep(config.poll_s)
     except KeyboardInterrupt:
         raise SystemExit(130) from None

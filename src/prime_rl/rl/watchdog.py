@@ -1,19 +1,23 @@
 """Tell a run that hangs from one that works, name the process it hangs on, and take every stack.
 
 The processes of a run say what they are doing (`prime_rl.activity`). The run makes progress while
-any of them changes what it is doing; a run whose states have all stood still for the stall timeout
-is stalled. The timeout adapts to the run: STALL_FACTOR times the slowest trainer step seen so far,
-at least `deployment.stall_floor_s`, and `deployment.stall_first_step_s` until the first step
-(and again after a restart); a fixed `deployment.stall_timeout_s` overrides it.
+any of them changes what it is doing, raises its progress counter, or reads or writes files in a
+state marked `io`; a run whose states have all stood still for the stall timeout is stalled, and so
+is one process that has been frozen that long while the others go on. The timeout adapts to the
+run: STALL_FACTOR times the slowest trainer step seen so far (the first step after a start or a
+restart not counted), at least `deployment.stall_floor_s`, and `deployment.stall_first_step_s`
+until then; a fixed `deployment.stall_timeout_s` overrides it.
 
 The culprit of a stall is the process that waits on no one: first one that is frozen (stopped by a
 signal, no heartbeat, or an event loop that stopped beating), else one whose state waits for nobody
-and that another process waits for, else the one whose state is the oldest. Its stack and every
-other process's go to `logs/stall_<step>_<time>.txt` (`py-spy dump` where it can attach, else the
+(one that another process waits for first), else the oldest state of the cycle that the processes'
+waits form. When they wait, in the end, for a kind of process that is not on this machine, there
+is no verdict here: that machine's watchdog has the culprit. The culprit's stack and every other
+process's go to `logs/stall_<step>_<time>.txt` (`py-spy dump` where it can attach, else the
 process's own `faulthandler`), and one line names it, what it was doing, since when, and the file.
 
-Invariant: `Watchdog.check` reads the records and nothing else until it declares a stall, and it
-declares a stall at most once per stall: after one it waits a whole first-step timeout again.
+Invariant: `Watchdog.check` reads the records and /proc and nothing else, and it declares a stall
+at most once per stall: after one it waits a whole first-step timeout again.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +39,9 @@ from prime_rl.activity import STACK_SIGNAL, State, process_state, read_all
 STALL_FACTOR = 5.0
 """Stall timeout = this many times the slowest trainer step so far (at least the floor)."""
 FROZEN_S = 15.0
-"""A process whose heartbeat (or event loop's beat) is this much older than the others' is frozen."""
+"""A process whose heartbeat (or event loop's beat) is this old is frozen."""
 STACK_WAIT_S = 3.0
+PY_SPY_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,12 @@ class Watchdog:
     first_step_s: float = 600.0
     states: list[State] = field(default_factory=list)
     _seen: dict[int, tuple] = field(default_factory=dict)
+    _io: dict[int, int] = field(default_factory=dict)
     _progress_at: float = field(default_factory=time.time)
     _step: int | None = None
     _step_at: float = 0.0
+    _timed: bool = False
+    """Whether `_step_at` is the start of a whole step (not start-up, not a restart)."""
     _slowest_s: float = 0.0
 
     def stall_timeout_s(self) -> float:
@@ -79,13 +88,13 @@ class Watchdog:
     def restarted(self, now: float | None = None) -> None:
         """A process was restarted: its successor gets the first step's time again."""
         now = time.time() if now is None else now
-        self._progress_at, self._slowest_s, self._step = now, 0.0, None
+        self._progress_at, self._slowest_s, self._step, self._timed = now, 0.0, None, False
 
     def check(
         self, now: float | None = None, host: str | None = None, keep: Callable[[State], bool] | None = None
     ) -> Stall | None:
         """Read the records (of `host`'s live processes, those `keep` keeps); a `Stall` when the run
-        has not moved for the stall timeout."""
+        has not moved for the stall timeout, or when one process has been frozen that long."""
         now = time.time() if now is None else now
         states = [
             s
@@ -93,24 +102,68 @@ class Watchdog:
             if (host is None or s.host == host) and s.running() and (keep is None or keep(s))
         ]
         self.states = states
-        seen = {s.pid: (s.doing, s.waits_on, s.step, s.since) for s in states}
-        if any(self._seen.get(pid) != sig for pid, sig in seen.items()):
+        seen = {s.pid: (s.doing, s.waits_on, s.step, s.since, s.progress) for s in states}
+        io = {s.pid: n for s in states if s.io and (n := io_bytes(s.pid)) is not None}
+        if any(self._seen.get(p) != sig for p, sig in seen.items()) or any(
+            self._io.get(p) != n for p, n in io.items()
+        ):
             self._progress_at = now
-        self._seen = seen
-        steps = [s.step for s in states if s.kind == "trainer"]
-        if steps:
-            step = max(steps)
-            if self._step is not None and step > self._step:
-                self._slowest_s = max(self._slowest_s, now - self._step_at)
-            if self._step is None or step != self._step:
-                self._step, self._step_at = step, now
-        idle_s = now - self._progress_at
+        self._seen, self._io = seen, io
+        self._time_steps(states, now)
         timeout_s = self.stall_timeout_s()
-        if not states or timeout_s <= 0 or idle_s < timeout_s:
+        if not states or timeout_s <= 0:
             return None
-        culprit, why = blame(states, now)
+        step = self._step
+        # One frozen process is a hang even while the others go on (a server among several, one
+        # env worker of many): nothing else would ever end it.
+        long_frozen = [(s, why) for s in states if (why := frozen(s, now)) and now - beat_of(s) >= timeout_s]
+        if long_frozen:
+            culprit, why = min(long_frozen, key=lambda x: beat_of(x[0]))
+            self.restarted(now)
+            return Stall(
+                culprit, why, now - beat_of(culprit), timeout_s, step if step is not None else culprit.step
+            )
+        idle_s = now - self._progress_at
+        if idle_s < timeout_s:
+            return None
+        verdict = blame(states, now)
         self.restarted(now)  # one stall, one verdict: the next needs a whole timeout again
-        return Stall(culprit, why, idle_s, timeout_s, self._step if self._step is not None else culprit.step)
+        if verdict is None:  # the run waits on a process of another machine: that one's watchdog sees it
+            return None
+        culprit, why = verdict
+        return Stall(culprit, why, idle_s, timeout_s, step if step is not None else culprit.step)
+
+    def _time_steps(self, states: list[State], now: float) -> None:
+        """The slowest trainer step so far: the time between two step changes, the first one after
+        start-up or a restart not counted (it holds the model's load and the first rollouts)."""
+        steps = [s.step for s in states if s.kind == "trainer"]
+        if not steps:
+            return
+        step = max(steps)
+        if self._step is not None and step > self._step:
+            if self._timed:
+                self._slowest_s = max(self._slowest_s, now - self._step_at)
+            self._timed = True
+        if self._step is None or step != self._step:
+            self._step, self._step_at = step, now
+
+
+def beat_of(s: State) -> float:
+    """When `s` last showed life: its heartbeat, or its event loop's beat if that is older."""
+    return min(s.beat, s.loop_beat) if s.loop_beat else s.beat
+
+
+def io_bytes(pid: int) -> int | None:
+    """Bytes `pid` has read and written so far (/proc/<pid>/io), None if unreadable."""
+    try:
+        lines = Path(f"/proc/{pid}/io").read_text().splitlines()
+    except OSError:
+        return None
+    fields = dict(line.split(": ", 1) for line in lines if ": " in line)
+    try:
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (KeyError, ValueError):
+        return None
 
 
 def frozen(s: State, now: float) -> str:
@@ -124,17 +177,32 @@ def frozen(s: State, now: float) -> str:
     return ""
 
 
-def blame(states: list[State], now: float) -> tuple[State, str]:
-    """The process a stall hangs on (module docstring), and how."""
+def blame(states: list[State], now: float) -> tuple[State, str] | None:
+    """The process a stall hangs on (module docstring), and how; None when the processes here all
+    wait, in the end, for a kind of process that is not here (another machine's, or a server the
+    run does not own)."""
     frozen_ones = [(s, why) for s in states if (why := frozen(s, now))]
     if frozen_ones:
-        return min(frozen_ones, key=lambda x: x[0].beat)
-    waited_for = {s.waits_on for s in states if s.waits_on}
+        return min(frozen_ones, key=lambda x: beat_of(x[0]))
     working = [s for s in states if not s.waits_on]
+    waited_for = {s.waits_on for s in states if s.waits_on}
     stuck = [s for s in working if s.kind in waited_for] or working
     if stuck:
         return min(stuck, key=lambda s: s.since), "stuck (it waits for nobody, and has not moved)"
-    return min(states, key=lambda s: s.since), "waiting the longest (every process waits for another)"
+    # Everybody waits: follow who waits for whom (the oldest state of each kind) to a kind that is
+    # not here, or around a cycle (a lost message), whose oldest state is the culprit.
+    oldest = {}
+    for s in sorted(states, key=lambda s: s.since):
+        oldest.setdefault(s.kind, s)
+    path: list[State] = []
+    at = min(states, key=lambda s: s.since)
+    while at not in path:
+        path.append(at)
+        if at.waits_on not in oldest:
+            return None
+        at = oldest[at.waits_on]
+    cycle = path[path.index(at) :]
+    return min(cycle, key=lambda s: s.since), "waiting in a cycle (every process here waits for another)"
 
 
 def describe(s: State) -> str:
@@ -181,7 +249,7 @@ def stack_of(pid: int, state: State | None, resume_stopped: bool) -> str:
     if tool:
         try:
             out = subprocess.run([tool, "dump", "--nonblocking", "--pid", str(pid)],
-                                 capture_output=True, text=True, timeout=20)  # fmt: skip
+                                 capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)  # fmt: skip
             if out.returncode == 0 and out.stdout.strip():
                 return out.stdout
             failed = (out.stderr or out.stdout).strip().splitlines()[:2]
@@ -227,15 +295,22 @@ def write_stacks(
                 order.append(pid)
                 names[pid] = f"{name} (process group {pgid})"
     now = time.time()
-    lines = [stall_line(stall, None).removeprefix("rl: "), ""]
+    heads = {}
     for pid in order:
         s = by_pid.get(pid)
-        title = f"=== {names[pid]} (pid {pid}){' [culprit]' if pid == stall.culprit.pid else ''} ==="
-        lines.append(title)
+        head = [f"=== {names[pid]} (pid {pid}){' [culprit]' if pid == stall.culprit.pid else ''} ==="]
         if s is not None:
-            lines.append(f"state: {describe(s)}; heartbeat {now - s.beat:.1f} s ago; process state "
-                         f"{process_state(pid) or '?'}")  # fmt: skip
-        lines.append(stack_of(pid, s, resume_stopped and pid == stall.culprit.pid).rstrip() + "\n")
+            head.append(f"state: {describe(s)}; heartbeat {now - s.beat:.1f} s ago; process state "
+                        f"{process_state(pid) or '?'}")  # fmt: skip
+        heads[pid] = head
+    # All at once: py-spy may take seconds per process, and the culprit waits to be killed meanwhile.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        stacks = pool.map(
+            lambda pid: stack_of(pid, by_pid.get(pid), resume_stopped and pid == stall.culprit.pid), order
+        )
+    lines = [stall_line(stall, None).removeprefix("rl: "), ""]
+    for pid, stack in zip(order, stacks, strict=True):
+        lines += [*heads[pid], stack.rstrip() + "\n"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
 

@@ -109,7 +109,9 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     world = world or init_world(config.parallel.cp, config.parallel.ep, config.dist_timeout_s)
     keep_freed_memory(world)
     output_dir = Path(config.output_dir)
-    activity.start(f"trainer-rank{world.rank}", "trainer", output_dir, doing="loading the model")
+    activity.start(f"trainer-rank{world.rank}", "trainer", output_dir)
+    # (io: reading a large model or checkpoint is progress, however long it takes)
+    activity.doing("loading the model and its checkpoint", io=True)
     trainer = Trainer(config, world, loss_fn)
     start = resume_step(config, world)
     critic = (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None
@@ -177,7 +179,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             else:
                 nan_streak = 0
             stats = {k: metrics[m] for k, m in TRAINER_STATS_OF.items() if m in metrics}
-            activity.doing(f"step {step}: publishing the weights of step {step + 1}", "", step)
+            activity.doing(f"step {step}: publishing the weights of step {step + 1}", "", step, io=True)
             metrics["time/publish_blocking"] = publisher.publish(trainer.model, step + 1, stats)
             metrics["time/publish_write"] = publisher.last_write_s
             if publisher.last_broadcast is not None:
@@ -209,7 +211,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             # kill after it loses nothing, and one before it has the step trained and logged again.
             t0, t_ckpt = time.perf_counter(), 0.0
             if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-                activity.doing(f"step {step}: writing the checkpoint of step {step + 1}", "", step)
+                activity.doing(f"step {step}: writing the checkpoint of step {step + 1}", "", step, io=True)
                 save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
                                 trainer.scheduler, world, config.ckpt.keep, critic=critic,
                                 extra=trainer.extra_state())  # fmt: skip

@@ -58,7 +58,7 @@ class Group:
     policy_version: int
     size: int
     server: Server
-    index: int = 0
+    index: int
     """The example's position in its env's dataset (to dispatch it again, `Scheduler.abandon`)."""
     rollouts: list[Rollout] = field(default_factory=list)
     """Once back: the surviving rollouts."""
@@ -272,13 +272,18 @@ class Scheduler:
         Returns the number of groups."""
         lost = [(task, g) for task, g in self.inflight.items() if g.server is server]
         reason = f"{SERVER_SILENT}: inference server {server.root_url} stopped answering"
+        n = 0
         for task, group in lost:
-            task.cancel()
             del self.inflight[task]
+            if task.done() and not task.cancelled():  # back before it fell silent: keep what it got
+                self._finalize(group, task.result())
+                continue
+            task.cancel()
             self._finalize(group, [failed_rollout(group.env_name, group.example_id, group.policy_version, reason)
                                    for _ in range(group.size)])  # fmt: skip
             self._again.append((group.env, group.index))
-        return len(lost)
+            n += 1
+        return n
 
     def _finalize(self, group: Group, rollouts: list[Rollout]) -> None:
         name = group.env_name
