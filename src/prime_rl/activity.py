@@ -182,9 +182,13 @@ async def beat_loop() -> None:
     """Run as a task of an asyncio process: its loop beats, so that a blocked loop is seen."""
     import asyncio
 
-    while _record is not None:
-        loop_beat()
-        await asyncio.sleep(BEAT_S)
+    try:
+        while _record is not None:
+            loop_beat()
+            await asyncio.sleep(BEAT_S)
+    finally:  # the loop stops beating on purpose (its process winds down): no loop to watch now
+        if _record is not None:
+            _record.map[16:24] = struct.pack("<d", 0.0)
 
 
 def loop_beat() -> None:
