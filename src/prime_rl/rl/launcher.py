@@ -41,7 +41,15 @@ from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here
 from prime_rl.rl.plan import Plan, Server, hosts, plan
-from prime_rl.rl.watchdog import Stall, Watchdog, stack_file, stall_line, waiting_line, write_stacks
+from prime_rl.rl.watchdog import (
+    Stall,
+    Watchdog,
+    process_tree,
+    stack_file,
+    stall_line,
+    waiting_line,
+    write_stacks,
+)
 
 GRACE_S = 15.0
 CHECK_S = 1.0
@@ -206,6 +214,8 @@ class Launcher:
         self._stop(self.children)
 
     def _stop(self, children: list[Child]) -> None:
+        # Taken before the stop: once torchrun is gone, its ranks are nobody's descendants.
+        trees = {id(c): tree_of(c.proc.pid) for c in children if c.proc.poll() is None}
         for child in children:
             if child.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -214,8 +224,7 @@ class Launcher:
         for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.proc.pid, signal.SIGKILL)  # anything left in the group
+            kill_tree(child.proc.pid, trees.get(id(child), []))  # what is left, torchrun's ranks too
             # Reap it, so that it is gone, not a zombie, when rl returns (e.g. vLLM's HTTP server can
             # outlast the grace period, waiting on a weight reload whose engine already stopped).
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -346,15 +355,9 @@ class Launcher:
     def _watch_for_stall(self, children: list[Child]) -> None:
         """A stalled run (`watchdog.py`): one line, the stacks, and the hung process killed, so that
         the loop restarts it, or stops the run, as for a process that died."""
-        groups = {c.name: c.proc.pid for c in children if c.proc.poll() is None}
-        ours = set(groups.values())
-
-        def in_run(s: activity.State) -> bool:
-            with contextlib.suppress(OSError):
-                return os.getpgid(s.pid) in ours
-            return False
-
-        stall = self.watchdog.check(host=socket.gethostname(), keep=in_run)
+        trees = {c.name: process_tree(c.proc.pid) for c in children if c.proc.poll() is None}
+        ours = {pid for pids in trees.values() for pid in pids}
+        stall = self.watchdog.check(host=socket.gethostname(), keep=lambda s: s.pid in ours)
         if stall is None:
             # A long wait says what everyone is doing, once a while (a stall, or just a long step).
             idle_s = self.watchdog.idle_s()
@@ -364,14 +367,14 @@ class Launcher:
             return
         path = stack_file(self.log_dir, stall.step)
         try:
-            write_stacks(path, stall, self.watchdog.states, groups, resume_stopped=True)
+            write_stacks(path, stall, self.watchdog.states, trees, resume_stopped=True)
         except OSError as e:
             print(f"rl: cannot write the stacks to {path} ({e})", file=sys.stderr, flush=True)
             path = None
         print(stall_line(stall, path), file=sys.stderr, flush=True)
-        self._kill_hung(stall, children)
+        self._kill_hung(stall, children, trees)
 
-    def _kill_hung(self, stall: Stall, children: list[Child]) -> None:
+    def _kill_hung(self, stall: Stall, children: list[Child], trees: dict[str, list[int]]) -> None:
         c = stall.culprit
         if not c.running():  # it ended while its stacks were taken (its pid may be another's now)
             return
@@ -379,12 +382,37 @@ class Launcher:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(c.pid, signal.SIGKILL)
             return
+        for child in children:
+            if c.pid in trees.get(child.name, ()) and child.proc.poll() is None:
+                child.hung = True
+                kill_tree(
+                    child.proc.pid, tree_of(child.proc.pid)
+                )  # SIGKILL: a stopped process ignores SIGTERM
+
+
+def tree_of(root: int) -> list[tuple[int, int]]:
+    """`root` and its descendants, each as (pid, start time): a pid is only signalled later while it
+    still names the same process."""
+    return [(pid, activity.start_ticks(pid)) for pid in process_tree(root)]
+
+
+def kill_tree(group: int, tree: list[tuple[int, int]]) -> None:
+    """SIGKILL process group `group` and every process of `tree` (`tree_of`, taken while its root
+    lived), with their own groups: torchrun starts each rank in a session of its own, so killing
+    torchrun's group alone would leave the ranks (a stopped one forever)."""
+    live = [pid for pid, started in tree if started and activity.start_ticks(pid) == started]
+    for pid in live:  # stopped first, all of them: none starts another process meanwhile
         with contextlib.suppress(OSError):
-            pgid = os.getpgid(c.pid)
-            for child in children:
-                if child.proc.pid == pgid and child.proc.poll() is None:
-                    child.hung = True
-                    os.killpg(pgid, signal.SIGKILL)  # a stopped process ignores SIGTERM
+            os.kill(pid, signal.SIGSTOP)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    for pid in live:
+        with contextlib.suppress(OSError):
+            pgid = os.getpgid(pid)
+            if pgid not in (group, os.getpgrp()):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def exit_words(child: Child, code: int) -> str:

@@ -229,17 +229,23 @@ def py_spy() -> str | None:
     return str(here) if here.exists() else shutil.which("py-spy")
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (read from /proc)."""
-    out = []
+def process_tree(root: int) -> list[int]:
+    """`root` and every live process descended from it (read from /proc). By descent, not by
+    process group: torchrun starts each rank in a session of its own."""
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 stat = (entry / "stat").read_text()
                 fields = stat[stat.rindex(")") + 2 :].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    out.append(int(entry.name))
-    return sorted(out)
+                if fields[0] != "Z":
+                    children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return sorted(tree)
 
 
 def stack_of(pid: int, state: State | None, resume_stopped: bool) -> str:
@@ -282,18 +288,18 @@ def stack_of(pid: int, state: State | None, resume_stopped: bool) -> str:
 
 
 def write_stacks(
-    path: Path, stall: Stall, states: list[State], groups: dict[str, int], resume_stopped: bool
+    path: Path, stall: Stall, states: list[State], trees: dict[str, list[int]], resume_stopped: bool
 ) -> None:
-    """Every process's stacks into `path`, the culprit first. `groups`: name -> process group of
-    each process `rl` started (their processes without a record are dumped too, by py-spy)."""
+    """Every process's stacks into `path`, the culprit first. `trees`: name -> the processes of
+    each child `rl` started (those without a record are dumped too, by py-spy)."""
     by_pid = {s.pid: s for s in states}
     order = [stall.culprit.pid, *(s.pid for s in states if s.pid != stall.culprit.pid)]
     names = {s.pid: s.label for s in states}
-    for name, pgid in groups.items():
-        for pid in group_pids(pgid):
+    for name, pids in trees.items():
+        for pid in pids:
             if pid not in names:
                 order.append(pid)
-                names[pid] = f"{name} (process group {pgid})"
+                names[pid] = f"a process of {name}"
     now = time.time()
     heads = {}
     for pid in order:
