@@ -281,6 +281,16 @@ def read_all(where: Path) -> list[State]:
     return [s for p in sorted(paths) if (s := read(p)) is not None]
 
 
+def forget_gone(where: Path, host: str) -> None:
+    """Remove the records (and stack files) of `host`'s processes that are gone: an earlier
+    session's, or a killed process's."""
+    for state in read_all(where):
+        if state.host == host and not state.running():
+            for path in (state.path, state.stack_path):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

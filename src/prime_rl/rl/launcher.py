@@ -41,15 +41,8 @@ from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here
 from prime_rl.rl.plan import Plan, Server, hosts, plan
-from prime_rl.rl.watchdog import (
-    Stall,
-    Watchdog,
-    process_tree,
-    stack_file,
-    stall_line,
-    waiting_line,
-    write_stacks,
-)
+from prime_rl.rl.processes import kill_culprit, kill_tree, process_tree, tree_of
+from prime_rl.rl.watchdog import Watchdog, look, stall_line, waiting_line
 
 GRACE_S = 15.0
 CHECK_S = 1.0
@@ -287,7 +280,7 @@ class Launcher:
         where = f" (node {d.node}: {', '.join(sorted(p.roles))})" if d.nodes else ""
         print(f"rl: output in {self.out} (logs in {p.log_dir}){where}", flush=True)
         self.log_dir = p.log_dir
-        forget_activity(activity.folder(self.out))
+        activity.forget_gone(activity.folder(self.out), socket.gethostname())
         servers: list[Child] = []
         if p.servers:
             started = self._start_servers(p.servers, base_env)
@@ -356,77 +349,25 @@ class Launcher:
         """A stalled run (`watchdog.py`): one line, the stacks, and the hung process killed, so that
         the loop restarts it, or stops the run, as for a process that died."""
         trees = {c.name: process_tree(c.proc.pid) for c in children if c.proc.poll() is None}
-        ours = {pid for pids in trees.values() for pid in pids}
-        stall = self.watchdog.check(host=socket.gethostname(), keep=lambda s: s.pid in ours)
-        if stall is None:
+        found = look(self.watchdog, trees, self.log_dir, socket.gethostname())
+        if found is None:
             # A long wait says what everyone is doing, once a while (a stall, or just a long step).
             idle_s = self.watchdog.idle_s()
             if idle_s >= WAITING_S and time.monotonic() >= self._next_waiting_line and self.watchdog.states:
                 print(waiting_line(self.watchdog.states, idle_s), flush=True)
                 self._next_waiting_line = time.monotonic() + 2 * WAITING_S
             return
-        path = stack_file(self.log_dir, stall.step)
-        try:
-            write_stacks(path, stall, self.watchdog.states, trees, resume_stopped=True)
-        except OSError as e:
-            print(f"rl: cannot write the stacks to {path} ({e})", file=sys.stderr, flush=True)
-            path = None
+        stall, path = found
         print(stall_line(stall, path), file=sys.stderr, flush=True)
-        self._kill_hung(stall, children, trees)
-
-    def _kill_hung(self, stall: Stall, children: list[Child], trees: dict[str, list[int]]) -> None:
-        c = stall.culprit
-        if not c.running():  # it ended while its stacks were taken (its pid may be another's now)
-            return
-        if c.kind == "env-worker":  # the orchestrator replaces it and fails its groups (counted)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(c.pid, signal.SIGKILL)
-            return
+        killed = kill_culprit(
+            stall.culprit, {c.name: c.proc.pid for c in children if c.proc.poll() is None}, trees
+        )
         for child in children:
-            if c.pid in trees.get(child.name, ()) and child.proc.poll() is None:
-                child.hung = True
-                kill_tree(
-                    child.proc.pid, tree_of(child.proc.pid)
-                )  # SIGKILL: a stopped process ignores SIGTERM
-
-
-def tree_of(root: int) -> list[tuple[int, int]]:
-    """`root` and its descendants, each as (pid, start time): a pid is only signalled later while it
-    still names the same process."""
-    return [(pid, activity.start_ticks(pid)) for pid in process_tree(root)]
-
-
-def kill_tree(group: int, tree: list[tuple[int, int]]) -> None:
-    """SIGKILL process group `group` and every process of `tree` (`tree_of`, taken while its root
-    lived), with their own groups: torchrun starts each rank in a session of its own, so killing
-    torchrun's group alone would leave the ranks (a stopped one forever)."""
-    live = [pid for pid, started in tree if started and activity.start_ticks(pid) == started]
-    for pid in live:  # stopped first, all of them: none starts another process meanwhile
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGSTOP)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group, signal.SIGKILL)
-    for pid in live:
-        with contextlib.suppress(OSError):
-            pgid = os.getpgid(pid)
-            if pgid not in (group, os.getpgrp()):
-                os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+            child.hung = child.hung or child.name == killed
 
 
 def exit_words(child: Child, code: int) -> str:
     return "hung and was killed" if child.hung else f"exited with status {code}"
-
-
-def forget_activity(folder: Path) -> None:
-    """Remove the records of this machine's processes that are gone (an earlier session's)."""
-    host = socket.gethostname()
-    for state in activity.read_all(folder):
-        if state.host == host and not state.running():
-            for path in (state.path, state.stack_path):
-                with contextlib.suppress(OSError):
-                    path.unlink()
 
 
 def install_signal_handlers(launcher: Launcher) -> None:

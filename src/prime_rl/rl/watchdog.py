@@ -166,6 +166,24 @@ def io_bytes(pid: int) -> int | None:
         return None
 
 
+def look(
+    dog: Watchdog, trees: dict[str, list[int]], log_dir: Path, host: str
+) -> tuple[Stall, Path | None] | None:
+    """One look at the run of `rl` on `host`, whose children's processes are `trees` (name -> pids):
+    None, or a stall with every stack written to its file (None when it could not be written)."""
+    ours = {pid for pids in trees.values() for pid in pids}
+    stall = dog.check(host=host, keep=lambda s: s.pid in ours)
+    if stall is None:
+        return None
+    path: Path | None = stack_file(log_dir, stall.step)
+    try:
+        write_stacks(path, stall, dog.states, trees, resume_stopped=True)
+    except OSError as e:
+        print(f"rl: cannot write the stacks to {path} ({e})", file=sys.stderr, flush=True)
+        path = None
+    return stall, path
+
+
 def frozen(s: State, now: float) -> str:
     """How `s` is frozen, "" if it is not."""
     if process_state(s.pid) in ("T", "t"):
@@ -227,25 +245,6 @@ def py_spy() -> str | None:
     """The `py-spy` executable: beside this Python's, or on PATH."""
     here = Path(sys.executable).parent / "py-spy"
     return str(here) if here.exists() else shutil.which("py-spy")
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and every live process descended from it (read from /proc). By descent, not by
-    process group: torchrun starts each rank in a session of its own."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = (entry / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2 :].split()
-                if fields[0] != "Z":
-                    children.setdefault(int(fields[1]), []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return sorted(tree)
 
 
 def stack_of(pid: int, state: State | None, resume_stopped: bool) -> str:
