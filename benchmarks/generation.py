@@ -130,8 +130,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from prime_rl.logging_setup import adopt_verifiers_logging
-    from prime_rl.orchestrator.config import EnvConfig, SamplingConfig
     from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
 
     adopt_verifiers_logging()

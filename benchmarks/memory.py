@@ -82,6 +82,7 @@ def samples(tokens: int, vocab: int) -> list:
 
 def probe(args) -> None:
     """One measurement in this process (a torchrun rank for cp > 1); writes {"gb", "s"} to --out."""
+    from prime_rl.trainer.batch import PackedBatch
     from prime_rl.trainer.config import TrainerConfig
     from prime_rl.trainer.parallel.dist import close_world, exit_rank, init_world
     from prime_rl.trainer.rl.trainer import Trainer
@@ -95,11 +96,11 @@ def probe(args) -> None:
     vocab = trainer.model.config.vocab_size
     mbs = pack(samples(args.tokens, vocab), args.tokens, 1, "mem", 0)[0]
     if args.probe == "body":
-        t = trainer._tensors(mbs[0])
+        b = PackedBatch.of(mbs[0], world)
         body = trainer.model.base_model
 
         def step():
-            h = body(input_ids=t["input_ids"][None], position_ids=t["position_ids"][None], use_cache=False)
+            h = body(input_ids=b.input_ids[None], position_ids=b.position_ids[None], use_cache=False)
             h.last_hidden_state.float().pow(2).mean().backward()
             trainer.model.zero_grad(set_to_none=True)
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
+from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.logprobs import full_logits_logprobs
 from prime_rl.trainer.memory import keep_freed_memory
@@ -172,8 +173,11 @@ def compare_bare(folder: Path, args) -> None:
     )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    tensors = [trainer._tensors(mb) for mb in mbs]
-    tensors = [{**t, "loss_mask": t["loss_mask"].float()} for t in tensors]
+    tensors = []
+    for mb in mbs:
+        b = PackedBatch.of(mb, trainer.world)
+        tensors.append({"input_ids": b.input_ids, "position_ids": b.position_ids, "loss_mask": b.loss_mask.float(),
+                        "rollout_advantages": b.per_token(b.rollout_advantages)})  # fmt: skip
 
     trainer.train_step(mbs)  # warm-up, all sides
     full.train_step(mbs)

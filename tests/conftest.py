@@ -1,7 +1,11 @@
-"""Shared fixtures: the tiny model is built once per test session (it takes ~10 s)."""
+"""Shared fixtures: the tiny model is built once per test session (it takes ~10 s); every test
+fails if it leaves a thread running or a logging handler on a closed stream (`_nothing_left_running`)."""
 
+import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,92 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Test-only verifiers environments and plugins (importable by name, as users' packages would be).
 sys.path.insert(0, str(Path(__file__).parent / "envs"))
+
+
+LINGER_S = 5.0
+"""How long a test's non-daemon threads may take to end after it (a server's or a pool's shutdown
+finishing) before the test fails for leaving them behind."""
+
+
+def _configured_loggers() -> dict[str, logging.Logger]:
+    """The loggers that `setup_logging` (run by a test, or by a main it runs) configures: the root,
+    prime_rl's and the third-party ones it quiets."""
+    from prime_rl.logging_setup import QUIETED
+
+    found = {"": logging.getLogger(), **{name: logging.getLogger(name) for name in QUIETED}}
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and (name == "prime_rl" or name.startswith("prime_rl.")):
+            found[name] = logger
+    return found
+
+
+def _all_handlers() -> list[tuple[str, logging.Handler]]:
+    loggers = [("root", logging.getLogger())] + [
+        (name, logger)
+        for name, logger in list(logging.Logger.manager.loggerDict.items())
+        if isinstance(logger, logging.Logger)
+    ]
+    return [(name, handler) for name, logger in loggers for handler in list(logger.handlers)]
+
+
+def _where(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident)
+    return (
+        f"{thread.name} (at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name})"
+        if frame
+        else thread.name
+    )
+
+
+def _restore_logging(saved: dict[str, tuple[list[logging.Handler], int, bool]]) -> None:
+    # A test that runs a process's main in-process sets the root handler to the sys.stderr it sees:
+    # under capsys/capfd that stream is closed after the test, and every later record (from any
+    # test, any thread) would end in "--- Logging error --- ValueError: I/O operation on closed
+    # file". Levels are put back too: a main's levels (prime_rl's INFO, the quieted libraries'
+    # WARNING) would otherwise decide what a later test's caplog sees.
+    for name, logger in _configured_loggers().items():
+        handlers, level, propagate = saved.get(name, ([], logging.NOTSET, True))
+        # pytest attaches its capturing handlers around each phase and removes them itself.
+        pytests = [h for h in logger.handlers if type(h).__module__.startswith("_pytest")]
+        for handler in logger.handlers:
+            if handler not in handlers and handler not in pytests:
+                handler.close()
+        logger.handlers[:] = handlers + [h for h in pytests if h not in handlers]
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """Fails a test that leaves a non-daemon thread running, or a logging handler writing to a
+    closed stream; puts the loggers that `setup_logging` configures back as they were before it, and
+    stops the activity record that a main run in-process started."""
+    threads = set(threading.enumerate())
+    saved = {name: (list(lg.handlers), lg.level, lg.propagate) for name, lg in _configured_loggers().items()}
+    activity = sys.modules.get("prime_rl.activity")
+    record = activity and activity._record
+    yield
+    _restore_logging(saved)
+    activity = sys.modules.get("prime_rl.activity")
+    if activity is not None and activity._record is not record:
+        # A main run in-process keeps its activity record, and the thread beating it, for the rest
+        # of the process: one record per process, so a later test's main would start none.
+        activity.stop()
+    closed = [
+        (name, h) for name, h in _all_handlers() if getattr(getattr(h, "stream", None), "closed", False)
+    ]
+    for name, handler in closed:
+        logging.getLogger(None if name == "root" else name).removeHandler(handler)
+    deadline = time.monotonic() + LINGER_S
+    left = [t for t in threading.enumerate() if t not in threads and not t.daemon]
+    for thread in left:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t for t in left if t.is_alive()]
+    problems = [f"a thread still running {LINGER_S:g} s after the test: {_where(t)}" for t in left] + [
+        f"logger {name!r} has a handler on a closed stream: {handler!r}" for name, handler in closed
+    ]
+    if problems:
+        pytest.fail("the test left behind:\n  " + "\n  ".join(problems), pytrace=False)
 
 
 @pytest.fixture(scope="session")

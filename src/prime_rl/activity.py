@@ -101,9 +101,19 @@ class State:
 class _Record:
     def __init__(self, path: Path, label: str, kind: str):
         self.path = path
-        self.fields = {"label": label, "kind": kind, "pid": os.getpid(), "host": socket.gethostname(),
-                       "started": start_ticks(os.getpid()), "doing": "starting", "waits_on": "", "step": 0,
-                       "since": time.time(), "io": False, "progress": 0}  # fmt: skip
+        self.fields = {
+            "label": label,
+            "kind": kind,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": start_ticks(os.getpid()),
+            "doing": "starting",
+            "waits_on": "",
+            "step": 0,
+            "since": time.time(),
+            "io": False,
+            "progress": 0,
+        }
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             # Written, not truncated to size: a sparse page would be allocated at the first store
@@ -168,12 +178,14 @@ def start(label: str, kind: str, output_dir: Path | str, doing: str = "starting"
     _record = record
     record.beat(8)
     record.set(doing, "", None)
-    threading.Thread(target=_beat_forever, args=(record,), daemon=True, name="activity-beat").start()
+    threading.Thread(target=_beat_until_stopped, args=(record,), daemon=True, name="activity-beat").start()
     atexit.register(stop)
 
 
-def _beat_forever(record: _Record) -> None:
-    while True:
+def _beat_until_stopped(record: _Record) -> None:
+    # Ends with `stop`: a process that runs mains one after another (the tests) starts a record,
+    # and so a thread, for each.
+    while _record is record:
         record.beat(8)
         time.sleep(BEAT_S)
 
@@ -255,9 +267,22 @@ def read(path: Path) -> State | None:
         if seq % 2 == 0 and seq > 0 and _sequence(path) == seq:  # no write began since: whole
             try:
                 f = json.loads(data[HEADER.size : HEADER.size + length])
-                return State(f["label"], f["kind"], int(f["pid"]), f["host"], int(f.get("started", 0)), f["doing"],
-                             f["waits_on"], int(f["step"]), float(f["since"]), bool(f.get("io", False)),
-                             int(f.get("progress", 0)), beat, loop_beat, path)  # fmt: skip
+                return State(
+                    f["label"],
+                    f["kind"],
+                    int(f["pid"]),
+                    f["host"],
+                    int(f.get("started", 0)),
+                    f["doing"],
+                    f["waits_on"],
+                    int(f["step"]),
+                    float(f["since"]),
+                    bool(f.get("io", False)),
+                    int(f.get("progress", 0)),
+                    beat,
+                    loop_beat,
+                    path,
+                )
             except (ValueError, KeyError, TypeError):
                 pass
         time.sleep(0.001)

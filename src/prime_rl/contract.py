@@ -1,6 +1,6 @@
 """The run contract: what the orchestrator sends and what the trainer needs, checked where they meet.
 
-Credit assignment is split across the two processes (DESIGN.md): the orchestrator computes each
+Credit assignment is split across the two processes: the orchestrator computes each
 rollout's scalar advantage, scores rewards and, with a teacher, a per-token distillation term; the
 trainer turns them into per-token advantages (`trainer/rl/credit.py`). Some pairs of settings only
 make sense together, and a user may start the two processes from configs written apart. So each

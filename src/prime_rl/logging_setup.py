@@ -14,6 +14,10 @@ def _not_verifiers_rollout_abort(record: logging.LogRecord) -> bool:
     return not (record.name.startswith("verifiers") and str(record.msg).startswith("Aborted rollout"))
 
 
+QUIETED = ("httpx", "openai", "verifiers", "datasets")
+"""Third-party loggers held at WARNING in every process."""
+
+
 def setup_logging(process: str, level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_not_verifiers_rollout_abort)
@@ -22,7 +26,7 @@ def setup_logging(process: str, level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     logging.getLogger("prime_rl").setLevel(level)
-    for noisy in ("httpx", "openai", "verifiers", "datasets"):
+    for noisy in QUIETED:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -71,7 +71,9 @@ class Builtin:
     """A built-in: its name (the `type` that selects it), its function and its config."""
 
     name: str
-    fn: Callable[..., Any]
+    fn: Callable[..., Any] | str
+    """The function, or where it lives ('package.module:function'), imported when it is resolved:
+    a kind whose functions need heavy imports (torch) keeps its configs light this way."""
     config: type[BaseConfig]
 
 
@@ -134,4 +136,5 @@ class Registry:
             return Resolved(name, load_function(name, key=f"{key}.type"), dict(config.kwargs))  # type: ignore[attr-defined]
         shared = set(self.base.model_fields) | {"type"}
         kwargs = {k: getattr(config, k) for k in type(config).model_fields if k not in shared}
-        return Resolved(name, self.builtins[name].fn, kwargs)
+        fn = self.builtins[name].fn
+        return Resolved(name, fn if callable(fn) else load_function(fn, key=f"{key}.type"), kwargs)

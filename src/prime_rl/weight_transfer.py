@@ -18,8 +18,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                        torch.int64, torch.int32, torch.uint8)}  # fmt: skip
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -87,8 +97,9 @@ def chunk_bytes(chunk: list[Entry]) -> int:
 
 def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The trainer hosts the store (once, for the whole run); each worker connects per update."""
-    return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)  # fmt: skip
+    return dist.TCPStore(
+        host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def join_group(store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float, cuda: bool):

@@ -1,6 +1,6 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
-argv: model_path out_file split [gae] [lora] [cp=N] [ep=N] [steps=N] [agg=MODE]. With data-parallel ranks, rank 0 takes
+argv: model_path out_file split [gae] [lora] [cp=N] [ep=N] [steps=N] [agg=MODE] [norm=MODE] [filtered]. With data-parallel ranks, rank 0 takes
 samples[:split] and the others deal the rest in turn, each packed into its own micro-batches (the poorer rank gets
 filler micro-batches). With cp=N, each data-parallel rank is N context-parallel ranks sharing its
 micro-batches. With ep=N, a MoE model's experts are split over N ranks. agg=MODE: the loss aggregation. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
@@ -8,6 +8,9 @@ the ranks. With "gae", the estimator is GAE with a critic, KL in the reward and 
 reduced over ranks), and the critic's gradients are saved too. With steps=N, it trains N optimizer
 steps (a fresh global batch each) and saves the parameters before and after, and each step's metrics.
 With "lora", the policy (and the critic's body) train rank-4 adapters: only trained parameters are saved.
+norm=MODE: the advantages' batch_normalize. With "filtered", every rollout of the step was filtered:
+each rank gets one filler micro-batch, trains one step, and rank 0 saves its metrics and whether any
+parameter changed.
 """
 
 import random
@@ -44,15 +47,16 @@ def make_samples(n: int = 12, seed: int = 0) -> list[TrainingSample]:
     return out
 
 
-def rank_micro_batches(world, split: int, seed: int) -> list:
+def rank_micro_batches(world, split: int, seed: int, filtered: bool = False) -> list:
     """This data-parallel rank's share of the global batch of `seed`, padded with filler micro-batches
     to the count of the richest rank."""
-    samples = make_samples(seed=seed)
-    if world.dp > 1:  # rank 0 takes the first `split`, the other ranks deal the rest in turn
+    samples = [] if filtered else make_samples(seed=seed)
+    if world.dp > 1 and samples:  # rank 0 takes the first `split`, the other ranks deal the rest in turn
         samples = (
             samples[:split] if world.dp_rank == 0 else samples[split:][world.dp_rank - 1 :: world.dp - 1]
         )
-    mbs = pack(samples, SEQ_LEN, 1, "grad", seed)[0] if samples else []
+    # (an empty step still reaches every rank: one filler micro-batch, as `pack` sends it)
+    mbs = pack(samples, SEQ_LEN, 1, "grad", seed)[0] if samples or filtered else []
     count = torch.tensor(len(mbs))
     if world.distributed:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -73,6 +77,8 @@ def main() -> None:
     ep = next((int(o[3:]) for o in options if o.startswith("ep=")), 1)
     steps = next((int(o[6:]) for o in options if o.startswith("steps=")), 0)
     aggregation = next((o[4:] for o in options if o.startswith("agg=")), "token-mean")
+    normalize = next((o[5:] for o in options if o.startswith("norm=")), None)
+    filtered = "filtered" in options
     world = init_world(cp, ep)
     config = TrainerConfig(
         model={"name": model_path, "logprob_chunk_tokens": 48},
@@ -99,6 +105,7 @@ def main() -> None:
             if gae
             else {}
         ),
+        **({"advantage": {"batch_normalize": normalize}} if normalize else {}),
     )
     torch.manual_seed(0)
     trainer = Trainer(config, world)
@@ -128,15 +135,26 @@ def main() -> None:
         close_world(world)
         exit_rank(world, 0)
         return
+    if filtered:
+        before = [full(p) for p in trainer.model.parameters()]
+        metrics, _ = trainer.train_step(rank_micro_batches(world, split, 0, filtered=True))
+        changed = any(
+            not torch.equal(b, full(p)) for b, p in zip(before, trainer.model.parameters(), strict=True)
+        )
+        if world.is_main:
+            torch.save({"metrics": metrics, "changed": changed}, out_file)
+        close_world(world)
+        exit_rank(world, 0)
+        return
     mbs = rank_micro_batches(world, split, 0)
     acc = trainer.accumulate(mbs)
-    global_tokens, metrics = acc.global_tokens, acc.stats.reduce(world)
+    global_tokens, metrics = acc.totals.loss_tokens, acc.metrics
     grads = {
         prefix + n: full(p.grad) for prefix, m in modules for n, p in m.named_parameters() if p.requires_grad
     }
     if world.is_main:
         torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs),
-                    "metrics": {**metrics, **acc.metrics}},
+                    "metrics": metrics},
                    out_file)  # fmt: skip
     close_world(world)
     exit_rank(world, 0)

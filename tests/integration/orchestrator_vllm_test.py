@@ -100,10 +100,11 @@ sampling = {{ temperature = 1.0, max_tokens = 24 }}
 def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_choice(server):
     import asyncio
 
-    from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+    from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
     from prime_rl.orchestrator.envs.load import load_env, rollout_input
+    from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
 
     base, model, _ = server
@@ -147,12 +148,12 @@ def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(s
     sampling logprobs (float32), so any misalignment of positions would show as a large KL."""
     import asyncio
 
-    from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+    from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
     from prime_rl.orchestrator.envs.load import load_env, rollout_input
     from prime_rl.orchestrator.envs.teacher import Teacher
-    from prime_rl.orchestrator.envs_config import TeacherConfig
+    from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig, TeacherConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
     from prime_rl.orchestrator.loop.samples import rollout_to_samples
 

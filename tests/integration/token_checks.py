@@ -7,11 +7,12 @@ import json
 
 import torch
 
-from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
 from prime_rl.orchestrator.envs.load import load_env, rollout_input
 from prime_rl.orchestrator.envs.v1_env import V1Env
+from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
 from prime_rl.orchestrator.loop.examples import ExampleSource
 from prime_rl.orchestrator.loop.samples import rollout_to_samples, segments
 from prime_rl.trainer.logprobs import forward_logprobs

@@ -10,7 +10,7 @@ import torch
 from token_checks import check_exact, rollouts_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.orchestrator.config import SamplingConfig
+from prime_rl.orchestrator.envs_config import SamplingConfig
 from prime_rl.orchestrator.loop.samples import turn_stats
 
 pytestmark = pytest.mark.slow

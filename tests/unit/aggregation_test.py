@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from prime_rl.trainer.batch import sample_index
 from prime_rl.trainer.losses.aggregation import divisor, token_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,7 +46,9 @@ def test_weights_and_divisor_give_the_formula(mode):
     for mb in micro_batches:
         losses = torch.tensor([x for s, _ in mb for x in s], dtype=torch.float64)
         mask = torch.tensor([x for _, m in mb for x in m])
-        w = token_weights(mode, mask, [sum(m) for _, m in mb], [len(s) for s, _ in mb], 37.0)
+        w = token_weights(
+            mode, [sum(m) for _, m in mb], sample_index([len(s) for s, _ in mb], mask.device), 37.0
+        )
         total += float(((losses * mask) * (1 if w is None else w)).sum())
     got = total / divisor(mode, tokens, counted)
     assert got == pytest.approx(reference(mode, samples, 37.0), rel=1e-6)

@@ -140,7 +140,7 @@ def test_the_trainer_step_is_the_same_with_packed_and_dense_attention(tiny_model
             trainer.model.config._attn_implementation
             == {"packed": "prime_rl_packed", "dense": "sdpa"}[attention]
         )
-        stats = trainer.accumulate(mbs, 0).stats.reduce(trainer.world)
+        stats = trainer.accumulate(mbs, 0).metrics
         grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
         results[attention] = (stats, grads)
     (packed, packed_grads), (dense, dense_grads) = results["packed"], results["dense"]

@@ -8,9 +8,10 @@ import httpx2
 import pytest
 
 from fake_server import FakeServer, Reply, user_text
-from prime_rl.orchestrator.config import ClientConfig, EnvConfig, OrchestratorConfig
+from prime_rl.orchestrator.config import ClientConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import coalesce
 from prime_rl.orchestrator.envs.local import LocalEnvs
+from prime_rl.orchestrator.envs_config import EnvConfig
 from prime_rl.orchestrator.loop.examples import ExampleSource
 from prime_rl.orchestrator.loop.scheduler import run_on
 from prime_rl.orchestrator.loop.servers import ServerPool

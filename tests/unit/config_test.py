@@ -1,5 +1,6 @@
 """The config system as users meet it: files, flags, --help, --dry-run and errors."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -286,3 +287,30 @@ def test_the_teacher_may_not_take_a_policy_servers_port():
     with pytest.raises(ValueError, match=r"'teacher\.server\.port' = 8001 is a policy server's port"):
         RLConfig(deployment={"inference_servers": 2}, teacher={"model": {"name": DEFAULT_MODEL}, "server": {"port": 8001}},
                  **DISTILL)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "prime_rl.rl.config",
+        "prime_rl.trainer.config",
+        "prime_rl.trainer.sft.config",
+        "prime_rl.orchestrator.config",
+    ],
+)
+def test_a_config_imports_no_torch_and_no_trainer_runtime(module):
+    """`rl`, `--help` and preflight read configs only: they must not pay for torch. A built-in's
+    function is imported when a trainer builds it, so only config modules (and their packages)
+    of the trainer may load."""
+    code = (
+        f"import json, sys, {module}\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')"
+        " or m.startswith('prime_rl.trainer.'))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = json.loads(proc.stdout)
+    heavy = [m for m in loaded if not m.startswith("prime_rl.")]
+    runtime = [m for m in loaded if m.startswith("prime_rl.") and not m.endswith(".config")
+               and importlib.util.find_spec(m).submodule_search_locations is None]  # fmt: skip
+    assert not heavy and not runtime, {"heavy": heavy, "trainer runtime": runtime}

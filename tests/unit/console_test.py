@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prime_rl.logging_setup import adopt_verifiers_logging, setup_logging
 from prime_rl.orchestrator.rollout import Rollout, failure_reason, most_common_failure
-from prime_rl.rl.launcher import _pump
+from prime_rl.rl.child import _pump
 
 OUTPUT = """\
 14:35:41 orchestrator step 12 | reward 0.399 | trained 128 filtered 0 failed 1 stale 0

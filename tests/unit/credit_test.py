@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from prime_rl.trainer.parallel.context_parallel import shard_micro_batch
+from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.parallel.dist import World
-from prime_rl.trainer.rl.credit import Credit, compose, rollout_advantages
+from prime_rl.trainer.rl.credit import Credit, compose
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
@@ -24,21 +24,18 @@ def credits(samples: list[TrainingSample], seq_len: int = 8) -> list[Credit]:
     estimate is the rollout advantage on the model tokens)."""
     out = []
     for mb in pack(samples, seq_len, 1, "r", 0)[0]:
-        a = mb.arrays()
-        mask = torch.from_numpy(a["loss_mask"].astype(bool))
-        estimate = rollout_advantages(mb.advantages, mb.sample_lens, mask.device) * mask
-        terms = torch.from_numpy(a["token_advantages"].copy()) if "token_advantages" in a else None
-        owned = shard_micro_batch(mb.sample_lens, 1, 0, None, mask.device).owned_tokens(mask.device)
-        out.append(Credit(estimate, mask, owned, mb.sample_lens, mb.env_names, terms))
+        b = PackedBatch.of(mb, World())
+        out.append(Credit(b, b.per_token(b.rollout_advantages) * b.loss_mask))
     return out
 
 
 def per_env(items: list[Credit], advantages: list[torch.Tensor]) -> dict[str, list[float]]:
     got: dict[str, list[float]] = {}
     for c, a in zip(items, advantages, strict=True):
-        ids = np.repeat(np.arange(len(c.sample_lens)), c.sample_lens)[c.loss_mask.numpy()]
-        for i, v in zip(ids, a[c.loss_mask].tolist(), strict=True):
-            got.setdefault(c.env_names[i], []).append(v)
+        b = c.batch
+        ids = np.repeat(np.arange(len(b.sample_lens)), b.sample_lens)[b.loss_mask.numpy()]
+        for i, v in zip(ids, a[b.loss_mask].tolist(), strict=True):
+            got.setdefault(b.env_names[i], []).append(v)
     return got
 
 
@@ -74,7 +71,7 @@ def test_per_token_terms_are_added_after_normalization_so_their_weight_holds():
     samples = [sample("a", 1.0, 2, terms=[0.5, -0.5]), sample("a", -1.0, 2)]
     items = credits(samples, seq_len=16)
     (composed,) = compose(items, "all", World())
-    mask = items[0].loss_mask
+    mask = items[0].batch.loss_mask
     # whitened rollout advantages are +-1 (to within eps); the teacher's terms ride on top unscaled
     assert composed[mask].tolist() == pytest.approx([1.5, 0.5, -1.0, -1.0], abs=1e-5)
     (plain,) = compose(items, "none", World())
@@ -84,4 +81,15 @@ def test_per_token_terms_are_added_after_normalization_so_their_weight_holds():
 
 def test_a_micro_batch_without_per_token_terms_carries_none():
     (item,) = credits([sample("a", 1.0, 2)], seq_len=16)
-    assert item.token_terms is None
+    assert item.batch.token_advantages is None
+
+
+@pytest.mark.parametrize("mode", ["env", "all"])
+def test_a_step_of_filler_only_whitens_nothing_and_does_not_crash(mode):
+    """Every rollout of the step filtered: a rank gets only filler micro-batches (no real sample,
+    no loss token). Per-env whitening once indexed a 0-row moments tensor here."""
+    (mb,) = pack([], 8, 1, "r", 0)[0]
+    assert mb.filler
+    items = [Credit(PackedBatch.of(mb, World()), torch.zeros(mb.num_tokens))]
+    (out,) = compose(items, mode, World())
+    assert torch.equal(out, torch.zeros(mb.num_tokens))

@@ -118,3 +118,80 @@ def test_every_relative_link_resolves(page):
         elif fragment and destination.suffix == ".md" and fragment not in anchors(destination.read_text()):
             broken.append(f"{target} (no such heading)")
     assert not broken, broken
+
+
+# ---------------------------------------------------------------- built-ins, as the registries hold them
+
+PLUGINS = ROOT / "docs" / "plugins.md"
+BUILT_IN_LISTS = {
+    # a registry's package (under src/prime_rl) -> (its kind's page, the line that starts the list
+    # of its built-ins there: a table, whose rows' first cells name them, or a paragraph)
+    "orchestrator/advantages": ("advantages.md", "Built-ins (one file each in `orchestrator/advantages/`):"),
+    "trainer/estimators": ("advantages.md", "| `[trainer.advantage] type` |"),
+    "trainer/losses": ("trainer.md", "| `type` | per-token loss |"),
+    "orchestrator/rewards": ("environments.md", "| `type` | scores |"),
+}
+
+
+def registries() -> dict[str, list[str]]:
+    """Every registry of built-ins under src/prime_rl, as {its kind's folder: its built-ins' names}
+    (the module that defines it may be the folder's `__init__` or a module in it)."""
+    import importlib
+
+    from prime_rl.plugins import Registry
+
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        if not re.search(r"^\w+ = Registry\(", path.read_text(), re.M):
+            continue
+        parts = path.relative_to(SRC).with_suffix("").parts
+        module = importlib.import_module(
+            ".".join(("prime_rl", *parts[: -1 if parts[-1] == "__init__" else None]))
+        )
+        (registry,) = [value for value in vars(module).values() if isinstance(value, Registry)]
+        found[path.parent.relative_to(SRC).as_posix()] = registry.names
+    return found
+
+
+def plugins_table(text: str) -> dict[str, list[str]]:
+    """docs/plugins.md's table of kinds as {package: the built-ins named in its last column}, from
+    cells such as '`trainer/losses/`: ppo, cpgd'."""
+    rows = re.findall(r"^\|.*\| `([\w/]+)/`: ([\w, ]+) \|$", text, re.M)
+    return {package: [name.strip() for name in names.split(",")] for package, names in rows}
+
+
+def listed_built_ins(text: str, start: str) -> list[str]:
+    at = text.find(f"\n{start}")
+    assert at >= 0, f"no line starts with {start!r}"
+    block = text[at + 1 :].split("\n\n")[0]
+    if block.startswith("|"):
+        return re.findall(r"^\| `(\w+)`", block.split("\n", 1)[1], re.M)  # past the header row
+    return re.findall(r"`(\w+)` \(", block)
+
+
+def test_the_plugins_page_names_every_built_in_of_every_registry_and_nothing_else():
+    documented = {package: sorted(names) for package, names in plugins_table(PLUGINS.read_text()).items()}
+    assert documented == {package: sorted(names) for package, names in registries().items()}
+
+
+@pytest.mark.parametrize("package", sorted(BUILT_IN_LISTS))
+def test_each_kinds_page_lists_exactly_its_built_ins(package):
+    page, start = BUILT_IN_LISTS[package]
+    documented = listed_built_ins((ROOT / "docs" / page).read_text(), start)
+    assert sorted(documented) == sorted(registries()[package]), f"docs/{page}: {documented}"
+
+
+def test_every_registry_has_its_list_checked():
+    assert set(BUILT_IN_LISTS) == set(registries())
+
+
+def test_the_built_in_lists_are_read_as_written():
+    """The parsers are not vacuous: a table's rows past its header, a paragraph's `name` (...)
+    entries, the plugins table's last column."""
+    table = "| `type` | scores |\n|---|---|\n| `a` (default) | x `b` |\n| `'pkg:fn'` | y |\n| `c` | z |\n"
+    assert listed_built_ins(f"intro\n{table}\nafter `d` (no)\n", "| `type` | scores |") == ["a", "c"]
+    paragraph = "Built-ins: `a` (one; `x = 1` (y)), `b_c` (two).\nstill `d` (three)\n\n`e` (no)"
+    assert listed_built_ins(f"\n{paragraph}", "Built-ins:") == ["a", "b_c", "d"]
+    assert plugins_table("| k | s | f | `trainer/losses/`: ppo, cpgd |\n") == {
+        "trainer/losses": ["ppo", "cpgd"]
+    }

@@ -9,15 +9,27 @@ imports of every module of a layer.
   in the message types: neither reaches the other. The configs, the advantage functions, the
   preflight and the message types belong to neither half.
 - Shared modules reach no process.
+- Inside the trainer, components stand in layers (`TRAINER_LAYERS`: the packed batch and
+  parallelism at the bottom, then the model, then losses, estimators and the step, then RL, SFT and
+  reward-model training, the entry points on top): none reaches a layer above its own, and no two
+  components import each other, directly or not.
 
 A module-level import is an `import`/`from` statement run when the module is imported: at the top
 level, or inside a top-level `if`, `try`, `with` or class body; not one inside a function, nor one
 under `if TYPE_CHECKING:` (neither runs at import). Importing `a.b.c` also runs the packages `a`
 and `a.b`. A violation names its chain of imports, e.g. `prime_rl.trainer.main ->
 prime_rl.preflight -> prime_rl.orchestrator.config`.
+
+The sources are parsed in a child interpreter (this file run as a script), once per tree: in
+CPython 3.11, building `ast` objects is not thread-safe (their recursion counter is one per
+interpreter), and any other thread of the test process doing it at the same moment (formatting a
+traceback does: it parses each frame's line) made `ast.parse` here fail with `SystemError: AST
+constructor recursion depth mismatch`.
 """
 
 import ast
+import functools
+import json
 import subprocess
 import sys
 from collections import deque
@@ -55,6 +67,45 @@ FORBIDDEN = {
 def module_name(path: Path) -> str:
     parts = (SRC.name, *path.relative_to(SRC).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+TRAINER_LAYERS = (
+    ("parallel", "attention", "batch", "stats", "data", "memory", "optim"),
+    ("model", "logprobs", "lora", "moe"),
+    ("losses", "estimators", "step", "weights", "run"),
+    ("rl", "sft", "reward_model"),
+    ("main", "export", "gpu"),
+)
+"""The trainer's components (its subpackages and top-level modules) in layers, bottom first: a
+component reaches no runtime module of a higher layer. Configs (`config.py` files) and package
+`__init__`s belong to no layer: they load no torch (tests/unit/config_test.py checks it), so any
+module may import them; `preflight` reads configs only."""
+
+
+def runtime_modules(component: str) -> tuple[str, ...]:
+    """A trainer component's modules (dotted, under prime_rl) but its configs and package inits."""
+    root = SRC / "trainer" / component
+    if root.with_suffix(".py").exists():
+        return (f"trainer.{component}",)
+    return tuple(
+        module_name(p).removeprefix(f"{SRC.name}.")
+        for p in sorted(root.rglob("*.py"))
+        if p.name not in ("__init__.py", "config.py")
+    )
+
+
+def component_path(component: str) -> str:
+    return (
+        f"trainer/{component}.py"
+        if (SRC / "trainer" / f"{component}.py").exists()
+        else f"trainer/{component}"
+    )
+
+
+for _i, _layer in enumerate(TRAINER_LAYERS):
+    _above = tuple(m for higher in TRAINER_LAYERS[_i + 1 :] for c in higher for m in runtime_modules(c))
+    for _component in _layer:
+        FORBIDDEN[component_path(_component)] = _above
 
 
 def is_type_checking(test: ast.expr) -> bool:
@@ -102,10 +153,23 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def parsed_import_graph() -> dict[str, set[str]]:
+    """The graph parsed in this process: only in the child that `import_graph` starts."""
     paths = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
     known = set(paths)
     return {name: imported_modules(path, known) for name, path in paths.items()}
+
+
+@functools.cache
+def _graph_of(src: Path) -> dict[str, tuple[str, ...]]:
+    run = subprocess.run([sys.executable, __file__, str(src)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"parsing {src} failed:\n{run.stderr[-2000:]}"
+    return {name: tuple(imports) for name, imports in json.loads(run.stdout).items()}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the prime_rl modules it imports at module level, for the tree at `SRC`."""
+    return {name: set(imports) for name, imports in _graph_of(SRC).items()}
 
 
 def chains_to(graph: dict[str, set[str]], start: str, forbidden: tuple[str, ...]) -> list[list[str]]:
@@ -223,3 +287,85 @@ def test_imports_under_if_and_try_count_and_those_in_functions_or_type_checking_
     assert violations("trainer") == [
         "prime_rl.trainer.main -> prime_rl.shared -> prime_rl.orchestrator.config"
     ]
+
+
+def test_the_sources_are_parsed_outside_the_test_process(planted, monkeypatch):
+    """No `ast` objects are built here, where another thread may be building some (see above)."""
+    planted({"shared.py": "from prime_rl.orchestrator import config\n", "orchestrator/config.py": ""})
+    monkeypatch.setattr(ast, "parse", lambda *a, **k: pytest.fail("ast.parse ran in the test process"))
+    assert import_graph()["prime_rl.shared"] == {
+        "prime_rl",
+        "prime_rl.orchestrator",
+        "prime_rl.orchestrator.config",
+    }
+
+
+def component_of(module: str) -> str | None:
+    """The trainer component a runtime module belongs to (None: not the trainer's, or a config or
+    package init, which any component may import)."""
+    parts = module.split(".")
+    if parts[:2] != [SRC.name, "trainer"] or len(parts) < 3 or parts[-1] == "config":
+        return None
+    path = SRC.joinpath(*parts[1:])
+    return None if path.is_dir() else parts[2]
+
+
+def trainer_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import loops between the trainer's components: each a list of components that reach each
+    other (strongly connected), found by a reachability closure over the component graph."""
+    edges: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        a = component_of(module)
+        if a is None:
+            continue
+        edges.setdefault(a, set()).update(b for m in imports if (b := component_of(m)) and b != a)
+    reach = {}
+    for start in edges:
+        seen, stack = set(), [start]
+        while stack:
+            for nxt in edges.get(stack.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        reach[start] = seen
+    loops = {
+        tuple(sorted({a} | {b for b in reach[a] if a in reach.get(b, ())})) for a in edges if a in reach[a]
+    }
+    return [list(loop) for loop in sorted(loops)]
+
+
+def test_the_trainer_layers_name_every_component():
+    found = {p.stem if p.suffix == ".py" else p.name for p in (SRC / "trainer").iterdir()
+             if (p.suffix == ".py" and p.stem not in ("__init__", "config", "preflight")) or (p / "__init__.py").exists()}  # fmt: skip
+    assert found == {c for layer in TRAINER_LAYERS for c in layer}
+
+
+def test_the_trainer_has_no_import_loop():
+    assert trainer_loops(import_graph()) == []
+
+
+def test_a_planted_loop_in_the_trainer_is_found(planted):
+    planted({
+        "trainer/losses/frame.py": "from prime_rl.trainer.rl import credit\n",
+        "trainer/rl/credit.py": "from prime_rl.trainer.losses.frame import LossInputs\n",
+    })  # fmt: skip
+    assert trainer_loops(import_graph()) == [["losses", "rl"]]
+
+
+def test_a_lower_trainer_layer_reaching_a_higher_one_is_reported(planted):
+    """The packed batch is at the bottom: through a neutral module it reaches the step, a layer up."""
+    planted({
+        "trainer/batch.py": "from prime_rl import shared\n",
+        "shared.py": "from prime_rl.trainer.step import train_step\n",
+        "trainer/step.py": "",
+        "trainer/losses/config.py": "",
+    })  # fmt: skip
+    assert violations("trainer/batch.py") == [
+        "prime_rl.trainer.batch -> prime_rl.shared -> prime_rl.trainer.step"
+    ]
+    assert violations("trainer/losses") == []  # a config reaches nothing
+
+
+if __name__ == "__main__":
+    SRC = Path(sys.argv[1])
+    print(json.dumps({name: sorted(imports) for name, imports in parsed_import_graph().items()}))

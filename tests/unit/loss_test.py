@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from prime_rl.trainer.losses import LossInputs, build_loss
-from prime_rl.trainer.losses.cpgd import CPGDLoss
-from prime_rl.trainer.losses.ppo import PPOLoss
+from prime_rl.trainer.losses.config import CPGDLoss, PPOLoss
 
 RATIOS = [1.5, 0.5, 1.0]
 ADVANTAGES = [1.0, -1.0, 2.0]

@@ -10,12 +10,7 @@ import pytest
 import torch
 
 from prime_rl.trainer.losses import LossInputs, build_loss
-from prime_rl.trainer.losses.cispo import CISPOLoss
-from prime_rl.trainer.losses.cpgd import CPGDLoss
-from prime_rl.trainer.losses.dppo import DPPOLoss
-from prime_rl.trainer.losses.dual_clip import DualClipLoss
-from prime_rl.trainer.losses.ppo import PPOLoss
-from prime_rl.trainer.losses.sapo import SAPOLoss
+from prime_rl.trainer.losses.config import CISPOLoss, CPGDLoss, DPPOLoss, DualClipLoss, PPOLoss, SAPOLoss
 
 WIDE = {"mask_low": 0.0, "mask_high": 1e9}  # the frame's trust masks out of the way: the formula alone
 
@@ -190,7 +185,7 @@ def corrected(formula, kind: str, data, cap=2.0, low=0.5, high=2.0):
 @pytest.mark.parametrize("loss", ["ppo", "cispo"])
 @pytest.mark.parametrize("seed", range(4))
 def test_each_rollout_correction_composes_with_the_loss(kind, loss, seed):
-    from prime_rl.trainer.losses.correction import RolloutCorrectionConfig
+    from prime_rl.trainer.losses.config import RolloutCorrectionConfig
 
     config, formula = CASES[loss]
     data = batch(seed)
@@ -214,7 +209,7 @@ def test_each_rollout_correction_composes_with_the_loss(kind, loss, seed):
 
 def test_the_effective_sample_size_is_logged_per_env():
     from prime_rl.trainer.parallel.dist import World
-    from prime_rl.trainer.rl.stats import TokenStats
+    from prime_rl.trainer.stats import TokenStats
 
     stats = TokenStats()
     w = torch.tensor([1.0, 2.0, 4.0, 0.5, 0.5])

@@ -2,12 +2,26 @@
 
 import json
 
+import pytest
+
 from prime_rl.monitor import MetricsLogger, WandbConfig, forget_steps_from, read_metrics
 
 
-def test_wandb_without_a_key_logs_offline_next_to_the_metrics(tmp_path, monkeypatch):
+@pytest.fixture
+def offline_wandb(monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # W&B's own error reporting runs two OpenTelemetry threads for the rest of the process.
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    yield
+    import wandb
+
+    # A finished run leaves W&B's service (a process and its threads) up for the next `wandb.init`:
+    # stop it here, or it would run through every later test.
+    wandb.teardown()
+
+
+def test_wandb_without_a_key_logs_offline_next_to_the_metrics(tmp_path, offline_wandb):
     path = tmp_path / "orchestrator" / "metrics.jsonl"
     logger = MetricsLogger(path, WandbConfig(enabled=True, name="t"), config={"lr": 0.1})
     assert logger._wandb is not None and logger._wandb.settings.mode == "offline"

@@ -282,3 +282,12 @@ def test_planning_reads_nothing_starts_nothing_and_gives_the_same_plan_twice(tmp
         monkeypatch.setattr(owner, name, refused)
     assert at(cfg) == at(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_servers_return_routes_when_the_machine_says_the_policy_is_a_mixture_of_experts():
+    """The plan reads no file: whether the policy has experts is a machine fact, read by `here`."""
+    config = RLConfig(orchestrator={"return_routes": True})
+    assert at(config, policy_experts=8).inference.return_routes
+    assert not at(config, policy_experts=0).inference.return_routes  # dense: nothing to return
+    off = RLConfig(orchestrator={"return_routes": False})
+    assert not at(off, policy_experts=8).inference.return_routes  # not asked for

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from prime_rl.layout import restart_counts
+from prime_rl.rl.child import Child
 from prime_rl.rl.config import RLConfig
-from prime_rl.rl.launcher import Child, Launcher
+from prime_rl.rl.launcher import Launcher
 
 
 def child(launcher: Launcher, name: str, code: str, group: str = "") -> Child:

@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from prime_rl.trainer.estimators import TokenAdvantageError, TokenAdvantageInputs, build_estimator
-from prime_rl.trainer.estimators.base import CustomEstimator
-from prime_rl.trainer.estimators.gae import GAE
-from prime_rl.trainer.estimators.reinforce import Reinforce
+from prime_rl.trainer.estimators.config import GAE, CustomEstimator, Reinforce
+from prime_rl.trainer.estimators.returns import TokenGrid, discounted_returns, gae, terminal_rewards
 from prime_rl.trainer.rl.kl_reward import KLController, kl_rewards
-from prime_rl.trainer.rl.returns import TokenGrid, discounted_returns, gae, terminal_rewards
 
 MASK = torch.tensor([0, 0, 1, 1, 0, 1, 0, 1, 1], dtype=torch.bool)
 LENS = [6, 3]

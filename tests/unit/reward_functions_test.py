@@ -17,8 +17,9 @@ from orchestrator_test import make_config, rollouts, run
 from fake_server import FakeServer, Reply, user_text
 from prime_rl.config.cli import parse_config
 from prime_rl.environments import EnvError
-from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.load import load_env
+from prime_rl.orchestrator.envs_config import EnvConfig
 from prime_rl.orchestrator.rewards import bind
 from prime_rl.orchestrator.rewards.length import length
 from prime_rl.rl.config import RLConfig

@@ -7,12 +7,12 @@ import time
 import pytest
 
 from fake_server import FakeServer
-from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
 from prime_rl.orchestrator.envs.load import load_env, rollout_input
 from prime_rl.orchestrator.envs.rewards import RewardRunner
-from prime_rl.orchestrator.envs_config import RewardsConfig
+from prime_rl.orchestrator.envs_config import EnvConfig, RewardsConfig, SamplingConfig
 from prime_rl.orchestrator.loop.examples import ExampleSource
 
 

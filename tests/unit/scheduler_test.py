@@ -28,6 +28,12 @@ def make(server: FakeServer, **overrides) -> Scheduler:
     return Scheduler(config, train, ServerPool(config.client), side, random.Random(0))
 
 
+async def close(sched: Scheduler) -> None:
+    # The env side too: its reward threads (non-daemon: they would outlive the test) and clients.
+    await sched.shutdown()
+    await sched.env_side.close()
+
+
 def test_generation_runs_ahead_by_at_most_max_async_level_steps():
     async def scenario():
         with FakeServer(lambda req, i: Reply(delay_s=5)) as server:
@@ -38,7 +44,7 @@ def test_generation_runs_ahead_by_at_most_max_async_level_steps():
                 assert sched.inflight_rollouts == 8 * (level + 1)
                 sched.fill(step=0, policy_version=1)
                 assert sched.inflight_rollouts == 8 * (level + 2)
-                await sched.shutdown()
+                await close(sched)
 
     asyncio.run(scenario())
 
@@ -49,7 +55,7 @@ def test_in_flight_limit_is_respected():
             sched = make(server, max_async_level=10, max_inflight_rollouts=12)
             sched.fill(step=0, policy_version=0)
             assert sched.inflight_rollouts == 12 and sched.pool.inflight == 12
-            await sched.shutdown()
+            await close(sched)
 
     asyncio.run(scenario())
 
@@ -69,7 +75,7 @@ def test_stale_groups_are_cancelled_and_counted():
             assert all(t.cancelled() or t.cancelling() for t in tasks)
             assert sched.acc.buckets["stale"]["reverse-text"] == 16
             sched.check_accounting()
-            await sched.shutdown()
+            await close(sched)
 
     asyncio.run(scenario())
 
@@ -84,6 +90,7 @@ def test_finished_groups_become_stale_too():
             assert sched.ready_rollouts == 8
             assert sched.drop_stale(step=1) == 8
             sched.check_accounting()
+            await close(sched)
 
     asyncio.run(scenario())
 
@@ -117,6 +124,6 @@ def test_the_off_policy_bound_defaults_to_one_step_more_than_the_async_level():
             sched = make(server, max_async_level=1, max_off_policy_steps=1)
             sched.fill(step=0, policy_version=0)
             assert sched.drop_stale(step=2) == 16
-            await sched.shutdown()
+            await close(sched)
 
     asyncio.run(scenario())

@@ -111,7 +111,7 @@ def test_a_second_signal_mid_stop_still_reaps_every_child(tmp_path):
 
 
 def spawn(launcher, name: str, code: str, group: str = ""):
-    from prime_rl.rl.launcher import Child
+    from prime_rl.rl.child import Child
 
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     child = Child(name, proc, launcher.out / f"{name}.log", group)

@@ -49,6 +49,16 @@ def test_two_ranks_give_the_same_gradients_as_one(tiny_model, tmp_path, single_r
         assert abs(both[key] - value) <= 1e-6 * max(1.0, abs(value)), key
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_step_with_every_rollout_filtered_trains_nothing_under_env_normalization(
+    tiny_model, tmp_path, ranks
+):
+    """Each rank gets only filler micro-batches (no real sample on any rank) and the advantages are
+    whitened per env: there is no env to whiten, and the step leaves the parameters alone."""
+    out = run_worker(tiny_model, tmp_path / "filtered.pt", ranks, 0, "filtered", "norm=env")
+    assert out["metrics"]["loss_tokens"] == 0 and not out["changed"], out["metrics"]
+
+
 def test_the_critic_and_token_estimators_give_the_same_gradients_on_two_ranks(
     tiny_model, tmp_path, one_rank_gae
 ):

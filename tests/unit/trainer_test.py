@@ -21,9 +21,10 @@ from prime_rl.net import free_port
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
 from prime_rl.trainer.logprobs import forward_logprobs
-from prime_rl.trainer.main import NaNLossError, train
+from prime_rl.trainer.main import train
 from prime_rl.trainer.memory import OutOfMemory, advice
 from prime_rl.trainer.model import ModelLoadError
+from prime_rl.trainer.run import NaNLossError
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
 from prime_rl.transport.packing import pack

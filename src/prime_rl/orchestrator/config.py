@@ -1,103 +1,33 @@
 """Configuration of the orchestrator (`uv run orchestrator`).
 
-Invariant: config only, a leaf. It imports configs (`envs_config.py`, `advantages/`, `rewards/`,
-transport's) and nothing of the loop or the env side: runtime modules import configs, never the
-reverse, so the loop, the env workers and `rl` all read this file without loading each other
+Each env's section (`envs`, `eval`, their sampling) and those of the env side's machinery
+(`rewards`, `teacher`) live in `envs_config.py`.
+
+Invariant: config only, a leaf. It imports configs (`envs_config.py`, `advantages/`, transport's)
+and nothing of the loop or the env side: runtime modules import configs, never the reverse, so the
+loop, the env workers and `rl` all read this file without loading each other
 (`tests/unit/layering_test.py`).
 """
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.contract import OrchestratorSide, Setting
 from prime_rl.defaults import (
     DEFAULT_MAX_ASYNC_LEVEL,
     DEFAULT_MAX_STEPS,
-    DEFAULT_MODEL,
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
-from prime_rl.model.local import check_model_name
+from prime_rl.model.config import ModelConfig
 from prime_rl.monitor import WandbConfig
 from prime_rl.orchestrator.advantages import AdvantageConfig
 from prime_rl.orchestrator.advantages.grpo import GRPOAdvantage
-from prime_rl.orchestrator.envs_config import RewardsConfig, TeacherConfig
-from prime_rl.orchestrator.rewards import RewardConfig
+from prime_rl.orchestrator.envs_config import EnvConfig, EvalConfig, RewardsConfig, TeacherConfig
 from prime_rl.transport.config import TransportConfig
-
-
-class ModelConfig(BaseConfig):
-    """The policy being trained, as the inference server knows it."""
-
-    name: str = DEFAULT_MODEL
-    """Model name or local path; also the served model name and the tokenizer."""
-
-    @field_validator("name")
-    @classmethod
-    def _local_folder_exists(cls, name: str) -> str:
-        return check_model_name(name)
-
-
-class SamplingConfig(BaseConfig):
-    """Sampling arguments sent with every rollout request of an env."""
-
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature (the trainer recomputes logprobs at this temperature)."""
-
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling threshold."""
-
-    max_tokens: int = Field(default=128, ge=1)
-    """Maximum completion tokens per turn."""
-
-    extra_body: dict[str, Any] = {}
-    """Extra vLLM request fields, merged into the request as is (e.g. {min_tokens = 1})."""
-
-
-class EnvConfig(BaseConfig):
-    """One verifiers environment mixed into training."""
-
-    moved_keys: ClassVar[dict[str, str]] = {
-        "reward_model": "a reward model is one of the env's reward functions now: write it as "
-        '[[orchestrator.envs.rewards]] with type = "reward_model" and the same fields '
-        '(inline: rewards = [{type = "reward_model", path = ...}])',
-    }
-
-    id: str
-    """Environment id passed to `verifiers.load_environment` (an importable module or package)."""
-
-    name: str | None = None
-    """Name used in logs, metrics and rollouts; defaults to the id."""
-
-    args: dict[str, Any] = {}
-    """Keyword arguments for the env's `load_environment`."""
-
-    ratio: float = Field(default=1.0, gt=0)
-    """Relative share of this env's groups in each step."""
-
-    group_size: int = Field(default=8, ge=1)
-    """Rollouts per example (the G of GRPO)."""
-
-    sampling: SamplingConfig = SamplingConfig()
-    """Sampling arguments for this env's rollouts."""
-
-    state_columns: list[str] = []
-    """Extra rollout state fields saved with this env's rollouts."""
-
-    advantage: AdvantageConfig | None = None
-    """Advantage function for this env; defaults to the orchestrator's `advantage`."""
-
-    rewards: list[RewardConfig] = []
-    """Reward functions added to this env's rubric (classic envs), each with its `weight`: a
-    built-in by `type` ('reward_model': a learned reward model; 'length': DAPO's overlong penalty)
-    or your own verifiers-style function as 'package.module:function' with `kwargs`."""
-
-    @property
-    def resolved_name(self) -> str:
-        return self.name or self.id
 
 
 class FilterConfig(BaseConfig):
@@ -165,45 +95,6 @@ class DifficultyFilterConfig(BaseConfig):
                 f"skip_below = {self.skip_below} must be below skip_above = {self.skip_above}, or every example is skipped"
             )
         return self
-
-
-class EvalEnvConfig(BaseConfig):
-    """One env evaluated on its eval dataset."""
-
-    id: str
-    """Environment id passed to `verifiers.load_environment`."""
-
-    name: str | None = None
-    """Name in metrics (`eval/<name>/...`); defaults to the id."""
-
-    args: dict[str, Any] = {}
-    """Keyword arguments for the env's `load_environment`."""
-
-    num_examples: int = Field(default=32, ge=1)
-    """Examples from the eval dataset per evaluation."""
-
-    rollouts_per_example: int = Field(default=1, ge=1)
-    """Rollouts per eval example."""
-
-    sampling: SamplingConfig = SamplingConfig(temperature=0.0)
-    """Sampling for evaluation (greedy by default)."""
-
-    @property
-    def resolved_name(self) -> str:
-        return self.name or self.id
-
-
-class EvalConfig(BaseConfig):
-    """Periodic evaluation; it runs beside training and never holds up a step."""
-
-    envs: list[EvalEnvConfig] = []
-    """Envs to evaluate; empty disables evaluation."""
-
-    interval: int = Field(default=10, ge=1)
-    """Evaluate every this many steps."""
-
-    at_start: bool = False
-    """Also evaluate the initial policy before the first step."""
 
 
 class ClientConfig(BaseConfig):

@@ -1,16 +1,121 @@
-"""The configs of the env side's own machinery: how reward functions run, the teacher of on-policy
-distillation (the reward functions themselves, a reward model among them, are `rewards/`).
+"""The envs' sections of the orchestrator's config: each env trained on (`envs`) or evaluated
+(`eval`), with its sampling, and the env side's own machinery: how reward functions run, the teacher
+of on-policy distillation (the reward functions themselves, a reward model among them, are
+`rewards/`; the advantage functions `advantages/`).
 
-Invariant: config only. This module imports pydantic and `prime_rl.config`, nothing of the env
-side, so that the orchestrator's config, the loop and `rl` can name these sections without loading
-what runs them (`envs/rewards.py`, `envs/teacher.py` import them from here).
+Invariant: config only. This module imports pydantic, `prime_rl.config` and the configs of the
+advantage and reward registries, nothing of the loop or the env side, so that the orchestrator's
+config, the loop, the env workers and `rl` can name these sections without loading what runs them
+(`envs/load.py`, `envs/rewards.py`, `envs/teacher.py` import them from here).
 """
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from pydantic import Field
 
 from prime_rl.config import BaseConfig
+from prime_rl.orchestrator.advantages import AdvantageConfig
+from prime_rl.orchestrator.rewards import RewardConfig
+
+
+class SamplingConfig(BaseConfig):
+    """Sampling arguments sent with every rollout request of an env."""
+
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature (the trainer recomputes logprobs at this temperature)."""
+
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+
+    max_tokens: int = Field(default=128, ge=1)
+    """Maximum completion tokens per turn."""
+
+    extra_body: dict[str, Any] = {}
+    """Extra vLLM request fields, merged into the request as is (e.g. {min_tokens = 1})."""
+
+
+class EnvConfig(BaseConfig):
+    """One verifiers environment mixed into training."""
+
+    moved_keys: ClassVar[dict[str, str]] = {
+        "reward_model": "a reward model is one of the env's reward functions now: write it as "
+        '[[orchestrator.envs.rewards]] with type = "reward_model" and the same fields '
+        '(inline: rewards = [{type = "reward_model", path = ...}])',
+    }
+
+    id: str
+    """Environment id passed to `verifiers.load_environment` (an importable module or package)."""
+
+    name: str | None = None
+    """Name used in logs, metrics and rollouts; defaults to the id."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments for the env's `load_environment`."""
+
+    ratio: float = Field(default=1.0, gt=0)
+    """Relative share of this env's groups in each step."""
+
+    group_size: int = Field(default=8, ge=1)
+    """Rollouts per example (the G of GRPO)."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling arguments for this env's rollouts."""
+
+    state_columns: list[str] = []
+    """Extra rollout state fields saved with this env's rollouts."""
+
+    advantage: AdvantageConfig | None = None
+    """Advantage function for this env; defaults to the orchestrator's `advantage`."""
+
+    rewards: list[RewardConfig] = []
+    """Reward functions added to this env's rubric (classic envs), each with its `weight`: a
+    built-in by `type` ('reward_model': a learned reward model; 'length': DAPO's overlong penalty)
+    or your own verifiers-style function as 'package.module:function' with `kwargs`."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.id
+
+
+class EvalEnvConfig(BaseConfig):
+    """One env evaluated on its eval dataset."""
+
+    id: str
+    """Environment id passed to `verifiers.load_environment`."""
+
+    name: str | None = None
+    """Name in metrics (`eval/<name>/...`); defaults to the id."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments for the env's `load_environment`."""
+
+    num_examples: int = Field(default=32, ge=1)
+    """Examples from the eval dataset per evaluation."""
+
+    rollouts_per_example: int = Field(default=1, ge=1)
+    """Rollouts per eval example."""
+
+    sampling: SamplingConfig = SamplingConfig(temperature=0.0)
+    """Sampling for evaluation (greedy by default)."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.id
+
+
+class EvalConfig(BaseConfig):
+    """Periodic evaluation; it runs beside training and never holds up a step."""
+
+    envs: list[EvalEnvConfig] = []
+    """Envs to evaluate; empty disables evaluation."""
+
+    interval: int = Field(default=10, ge=1)
+    """Evaluate every this many steps."""
+
+    at_start: bool = False
+    """Also evaluate the initial policy before the first step."""
 
 
 class RewardsConfig(BaseConfig):

@@ -29,9 +29,16 @@ from prime_rl.transport import TransportError
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
 # (failing rollouts whose most common reason is a server's are `retryable`).
 NEEDS_USER = (
-    ContractError, EnvError, AdvantageError, RunDirError, RolloutsFailing, DiskFull, AdapterRefused,
-    WeightsDirMismatch, RoutesMissing,
-)  # fmt: skip
+    ContractError,
+    EnvError,
+    AdvantageError,
+    RunDirError,
+    RolloutsFailing,
+    DiskFull,
+    AdapterRefused,
+    WeightsDirMismatch,
+    RoutesMissing,
+)
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)
 
 

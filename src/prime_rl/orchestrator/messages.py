@@ -14,7 +14,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
+from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.rollout import Rollout
 
 

@@ -174,8 +174,10 @@ class DeploymentConfig(BaseConfig):
     @model_validator(mode="after")
     def _one_orchestrator_and_every_role(self):
         if self.inference_urls and self.nodes:
-            raise ValueError("'deployment.inference_urls' is for one machine: with 'deployment.nodes', give "
-                             "the servers' machines the role 'inference'")  # fmt: skip
+            raise ValueError(
+                "'deployment.inference_urls' is for one machine: with 'deployment.nodes', give "
+                "the servers' machines the role 'inference'"
+            )
         if not self.nodes:
             if self.node:
                 raise ValueError(
@@ -243,6 +245,14 @@ class RLConfig(RootConfig):
     """On-policy distillation: a teacher model's inference server, started beside the policy's (on the
     first inference node; `[teacher.model] name = ...`; its port defaults to the one after the policy
     servers'). The orchestrator's `teacher` section (weights, timeouts) is filled in to point at it."""
+
+    @property
+    def dp(self) -> int:
+        """The trainer's data-parallel replicas (all trainer ranks / cp): the `trainer_ranks` the
+        orchestrator sends to."""
+        d = self.deployment
+        trainer_nodes = sum("trainer" in n.roles for n in d.nodes) or 1
+        return d.trainer_ranks * trainer_nodes // self.trainer.parallel.cp
 
     @model_validator(mode="after")
     def _lora_reaches_inference_and_orchestrator(self):
@@ -312,10 +322,8 @@ class RLConfig(RootConfig):
         from prime_rl.orchestrator.config import contract_side as orchestrator_side
         from prime_rl.trainer.config import contract_side as trainer_side
 
-        d = self.deployment
-        dp = d.trainer_ranks * (sum("trainer" in n.roles for n in d.nodes) or 1) // self.trainer.parallel.cp
-        orch = self.orchestrator.model_copy(update={"trainer_ranks": dp})
-        found = problems(orchestrator_side(orch, session=""), trainer_side(self.trainer, dp))
+        orch = self.orchestrator.model_copy(update={"trainer_ranks": self.dp})
+        found = problems(orchestrator_side(orch, session=""), trainer_side(self.trainer, self.dp))
         if found:
             raise ValueError(" ".join(p.rstrip(".") + "." for p in found).rstrip("."))
         return self

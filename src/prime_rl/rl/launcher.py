@@ -25,19 +25,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from prime_rl import activity
 from prime_rl.config.cli import to_toml
 from prime_rl.disk import DiskFull, writing
 from prime_rl.inference.server import server_env, wait_until_healthy
 from prime_rl.layout import restarts_path
-from prime_rl.logging_setup import ROLLOUT_FAILED
+from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here
 from prime_rl.rl.plan import Plan, Server, hosts, plan
@@ -49,78 +45,10 @@ CHECK_S = 1.0
 """How often the watchdog reads the processes' activity records."""
 WAITING_S = 30.0
 """After this long without any process changing what it does, the console says what each does."""
-# Console view: the lines that say what each process is doing; everything is in the log files.
-CONSOLE_MARKERS = (" step ", "error", "Error", "resum", "waiting", "eval at", "saved", "Traceback")
-
 
 NEEDS_USER = 2
 """Exit status of an error that a restart would repeat (config, env, disk full): never retried."""
 MAX_BACKOFF_S = 60.0
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    group: str = ""
-    """Servers of one group stand in for each other: the run goes on while one of them lives
-    (default: the child's name, a group of its own)."""
-    spawn: Callable[[], subprocess.Popen] | None = None
-    """Starts the child again (same command, environment and cores, plus `again`), for restarts."""
-    restarts: int = 0
-    hung: bool = False
-    """Killed by the watchdog: it hung (the console says so instead of its exit status)."""
-
-    def __post_init__(self):
-        self.group = self.group or self.name
-
-    @property
-    def kind(self) -> str:
-        """inference, teacher, trainer or orchestrator (servers `inference-<i>` are one kind)."""
-        return self.name.split("-")[0]
-
-
-def _affinity(cpus: list[int] | None):
-    if not cpus:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
-
-
-def _pump(name: str, stdout: IO[str], log_path: Path, console: bool) -> None:
-    """Copy a child's output to its log file and the interesting lines to the console. A log file
-    that cannot be written (a full disk) is said once; the output is still drained, so the child
-    never blocks on a full pipe, and its console lines (its own error line among them) still show."""
-    log: IO[str] | None = None
-    try:
-        log = log_path.open("a")
-    except OSError as e:
-        _log_lost(log_path, e)
-    for line in stdout:
-        if log is not None:
-            try:
-                log.write(line)
-                log.flush()
-            except OSError as e:
-                _log_lost(log_path, e)
-                with contextlib.suppress(OSError):
-                    log.close()
-                log = None
-        if (
-            (console or ": error: " in line)
-            and any(m in line for m in CONSOLE_MARKERS)
-            and ROLLOUT_FAILED not in line
-        ):
-            sys.stdout.write(f"[{name}] {line}" if not line.startswith(("[", " ")) else line)
-            sys.stdout.flush()
-    if log is not None:
-        with contextlib.suppress(OSError):
-            log.close()
-
-
-def _log_lost(path: Path, e: OSError) -> None:
-    print(f"rl: cannot write {path} ({e.strerror or e}); that process's output is not logged from here on",
-          file=sys.stderr, flush=True)  # fmt: skip
 
 
 class Launcher:
@@ -131,8 +59,9 @@ class Launcher:
         self.stopping = False
         self.grace_s = GRACE_S
         d = config.deployment
-        self.watchdog = Watchdog(activity.folder(self.out), d.stall_timeout_s, d.stall_floor_s,
-                                 d.stall_first_step_s)  # fmt: skip
+        self.watchdog = Watchdog(
+            activity.folder(self.out), d.stall_timeout_s, d.stall_floor_s, d.stall_first_step_s
+        )
         self.log_dir = self.out / "logs"
         self._next_waiting_line = 0.0
 
@@ -143,37 +72,9 @@ class Launcher:
             for path, config in plan.config_files.items():
                 path.write_text(to_toml(config))
 
-    def _start(
-        self,
-        name: str,
-        cmd: list[str],
-        env: dict[str, str],
-        cpus: list[int] | None,
-        log_path: Path,
-        console: bool,
-        group: str = "",
-        again: tuple[str, ...] = (),
-    ) -> Child:
-        """Start a child; `again`: arguments added when it is restarted (resume where it stopped)."""
-        with writing(log_path, "the logs"):
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = []
-
-        def spawn() -> subprocess.Popen:
-            proc = subprocess.Popen(
-                [*cmd, *again] if started else cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-                start_new_session=True,  # its own process group: we stop it and everything it started
-                preexec_fn=_affinity(cpus),
-            )
-            threading.Thread(target=_pump, args=(name, proc.stdout, log_path, console), daemon=True).start()
-            started.append(proc.pid)
-            return proc
-
-        child = Child(name, spawn(), log_path, group, spawn)
+    def _start(self, *args, **kwargs) -> Child:
+        """`start_child`'s child, one of those this launcher stops."""
+        child = start_child(*args, **kwargs)
         self.children.append(child)
         return child
 
@@ -240,9 +141,13 @@ class Launcher:
         child.restarts += 1
         wait_s = min(MAX_BACKOFF_S, d.restart_backoff_s * 2 ** (child.restarts - 1))
         also = [w for w in workers if w.kind == "orchestrator"] if child.kind == "trainer" else []
-        print(f"rl: {child.name} {exit_words(child, code)}; restarting it ({child.restarts} of "
-              f"{d.max_restarts}) in {wait_s:.0f} s{', with the orchestrator' if also else ''} "
-              f"(see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"rl: {child.name} {exit_words(child, code)}; restarting it ({child.restarts} of "
+            f"{d.max_restarts}) in {wait_s:.0f} s{', with the orchestrator' if also else ''} "
+            f"(see {child.log_path})",
+            file=sys.stderr,
+            flush=True,
+        )
         for other in also:  # an orchestrator that had died on its own is a restart of its own too
             if other.proc.poll() not in (None, 0):
                 other.restarts += 1
@@ -263,8 +168,13 @@ class Launcher:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
     def _record(self, child: Child, code: int) -> None:
-        record = {"time": time.time(), "process": child.kind, "name": child.name, "status": code,
-                  "restart": child.restarts}  # fmt: skip
+        record = {
+            "time": time.time(),
+            "process": child.kind,
+            "name": child.name,
+            "status": code,
+            "restart": child.restarts,
+        }
         with writing(restarts_path(self.out), "the restart record"):
             self.out.mkdir(parents=True, exist_ok=True)
             with restarts_path(self.out).open("a") as f:
@@ -275,8 +185,12 @@ class Launcher:
         self._write_configs(p)
         d = self.config.deployment
         # One folder for every record of the run (a teacher server's output dir is another).
-        base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                    activity.ENV_DIR: str(activity.folder(self.out))}  # fmt: skip
+        base_env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            activity.ENV_DIR: str(activity.folder(self.out)),
+        }
         where = f" (node {d.node}: {', '.join(sorted(p.roles))})" if d.nodes else ""
         print(f"rl: output in {self.out} (logs in {p.log_dir}){where}", flush=True)
         self.log_dir = p.log_dir
@@ -287,8 +201,10 @@ class Launcher:
             if started is None:
                 return 1
             servers = started
-            print("rl: inference is up" + ("; starting trainer and orchestrator" if p.workers else ""),
-                  flush=True)  # fmt: skip
+            print(
+                "rl: inference is up" + ("; starting trainer and orchestrator" if p.workers else ""),
+                flush=True,
+            )
         workers = [
             self._start(
                 w.name, w.command, {**base_env, **w.env}, w.cpus, w.log_path, True, again=w.restart_args
@@ -321,16 +237,27 @@ class Launcher:
                     done.add(child.name)
                     alive = [s for s in servers if s.group == child.group and s.proc.poll() is None]
                     if alive:
-                        print(f"rl: {child.name} server exited with status {code} during the run; its work moves to "
-                              f"{', '.join(s.name for s in alive)} (see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
+                        print(
+                            f"rl: {child.name} server exited with status {code} during the run; its work moves to "
+                            f"{', '.join(s.name for s in alive)} (see {child.log_path})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         continue
-                    print(f"rl: {child.name} server exited with status {code} during the run; stopping the others "
-                          f"(see {child.log_path})", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"rl: {child.name} server exited with status {code} during the run; stopping the others "
+                        f"(see {child.log_path})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.stop_all()
                     return code if code > 0 else 1
                 if code != 0:
-                    print(f"rl: {child.name} {exit_words(child, code)}; stopping the others (see {child.log_path})",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"rl: {child.name} {exit_words(child, code)}; stopping the others (see {child.log_path})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.stop_all()
                     return code if code > 0 else 1
                 done.add(child.name)

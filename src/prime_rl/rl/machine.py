@@ -1,8 +1,8 @@
 """What `rl`'s plan needs to know about the machine it runs on, read in one place.
 
 Invariant: `Machine` is the only input of `plan` besides the config, and `here` is the only code of
-the planning that looks at the operating system (cores, installed packages, the filesystem, free
-ports). So a plan can be built, and tested, from given values, and one `rl` start reads each fact once.
+the planning that looks at the operating system (cores, installed packages, the filesystem, the
+model's config.json, free ports). So a plan can be built, and tested, from given values, and one `rl` start reads each fact once.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.inference.server import is_cpu_build
+from prime_rl.model.local import num_experts
 from prime_rl.net import free_port
 from prime_rl.rl.config import RLConfig
 from prime_rl.transport.config import resolve_run_id
@@ -40,6 +41,9 @@ class Machine:
     master_port: int
     """A free port for torchrun's master, where one machine runs several trainer ranks."""
 
+    policy_experts: int = 0
+    """Experts per layer of the served policy (its local config.json; 0: dense, or a hub id)."""
+
 
 def here(config: RLConfig) -> Machine:
     """This machine, for `config`."""
@@ -50,4 +54,5 @@ def here(config: RLConfig) -> Machine:
         run_id=resolve_run_id(config.orchestrator.transport, config.output_dir),
         broadcast_port=free_port(),
         master_port=free_port(),
+        policy_experts=num_experts(config.inference.model.name),
     )

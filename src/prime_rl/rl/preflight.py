@@ -20,12 +20,13 @@ if TYPE_CHECKING:
 
 
 def check_rl(config: RLConfig) -> None:
+    from prime_rl.model.local import num_experts
     from prime_rl.rl.plan import served
 
     teacher = config.teacher
     raise_problems(
         inference_problems(
-            served(config),
+            served(config, num_experts(config.inference.model.name)),
             "inference.",
             lora_key=None if config.inference.lora else "trainer.lora",
             routes_key=None if config.inference.return_routes else "orchestrator.return_routes",

@@ -40,8 +40,13 @@ def render(config: RLConfig, config_path: Path, workdir: Path) -> str:
     out = job_dir(config)
     rl = s.rl_command or shlex.quote(str(Path(sys.executable).parent / "rl"))
     nodes = max(1, len(d.nodes))
-    options = [f"--job-name={s.job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
-               f"--chdir={workdir}", f"--output={out}/%j.out"]  # fmt: skip
+    options = [
+        f"--job-name={s.job_name}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        f"--chdir={workdir}",
+        f"--output={out}/%j.out",
+    ]
     options += [f"--partition={s.partition}"] * bool(s.partition) + [f"--account={s.account}"] * bool(
         s.account
     )
@@ -49,10 +54,16 @@ def render(config: RLConfig, config_path: Path, workdir: Path) -> str:
     options += [f"--cpus-per-task={s.cpus_per_node}"] * bool(s.cpus_per_node)
     options += [f"--gpus-per-node={s.gpus_per_node}"] * bool(s.gpus_per_node)
     options += list(s.sbatch_args)
-    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in options), "",
-             f"# Rendered by `rl` for the run in {config.output_dir}: one `rl` per node, all reading",
-             f"# {config_path}, each with its own --deployment.node.",
-             "export PYTHONUNBUFFERED=1", *s.setup, ""]  # fmt: skip
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {o}" for o in options),
+        "",
+        f"# Rendered by `rl` for the run in {config.output_dir}: one `rl` per node, all reading",
+        f"# {config_path}, each with its own --deployment.node.",
+        "export PYTHONUNBUFFERED=1",
+        *s.setup,
+        "",
+    ]
     start = f"{rl} @ {shlex.quote(str(config_path))}"
     if not d.nodes:
         lines += [f"srun --nodes=1 --ntasks=1 {start}", "exit $?"]

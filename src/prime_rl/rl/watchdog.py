@@ -237,8 +237,10 @@ def waiting_line(states: list[State], idle_s: float) -> str:
 def stall_line(stall: Stall, stack_file: Path | None) -> str:
     c = stall.culprit
     where = f"; stacks in {stack_file}" if stack_file else ""
-    return (f"rl: stall: no progress for {stall.idle_s:.0f} s (stall timeout {stall.timeout_s:.0f} s); "
-            f"{c.label} (pid {c.pid}) is {stall.why}, in {describe(c)}{where}")  # fmt: skip
+    return (
+        f"rl: stall: no progress for {stall.idle_s:.0f} s (stall timeout {stall.timeout_s:.0f} s); "
+        f"{c.label} (pid {c.pid}) is {stall.why}, in {describe(c)}{where}"
+    )
 
 
 def py_spy() -> str | None:
@@ -253,8 +255,12 @@ def stack_of(pid: int, state: State | None, resume_stopped: bool) -> str:
     tool = py_spy()
     if tool:
         try:
-            out = subprocess.run([tool, "dump", "--nonblocking", "--pid", str(pid)],
-                                 capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)  # fmt: skip
+            out = subprocess.run(
+                [tool, "dump", "--nonblocking", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=PY_SPY_TIMEOUT_S,
+            )
             if out.returncode == 0 and out.stdout.strip():
                 return out.stdout
             failed = (out.stderr or out.stdout).strip().splitlines()[:2]
@@ -305,8 +311,10 @@ def write_stacks(
         s = by_pid.get(pid)
         head = [f"=== {names[pid]} (pid {pid}){' [culprit]' if pid == stall.culprit.pid else ''} ==="]
         if s is not None:
-            head.append(f"state: {describe(s)}; heartbeat {now - s.beat:.1f} s ago; process state "
-                        f"{process_state(pid) or '?'}")  # fmt: skip
+            head.append(
+                f"state: {describe(s)}; heartbeat {now - s.beat:.1f} s ago; process state "
+                f"{process_state(pid) or '?'}"
+            )
         heads[pid] = head
     # All at once: py-spy may take seconds per process, and the culprit waits to be killed meanwhile.
     with ThreadPoolExecutor(max_workers=8) as pool:

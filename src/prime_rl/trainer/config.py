@@ -8,29 +8,19 @@ from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
 from prime_rl.contract import Setting, TrainerSide
-from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_MODEL, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
+from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
+from prime_rl.model.config import ModelConfig
 from prime_rl.model.local import check_model_name
 from prime_rl.monitor import WandbConfig
-from prime_rl.trainer.estimators import EstimatorConfig
-from prime_rl.trainer.estimators.reinforce import Reinforce
-from prime_rl.trainer.losses import LossConfig
-from prime_rl.trainer.losses.correction import RolloutCorrectionConfig
-from prime_rl.trainer.losses.ppo import PPOLoss
+from prime_rl.trainer.estimators.config import EstimatorConfig, Reinforce
+from prime_rl.trainer.losses.config import LossConfig, PPOLoss, RolloutCorrectionConfig
 from prime_rl.trainer.moe.config import MoEConfig
 from prime_rl.trainer.parallel.config import ParallelConfig, check_cp_fits, check_ep_fits
 from prime_rl.transport.config import TransportConfig
 
 
-class ModelConfig(BaseConfig):
-    """The model being trained."""
-
-    name: str = DEFAULT_MODEL
-    """HF model name or local folder to load with transformers."""
-
-    @field_validator("name")
-    @classmethod
-    def _local_folder_exists(cls, name: str) -> str:
-        return check_model_name(name)
+class TrainedModelConfig(ModelConfig):
+    """The model being trained (loaded with transformers)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype (float32 gives exact logprob parity with vLLM in float32)."""
@@ -228,7 +218,7 @@ class TrainingConfig(RootConfig):
     """What every training run shares, RL (`TrainerConfig`) and SFT (`SFTConfig`): the model, its
     parallelism and optimizer, checkpoints, published weights and logging."""
 
-    model: ModelConfig = ModelConfig()
+    model: TrainedModelConfig = TrainedModelConfig()
     """The model and how it is held in memory."""
 
     lora: LoRAConfig | None = None
@@ -297,7 +287,7 @@ class TrainingConfig(RootConfig):
             return data
         unset = "target_modules" not in (lora if isinstance(lora, dict) else lora.model_fields_set)
         model = data.get("model") or {}
-        name = model.get("name", ModelConfig().name) if isinstance(model, dict) else model.name
+        name = model.get("name", TrainedModelConfig().name) if isinstance(model, dict) else model.name
         if unset and isinstance(name, str):
             from prime_rl.model.local import num_experts
 

@@ -40,22 +40,23 @@ def export_tokens(output_dir: Path, step: int, results: list[MicroBatchResult], 
 def _write(path: Path, step: int, results: list[MicroBatchResult], rank: int) -> None:
     with path.open("w") as f:
         for r in results:
-            a = r.mb.arrays()
+            mb = r.batch.source
+            a = mb.arrays()
             trainer_lp = r.trainer_logprobs.float().cpu()
             ratio = torch.exp(trainer_lp - torch.from_numpy(a["logprobs"].copy()))
             start = 0
             advantages = r.advantages.float().cpu()
-            for i, (n, env) in enumerate(zip(r.mb.sample_lens, r.mb.env_names, strict=True)):
+            for i, (n, env) in enumerate(zip(mb.sample_lens, mb.env_names, strict=True)):
                 sl = slice(start, start + n)
                 record = {
                     "step": step,
                     "rank": rank,
-                    "micro_batch": r.mb.index,
+                    "micro_batch": mb.index,
                     "env": env,
                     "input_ids": a["input_ids"][sl].tolist(),
                     "loss_mask": a["loss_mask"][sl].tolist(),
-                    "rollout_advantage": _clean([r.mb.advantages[i]])[0],
-                    "reward": _clean([r.mb.rewards[i]])[0],
+                    "rollout_advantage": _clean([mb.advantages[i]])[0],
+                    "reward": _clean([mb.rewards[i]])[0],
                     "advantages": _clean(advantages[sl].tolist()),
                     "sampling_logprobs": _clean(a["logprobs"][sl].tolist()),
                     "trainer_logprobs": _clean(trainer_lp[sl].tolist()),

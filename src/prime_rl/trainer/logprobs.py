@@ -15,8 +15,13 @@ log_softmax, exp and their gradients hold several copies of them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from prime_rl.trainer.batch import PackedBatch
 
 CHUNK_LOGITS = 2**25
 """Logits per chunk when the chunk's tokens are not configured: the chunk's tokens follow the
@@ -195,3 +200,24 @@ def attach_position_logprobs(model: torch.nn.Module) -> None:
         return _position_logprobs(model, input_ids, position_ids, targets, temperature, chunk_tokens, **kw)
 
     model.prime_rl_position_logprobs = method
+
+
+def batch_logprobs(
+    model: torch.nn.Module, b: PackedBatch, chunk_tokens: int | None, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) of a whole packed micro-batch at its sampling temperature, aligned to
+    tokens; this rank computes its shard's positions, gathered back to full length. The entropy is
+    differentiable only with `entropy_grad`."""
+    shard = b.shard
+    lp, entropy = position_logprobs(
+        model,
+        shard.take(b.input_ids),
+        shard.take(b.position_ids),
+        shard.take(next_token_targets(b.input_ids)),
+        b.temperature,
+        chunk_tokens,
+        **shard.model_kwargs(),
+    )
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return align_to_tokens(shard.gather(lp)), align_to_tokens(shard.gather(entropy))

@@ -18,20 +18,14 @@ import torch
 
 from prime_rl import activity
 from prime_rl.config import parse_config
-from prime_rl.contract import ContractError
-from prime_rl.disk import DiskFull
 from prime_rl.layout import refusal_path
 from prime_rl.logging_setup import setup_logging
-from prime_rl.plugins import PluginError
 from prime_rl.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.config import TrainerConfig, contract_side
-from prime_rl.trainer.data import SampleTooLong, StepReceiver, share_with_cp_group
-from prime_rl.trainer.estimators import TokenAdvantageError
+from prime_rl.trainer.data import StepReceiver, share_with_cp_group
 from prime_rl.trainer.losses import LossFn
-from prime_rl.trainer.memory import OutOfMemory, is_out_of_memory, keep_freed_memory, out_of_memory
-from prime_rl.trainer.model import ModelLoadError
+from prime_rl.trainer.memory import is_out_of_memory, keep_freed_memory, out_of_memory
 from prime_rl.trainer.parallel.dist import (
-    FILE_WORK_TIMEOUT_S,
     World,
     collective_error,
     collective_failure,
@@ -42,43 +36,18 @@ from prime_rl.trainer.parallel.dist import (
 )
 from prime_rl.trainer.preflight import check_trainer
 from prime_rl.trainer.rl.trainer import Trainer
+from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS, NaNLossError, resume_step
 from prime_rl.trainer.weights.checkpoint import (
-    CheckpointError,
     checkpoint_root,
-    choose_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
 from prime_rl.trainer.weights.publish import Publisher
-from prime_rl.transport import TransportError, make_receiver, transport_dir
+from prime_rl.transport import make_receiver, transport_dir
 from prime_rl.transport.config import resolve_run_id
 from prime_rl.transport.zmq_transport import rank_address
 
 log = logging.getLogger("prime_rl.trainer")
-
-
-class NaNLossError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss."""
-
-
-def resume_step(config: TrainerConfig, world: World) -> int:
-    """The checkpoint step to resume from (0 = start fresh): rank 0 verifies, every rank takes its word."""
-    choice: list = [None]
-    if world.is_main:
-        try:
-            step, warnings = choose_checkpoint(checkpoint_root(config.output_dir), config.ckpt.resume_step)
-            for w in warnings:
-                log.warning(w)
-            choice = [step]
-        except CheckpointError as e:
-            choice = [e]
-    if world.distributed:
-        # The other ranks wait while rank 0 reads the whole checkpoint to verify it.
-        with patient(world, FILE_WORK_TIMEOUT_S if not world.is_main else 0.0):
-            torch.distributed.broadcast_object_list(choice, src=0)
-    if isinstance(choice[0], BaseException):
-        raise CheckpointError(str(choice[0]))
-    return choice[0]
 
 
 def estimator_summary(metrics: dict[str, float]) -> str:
@@ -226,21 +195,6 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             metrics_log.close()
         if receiver is not None:
             receiver.receiver.close()
-
-
-# One line, no traceback; NEEDS_USER exit with status 2 (`rl` never retries them), the rest with 1.
-NEEDS_USER = (
-    ContractError,
-    SampleTooLong,
-    OutOfMemory,
-    ModelLoadError,
-    NaNLossError,
-    CheckpointError,
-    PluginError,
-    TokenAdvantageError,
-    DiskFull,
-)
-USER_ERRORS = (*NEEDS_USER, TransportError)
 
 
 FAKE_GPU_HELP = (

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from prime_rl.trainer import lora as lora_layers
 from prime_rl.trainer.attention import configure_attention
-from prime_rl.trainer.config import LoRAConfig, ModelConfig
+from prime_rl.trainer.config import LoRAConfig, TrainedModelConfig
 from prime_rl.trainer.logprobs import attach_position_logprobs
 from prime_rl.trainer.moe.expert_parallel import ep_problem, fsdp_experts, shard_experts
 from prime_rl.trainer.parallel.dist import World
@@ -28,7 +28,7 @@ class ModelLoadError(RuntimeError):
 
 
 def load_model(
-    config: ModelConfig, world: World, lora: LoRAConfig | None = None, seed: int = 0
+    config: TrainedModelConfig, world: World, lora: LoRAConfig | None = None, seed: int = 0
 ) -> torch.nn.Module:
     """The model to train, with LoRA adapters (drawn from `seed`) on it when `lora` is set."""
     from transformers import AutoModelForCausalLM
@@ -95,7 +95,7 @@ def add_adapters(model: torch.nn.Module, lora: LoRAConfig, seed: int, key: str, 
     lora_layers.inject(model, lora, seed)
 
 
-def prepare_model(model: torch.nn.Module, config: ModelConfig, world: World, key: str) -> None:
+def prepare_model(model: torch.nn.Module, config: TrainedModelConfig, world: World, key: str) -> None:
     """Packed (or context-parallel) attention, expert parallelism, activation checkpointing and FSDP2 sharding,
     as configured."""
     experts = []

@@ -148,6 +148,9 @@ class MicroBatch(msgspec.Struct, tag=True):
     """dtype of `routes`' entries: 'u1' or 'u2'."""
     orchestrator: OrchestratorSide | None = None
     """The sender's side of the run contract, checked by the trainer (`prime_rl.contract`)."""
+    filler: bool = False
+    """A filler micro-batch: one pad sample with no loss token, sent so that every rank runs the
+    same number of micro-batches; nothing in it is a real sample."""
 
     @classmethod
     def from_arrays(
@@ -167,6 +170,7 @@ class MicroBatch(msgspec.Struct, tag=True):
         token_advantages: np.ndarray | None = None,
         orchestrator: OrchestratorSide | None = None,
         routes: np.ndarray | None = None,
+        filler: bool = False,
     ) -> MicroBatch:
         zeros = [0.0] * len(sample_lens)
         route_fields = {}
@@ -194,14 +198,9 @@ class MicroBatch(msgspec.Struct, tag=True):
             if token_advantages is None
             else np.ascontiguousarray(token_advantages, dtype=FLOAT_DTYPE).tobytes(),
             orchestrator=orchestrator,
+            filler=filler,
             **route_fields,
         )
-
-    def loss_tokens_per_sample(self) -> list[int]:
-        """Each sample's loss tokens, counted on the host (no device sync)."""
-        mask = self.arrays()["loss_mask"].astype(bool)
-        ends = np.cumsum(self.sample_lens)
-        return [int(mask[e - n : e].sum()) for e, n in zip(ends, self.sample_lens, strict=True)]
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Per-token arrays as read-only numpy views of the message's bytes (no copy);

@@ -74,22 +74,36 @@ def bin_arrays(b: Bin) -> dict[str, np.ndarray]:
     lens = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
     starts = np.repeat(np.cumsum(lens) - lens, lens)
     out = {
-        "input_ids": np.fromiter(chain.from_iterable(chain(s.prompt_ids, s.completion_ids) for s in samples),
-                                 dtype=ID_DTYPE, count=n),
+        "input_ids": np.fromiter(
+            chain.from_iterable(chain(s.prompt_ids, s.completion_ids) for s in samples),
+            dtype=ID_DTYPE,
+            count=n,
+        ),
         "position_ids": np.arange(n, dtype=ID_DTYPE) - starts.astype(ID_DTYPE),
-        "loss_mask": np.fromiter(chain.from_iterable(chain(repeat(0, len(s.prompt_ids)), s.completion_mask)
-                                                     for s in samples), dtype=MASK_DTYPE, count=n),
-        "logprobs": np.fromiter(chain.from_iterable(chain(repeat(0.0, len(s.prompt_ids)), s.completion_logprobs)
-                                                    for s in samples), dtype=FLOAT_DTYPE, count=n),
-    }  # fmt: skip
+        "loss_mask": np.fromiter(
+            chain.from_iterable(chain(repeat(0, len(s.prompt_ids)), s.completion_mask) for s in samples),
+            dtype=MASK_DTYPE,
+            count=n,
+        ),
+        "logprobs": np.fromiter(
+            chain.from_iterable(
+                chain(repeat(0.0, len(s.prompt_ids)), s.completion_logprobs) for s in samples
+            ),
+            dtype=FLOAT_DTYPE,
+            count=n,
+        ),
+    }
     if any(s.token_advantages for s in samples):
         out["token_advantages"] = np.fromiter(
             chain.from_iterable(
-                chain(repeat(0.0, len(s.prompt_ids)), s.token_advantages or repeat(0.0, len(s.completion_ids)))
+                chain(
+                    repeat(0.0, len(s.prompt_ids)), s.token_advantages or repeat(0.0, len(s.completion_ids))
+                )
                 for s in samples
             ),
-            dtype=FLOAT_DTYPE, count=n,
-        )  # fmt: skip
+            dtype=FLOAT_DTYPE,
+            count=n,
+        )
     routed = [s for s in samples if s.routes]
     if routed:
         kinds = {(tuple(s.route_shape), s.route_dtype) for s in samples}
@@ -132,7 +146,8 @@ def pack(
         header = Header(run_id, step, rank)
         mbs = []
         for index in range(count):
-            if index < len(rank_bins):
+            filler = index >= len(rank_bins)
+            if not filler:
                 b = rank_bins[index]
                 arrays = bin_arrays(b)
                 lens, envs = [len(s) for s in b.samples], [s.env_name for s in b.samples]
@@ -141,8 +156,20 @@ def pack(
             else:
                 arrays, lens, envs, temperature = filler_arrays(pad_id), [FILLER_TOKENS], [FILLER_ENV], 1.0
                 advantages = rewards = [0.0]
-            mbs.append(MicroBatch.from_arrays(header, index, count, **arrays, sample_lens=lens, env_names=envs,
-                                              advantages=advantages, rewards=rewards, temperature=temperature,
-                                              orchestrator=orchestrator))  # fmt: skip
+            mbs.append(
+                MicroBatch.from_arrays(
+                    header,
+                    index,
+                    count,
+                    **arrays,
+                    sample_lens=lens,
+                    env_names=envs,
+                    advantages=advantages,
+                    rewards=rewards,
+                    temperature=temperature,
+                    orchestrator=orchestrator,
+                    filler=filler,
+                )
+            )
         out.append(mbs)
     return out

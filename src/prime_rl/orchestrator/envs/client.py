@@ -71,8 +71,11 @@ class DirectPost:
     def __init__(self, openai, config: ClientConfig):
         self._openai = openai
         self._base = str(openai.base_url).rstrip("/")
-        self._headers = {"Content-Type": "application/json", "Accept": "application/json",
-                         "Authorization": f"Bearer {openai.api_key}"}  # fmt: skip
+        self._headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "Authorization": f"Bearer {openai.api_key}",
+        }
         self._timeout_s = config.timeout_s
         self._retries = config.max_retries
         self._merge = config.group_requests

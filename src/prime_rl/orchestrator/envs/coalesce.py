@@ -169,8 +169,11 @@ async def merged_post(body: bytes, send: Send) -> tuple[int, bytes]:
     except BaseException as e:
         for h in others:
             if not h.future.done():
-                h.future.set_exception(RuntimeError("the group's merged request was cancelled")
-                                       if isinstance(e, asyncio.CancelledError) else e)  # fmt: skip
+                h.future.set_exception(
+                    RuntimeError("the group's merged request was cancelled")
+                    if isinstance(e, asyncio.CancelledError)
+                    else e
+                )
         raise
     for h, answer in zip(others, answers[1:], strict=True):
         if not h.future.done():
@@ -281,8 +284,9 @@ class CoalescingTransport(httpx2.AsyncBaseTransport):
             return list(await asyncio.gather(*(self._alone(h.request) for h in members)))
         first = members[0].request
         headers = [(k, v) for k, v in first.headers.multi_items() if k.lower() != "content-length"]
-        merged = httpx2.Request(first.method, first.url, headers=headers, content=body,
-                                extensions=first.extensions)  # fmt: skip
+        merged = httpx2.Request(
+            first.method, first.url, headers=headers, content=body, extensions=first.extensions
+        )
         resp = await self.inner.handle_async_request(merged)
         content = await resp.aread()
         await resp.aclose()
@@ -313,5 +317,10 @@ def _response(resp: httpx2.Response, content: bytes, request: httpx2.Request) ->
         for k, v in resp.headers.multi_items()
         if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")
     ]
-    return httpx2.Response(resp.status_code, headers=headers, content=content, request=request,
-                           extensions={"http_version": resp.extensions.get("http_version", b"HTTP/1.1")})  # fmt: skip
+    return httpx2.Response(
+        resp.status_code,
+        headers=headers,
+        content=content,
+        request=request,
+        extensions={"http_version": resp.extensions.get("http_version", b"HTTP/1.1")},
+    )

@@ -12,11 +12,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from prime_rl.orchestrator.config import SamplingConfig
 from prime_rl.orchestrator.envs.coalesce import grouped, rollout_slot
 from prime_rl.orchestrator.envs.rewards import REWARD_ERROR
 from prime_rl.orchestrator.envs.v1_env import V1Env
 from prime_rl.orchestrator.envs.verifiers_adapter import from_verifiers
+from prime_rl.orchestrator.envs_config import SamplingConfig
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
 
@@ -29,9 +29,12 @@ def sampling_args(config: SamplingConfig, policy_version: int) -> dict[str, Any]
         "top_p": config.top_p,
         "max_tokens": config.max_tokens,
         "logprobs": True,
-        "extra_body": {"cache_salt": f"prime-rl-policy-{policy_version}", **config.extra_body,
-                       "return_token_ids": True},
-    }  # fmt: skip
+        "extra_body": {
+            "cache_salt": f"prime-rl-policy-{policy_version}",
+            **config.extra_body,
+            "return_token_ids": True,
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -68,14 +71,23 @@ async def run_group(job: GroupRun, client, base_url: str, model: str, timeout_s:
     if isinstance(job.vf_env, V1Env):  # its own client and harness: no request merging
         try:
             rollouts = await job.vf_env.run_group(
-                job.inp, job.size, base_url, model, args, job.env_name, job.policy_version,
-                list(job.state_columns), timeout_s,
-            )  # fmt: skip
+                job.inp,
+                job.size,
+                base_url,
+                model,
+                args,
+                job.env_name,
+                job.policy_version,
+                list(job.state_columns),
+                timeout_s,
+            )
         except Exception as e:
             return [failed(e) for _ in range(job.size)]
         if len(rollouts) != job.size:
-            return [failed(RuntimeError(f"the v1 env returned {len(rollouts)} rollouts for {job.size}"))
-                    for _ in range(job.size)]  # fmt: skip
+            return [
+                failed(RuntimeError(f"the v1 env returned {len(rollouts)} rollouts for {job.size}"))
+                for _ in range(job.size)
+            ]
         return rollouts
 
     with grouped(job.size):

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any, Generic
 
 from prime_rl.environments import EnvError, env_module_name, load_vf_env
-from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.envs.env_rewards import attach_rewards
 from prime_rl.orchestrator.envs.reward_model import RewardModels
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.v1_env import is_v1_module, load_v1_env
+from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.messages import ConfigT, EnvView
 
 REQUIRED_COLUMNS = ("prompt", "example_id")

@@ -12,7 +12,7 @@ import logging
 
 from prime_rl.environments import EnvError
 from prime_rl.logging_setup import adopt_verifiers_logging
-from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig, OrchestratorConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
 from prime_rl.orchestrator.envs.load import LoadedEnv, load_env, load_eval_env, rollout_input
@@ -20,6 +20,7 @@ from prime_rl.orchestrator.envs.reward_model import RewardModelError, RewardMode
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.speedups import speed_up_verifiers
 from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
+from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.messages import EnvView, GroupJob
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
@@ -82,14 +83,24 @@ class LocalEnvs:
             columns = tuple(env.config.state_columns)
         row = env.dataset[job.index]
         if row.get("example_id", -1) != job.example_id:  # a dataset built differently in another process
-            reason = (f"EnvError: env '{job.env_name}' has example {row.get('example_id')} at row {job.index} where "
-                      f"the orchestrator has {job.example_id}: its dataset must be built the same in every process")  # fmt: skip
+            reason = (
+                f"EnvError: env '{job.env_name}' has example {row.get('example_id')} at row {job.index} where "
+                f"the orchestrator has {job.example_id}: its dataset must be built the same in every process"
+            )
             return [
                 failed_rollout(job.env_name, job.example_id, job.policy_version, reason)
                 for _ in range(job.size)
             ]
-        run = GroupRun(job.env_name, env.vf_env, rollout_input(row), job.example_id, job.size, job.policy_version,
-                       env.config.sampling, columns)  # fmt: skip
+        run = GroupRun(
+            job.env_name,
+            env.vf_env,
+            rollout_input(row),
+            job.example_id,
+            job.size,
+            job.policy_version,
+            env.config.sampling,
+            columns,
+        )
         c = self.config
         client = self.clients.get(job.base_url)
         try:

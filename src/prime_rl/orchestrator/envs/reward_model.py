@@ -132,9 +132,15 @@ class RemoteScorer:
 
     async def score_batch(self, conversations: list[Conversation]) -> list[float]:
         payload = {"conversations": [[p, c] for p, c in conversations]}
-        answer = await post_json(self._client, f"{self.base}/score", payload, retries=self.config.retries,
-                                 timeout_s=self.config.timeout_s, what=f"reward server {self.config.url}",
-                                 error=RewardModelError)  # fmt: skip
+        answer = await post_json(
+            self._client,
+            f"{self.base}/score",
+            payload,
+            retries=self.config.retries,
+            timeout_s=self.config.timeout_s,
+            what=f"reward server {self.config.url}",
+            error=RewardModelError,
+        )
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list):
             raise RewardModelError(f"reward server {self.config.url}: the answer has no 'scores' list")

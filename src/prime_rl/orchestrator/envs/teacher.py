@@ -64,12 +64,23 @@ class Teacher:
     async def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The teacher's logprob of each token of each sequence after the ones before it
         (len(ids) - 1 values per sequence), from one request: one HTTP round trip per group."""
-        body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": sequences,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+        }
         async with self._slots:
-            answer = await post_json(self._client, f"{self.base}/completions", body, retries=self.config.retries,
-                                     timeout_s=self.config.timeout_s, what=f"teacher at {self.config.base_url}",
-                                     error=TeacherError)  # fmt: skip
+            answer = await post_json(
+                self._client,
+                f"{self.base}/completions",
+                body,
+                retries=self.config.retries,
+                timeout_s=self.config.timeout_s,
+                what=f"teacher at {self.config.base_url}",
+                error=TeacherError,
+            )
         return parse_prompt_logprobs(answer, sequences)
 
     async def score_group(self, rollouts: list[Rollout]) -> list[Rollout]:

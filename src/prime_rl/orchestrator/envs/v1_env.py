@@ -172,9 +172,17 @@ class V1Env:
             await serving.__aexit__(None, None, None)
 
     async def run_group(
-        self, inp: dict[str, Any], size: int, base_url: str, model: str, args: dict[str, Any],
-        env_name: str, policy_version: int, state_columns: list[str], timeout_s: float,
-    ) -> list[Rollout]:  # fmt: skip
+        self,
+        inp: dict[str, Any],
+        size: int,
+        base_url: str,
+        model: str,
+        args: dict[str, Any],
+        env_name: str,
+        policy_version: int,
+        state_columns: list[str],
+        timeout_s: float,
+    ) -> list[Rollout]:
         """`size` episodes of the task, each a rollout; an episode past `timeout_s` fails (verifiers'
         v1 client has no read timeout of its own)."""
         import verifiers.v1 as v1
@@ -182,9 +190,12 @@ class V1Env:
         await self._ensure_serving()
         extra = dict(args.get("extra_body") or {})
         sampling = v1.SamplingConfig(
-            temperature=args["temperature"], top_p=args["top_p"], max_tokens=args["max_tokens"],
-            logprobs=True, extra_body=extra,
-        )  # fmt: skip
+            temperature=args["temperature"],
+            top_p=args["top_p"],
+            max_tokens=args["max_tokens"],
+            logprobs=True,
+            extra_body=extra,
+        )
         ctx = v1.ModelContext(
             model=model,
             client=v1.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR),
@@ -211,8 +222,10 @@ class V1Env:
                 continue
             if episode.errors:  # an env hook failed: none of the episode's traces is trustworthy
                 message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)
-                out += [failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
-                        for _ in episode.traces or [None]]  # fmt: skip
+                out += [
+                    failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
+                    for _ in episode.traces or [None]
+                ]
                 continue
             for trace in episode.traces:
                 out.append(from_v1_trace(trace, env_name, example_id, policy_version, state_columns))
@@ -228,8 +241,11 @@ def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:
     taskset = {"id": env_id, **args}
     # Every role of the env (one `agent` for a plain taskset, the roles an env's own config names)
     # runs our harness in-process; what the env set for a role otherwise (e.g. max_turns) stays.
-    roles = {name: value for name, value in v1.resolve_env_config({"taskset": taskset})
-             if isinstance(value, v1.AgentConfig)}  # fmt: skip
+    roles = {
+        name: value
+        for name, value in v1.resolve_env_config({"taskset": taskset})
+        if isinstance(value, v1.AgentConfig)
+    }
     local = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
     config = v1.resolve_env_config(
         {

@@ -64,9 +64,15 @@ def _turns(output: dict[str, Any]) -> tuple[list[Turn], str | None]:
         except (ValueError, TypeError) as e:
             return [], f"turn {i}: {e}"
         turns.append(
-            Turn(list(prompt_ids), list(ids), [int(m) for m in mask], [float(x) for x in logprobs],
-                 routes=routes[0] if routes else None, routes_start=routes[1] if routes else 0)
-        )  # fmt: skip
+            Turn(
+                list(prompt_ids),
+                list(ids),
+                [int(m) for m in mask],
+                [float(x) for x in logprobs],
+                routes=routes[0] if routes else None,
+                routes_start=routes[1] if routes else 0,
+            )
+        )
     return turns, None
 
 

@@ -62,8 +62,10 @@ def trace_turns(trace: Any) -> tuple[list[Turn], str | None]:
 def _messages(trace: Any) -> tuple[list, list]:
     """(prompt, completion) messages, JSON-ready: the prompt is what preceded the first reply."""
     messages = [to_json(m) for m in trace.messages]
-    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
-                 len(messages))  # fmt: skip
+    first = next(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+        len(messages),
+    )
     return messages[:first], with_openai_tool_calls(messages[first:])
 
 

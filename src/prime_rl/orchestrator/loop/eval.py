@@ -12,7 +12,8 @@ import asyncio
 import logging
 
 from prime_rl.monitor import MetricsLogger, stats
-from prime_rl.orchestrator.config import EvalEnvConfig, OrchestratorConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs_config import EvalEnvConfig
 from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.scheduler import run_on
 from prime_rl.orchestrator.loop.servers import ServerPool
@@ -92,8 +93,17 @@ class Evaluator:
             async with limit:
                 server = await self.pool.pick_when_up()
                 example_id = env.dataset[index].get("example_id", -1)
-                job = GroupJob(self._next_job_id, env.name, example_id, index, n, version, server.base_url,
-                               eval=True, model=request_model(self.config.model.name, self.config.lora_adapter, version))  # fmt: skip
+                job = GroupJob(
+                    self._next_job_id,
+                    env.name,
+                    example_id,
+                    index,
+                    n,
+                    version,
+                    server.base_url,
+                    eval=True,
+                    model=request_model(self.config.model.name, self.config.lora_adapter, version),
+                )
                 self._next_job_id -= 1
                 rollouts = await run_on(self.env_side, self.pool, server, job)
             self.streak.record(env.name, rollouts)

@@ -27,15 +27,31 @@ from prime_rl.orchestrator.rollout import Rollout, failure_reason
 SERVER_SILENT = "ServerSilentError"
 """The failure reason of the rollouts of a group whose server stopped answering (`health.py`)."""
 
-UNREACHABLE = ("APIConnectionError", "ConnectError", "ConnectionRefusedError", "RemoteProtocolError",
-               "ReadError", "ConnectionResetError", SERVER_SILENT)  # fmt: skip
+UNREACHABLE = (
+    "APIConnectionError",
+    "ConnectError",
+    "ConnectionRefusedError",
+    "RemoteProtocolError",
+    "ReadError",
+    "ConnectionResetError",
+    SERVER_SILENT,
+)
 """Exception names of a request that never reached a live server (timeouts are not among them)."""
 
 WORKER_DIED = "EnvWorkerDied"
 """The failure reason of the rollouts of a group whose env worker died (`workers.py`)."""
 
-SERVER_SIDE = (*UNREACHABLE, "InternalServerError", "APIStatusError", "ServiceUnavailableError",
-               "APITimeoutError", "TimeoutError", "ReadTimeout", "TeacherError", "RewardModelError")  # fmt: skip
+SERVER_SIDE = (
+    *UNREACHABLE,
+    "InternalServerError",
+    "APIStatusError",
+    "ServiceUnavailableError",
+    "APITimeoutError",
+    "TimeoutError",
+    "ReadTimeout",
+    "TeacherError",
+    "RewardModelError",
+)
 """Exception names of failures a server caused (a restart of it may cure them)."""
 
 

@@ -95,26 +95,41 @@ class ServerHealth:
         try:
             while (step := await served_step(http, server, self.weights.adapter)) is None:
                 if not noted:
-                    log.warning("inference server %s does not answer: no new rollouts go to it until it is back",
-                                server.root_url)  # fmt: skip
+                    log.warning(
+                        "inference server %s does not answer: no new rollouts go to it until it is back",
+                        server.root_url,
+                    )
                     noted = True
                 if not abandoned and self.on_silent and time.monotonic() - t0 >= self.silent_s:
                     abandoned = True
                     n = self.on_silent(server)
-                    log.warning("inference server %s has not answered for %.0f s: its %d group(s) in flight "
-                                "failed, their examples go to the next dispatch", server.root_url,
-                                time.monotonic() - t0, n)  # fmt: skip
+                    log.warning(
+                        "inference server %s has not answered for %.0f s: its %d group(s) in flight "
+                        "failed, their examples go to the next dispatch",
+                        server.root_url,
+                        time.monotonic() - t0,
+                        n,
+                    )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
             async with self.weights.lock:
                 version = self.weights.version
                 if step != UNKNOWN and not self.weights.serves(step, version):
                     if not self.weights.broadcast(version):
-                        log.warning("inference server %s serves step %d, not %d: reloading it before it gets work",
-                                    server.root_url, step, version)  # fmt: skip
+                        log.warning(
+                            "inference server %s serves step %d, not %d: reloading it before it gets work",
+                            server.root_url,
+                            step,
+                            version,
+                        )
                     elif server not in self._behind:
-                        log.warning("inference server %s serves step %d, not %d: it gets work again once a weight "
-                                    "broadcast reaches it", server.root_url, step, version)  # fmt: skip
+                        log.warning(
+                            "inference server %s serves step %d, not %d: it gets work again once a weight "
+                            "broadcast reaches it",
+                            server.root_url,
+                            step,
+                            version,
+                        )
                         self._behind.add(server)
                     noted = True
                 # If it went away again, the load has suspected it anew and the next check retries.
@@ -124,8 +139,10 @@ class ServerHealth:
             if server.up and noted:
                 log.info(
                     "inference server %s is back after %.1f s, serving step %d",
-                    server.root_url, time.monotonic() - t0, self.weights.version,
-                )  # fmt: skip
+                    server.root_url,
+                    time.monotonic() - t0,
+                    self.weights.version,
+                )
         except Exception as e:  # a refused reload: nothing more this monitor can do
             self.error = e
         finally:

@@ -1,11 +1,11 @@
 """The orchestrator's step loop: collect a step's groups, build its batch, save, send, log.
 
-One asyncio process. The loop per step: follow the trainer's weights, drop what is stale, dispatch
-what the policy lag allows, and wait for groups until the step's batch is full. Then the batch is
-built (advantages, samples, packing) in a worker thread, its rollouts and metrics are written, it is
-saved with the progress checkpoint (the commit point), and streamed to the trainer ranks. A kill at
-any point leaves every committed step with exactly one metrics record and its rollouts on disk.
-Generation for the next steps continues meanwhile.
+One asyncio process. The loop per step: collect its groups (`collect.py`: follow the trainer's
+weights, drop what is stale, dispatch what the policy lag allows, and wait for groups until the
+step's batch is full). Then the batch is built (advantages, samples, packing) in a worker thread,
+its rollouts and metrics are written, it is saved with the progress checkpoint (the commit point),
+and streamed to the trainer ranks. A kill at any point leaves every committed step with exactly one
+metrics record and its rollouts on disk. Generation for the next steps continues meanwhile.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl import activity, shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.layout import (
-    read_trainer_stats,
     refusal_path,
     restart_counts,
     weights_root,
@@ -34,6 +32,7 @@ from prime_rl.model.local import num_experts
 from prime_rl.monitor import MetricsLogger
 from prime_rl.orchestrator.advantages import build_advantage
 from prime_rl.orchestrator.config import OrchestratorConfig, contract_side
+from prime_rl.orchestrator.loop.collect import Collected, Collector
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 from prime_rl.orchestrator.loop.eval import Evaluator
 from prime_rl.orchestrator.loop.handshake import wait_for_refusal
@@ -54,7 +53,6 @@ from prime_rl.orchestrator.loop.resend import oldest_resume_step, steps_to_resen
 from prime_rl.orchestrator.loop.scheduler import Accounting, Scheduler
 from prime_rl.orchestrator.loop.sender import BatchSender
 from prime_rl.orchestrator.loop.servers import ServerPool
-from prime_rl.orchestrator.loop.staleness import AsyncLevel, adapt
 from prime_rl.orchestrator.loop.step_metrics import (
     accounting_metrics,
     batch_metrics,
@@ -71,19 +69,6 @@ from prime_rl.transport.messages import MicroBatch, TrainingBatch
 from prime_rl.transport.packing import pack
 
 log = logging.getLogger("prime_rl.orchestrator")
-
-
-@dataclass
-class Collected:
-    """What a step collected: its finished groups, what was dropped meanwhile, and timings."""
-
-    groups: list[FinishedGroup]
-    failures: list[Rollout]
-    uniform: list[FinishedGroup]
-    """Groups dynamic sampling dropped (all rewards equal)."""
-    short: bool
-    """Dynamic sampling stopped waiting: fewer than batch_size rollouts."""
-    times: dict[str, float]
 
 
 class Orchestrator:
@@ -123,30 +108,41 @@ class Orchestrator:
         await self.pool.wait_healthy()
         await check_weights_dirs(self.pool, self.output_dir, adapter=c.lora_adapter is not None)
         self.pipeline = PipelineConfig(
-            c.seq_len, c.min_group_size, tuple((f.type, f.monitor_only) for f in c.filters), c.reward_clip,
-            c.teacher.advantage_weight if c.teacher else 1.0, c.teacher.weight if c.teacher else 0.0,
+            c.seq_len,
+            c.min_group_size,
+            tuple((f.type, f.monitor_only) for f in c.filters),
+            c.reward_clip,
+            c.teacher.advantage_weight if c.teacher else 1.0,
+            c.teacher.weight if c.teacher else 0.0,
             num_experts(c.model.name) if c.return_routes else 0,
-        )  # fmt: skip
+        )
         difficulty = DifficultyMemory(
             c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}
         )
         cursors = {name: cursor_from_json(data) for name, data in progress.cursors.items()}
         self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty, cursors)
         self.prev_skipped: Counter = Counter()
-        self.async_level = AsyncLevel(c.max_async_level)
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         adapter = Adapter(c.lora_adapter, str(self.output_dir.resolve())) if c.lora_adapter else None
-        self.weights = WeightSync(weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s,
-                                  adapter=adapter)  # fmt: skip
+        self.weights = WeightSync(
+            weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s, adapter=adapter
+        )
         await self.weights.claim()
         await self.weights.poll()
-        self.health = ServerHealth(self.pool, self.weights, c.client.health_interval_s, c.client.health_timeout_s,
-                                   silent_s=c.client.silent_s, on_silent=self.scheduler.abandon)  # fmt: skip
+        self.health = ServerHealth(
+            self.pool,
+            self.weights,
+            c.client.health_interval_s,
+            c.client.health_timeout_s,
+            silent_s=c.client.silent_s,
+            on_silent=self.scheduler.abandon,
+        )
         forget_uncommitted(self.output_dir, progress.step)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
         )
         self.evaluator = Evaluator(c, evals, self.pool, self.env_side, self.metrics) if evals else None
+        self.collector = Collector(c, self.scheduler, self.pool, self.weights, self.health, self.evaluator)
         return progress
 
     def _take_signals(self) -> None:
@@ -265,7 +261,7 @@ class Orchestrator:
 
     async def _step(self, step: int) -> None:
         t0 = self._step_clock  # since the previous step's commit: its send belongs to this step's time
-        collected = await self._collect(step)
+        collected = await self.collector.collect(step)
         activity.doing(f"step {step}: building, saving and sending its batch", "", step)
         built, per_rank = await asyncio.to_thread(self._build, collected.groups, step)
         # The step's records (rollouts, metrics line) are written before its commit point, the
@@ -282,15 +278,23 @@ class Orchestrator:
             log.warning(
                 "step %d: dynamic sampling dropped %d groups whose rewards were all equal (max_backfill = %d); "
                 "the step trains %d rollouts, not %d",
-                step, len(collected.uniform), self.config.dynamic_sampling.max_backfill,
-                sum(len(g.rollouts) for g in collected.groups), self.config.batch_size,
-            )  # fmt: skip
+                step,
+                len(collected.uniform),
+                self.config.dynamic_sampling.max_backfill,
+                sum(len(g.rollouts) for g in collected.groups),
+                self.config.batch_size,
+            )
         if len(failures) > self.config.failure_warning_fraction * self.config.batch_size:
             reason, count = most_common_failure(failures)
             log.warning(
                 "step %d: %d rollouts failed, %d of them with %s (each one is in %s and rollouts/step_%06d.jsonl)",
-                step, len(failures), count, reason, "the orchestrator log", step,
-            )  # fmt: skip
+                step,
+                len(failures),
+                count,
+                reason,
+                "the orchestrator log",
+                step,
+            )
         self._step_clock = time.perf_counter()
         await asyncio.to_thread(self._write_rollouts, step, built, failures, collected.uniform)
         await asyncio.to_thread(self._save, built.batch, progress)
@@ -298,80 +302,6 @@ class Orchestrator:
         activity.doing(f"step {step}: sending its batch (the trainer takes it)", "trainer", step)
         await self.sender.send(per_rank)
         self._send_s = time.perf_counter() - t1
-
-    async def _collect(self, step: int) -> Collected:
-        """Follow the weights, drop what is stale, dispatch, and wait until the step's groups are in."""
-        c, sched = self.config, self.scheduler
-        t_start = time.perf_counter()
-        next_notice = t_start + 10.0
-        t_blocked = 0.0  # time nothing could be generated because the trainer is too far behind
-        t_reload = 0.0
-        while True:
-            t_poll, before = time.perf_counter(), self.weights.version
-            version = await self.weights.poll()
-            if version != before:
-                t_reload += time.perf_counter() - t_poll
-                await self._adapt_async_level(version)
-            level = self.async_level.level
-            sched.drop_stale(step)
-            sched.fill(step, version, level)
-            taken = sched.take_batch()
-            if taken is not None:
-                break
-            blocked = not sched.inflight and step - version > level
-            activity.doing(*waiting_for(step, step - level, blocked), step)
-            if time.perf_counter() > next_notice:
-                self._notice_waiting(step, blocked)
-                next_notice = time.perf_counter() + 30.0
-            t_wait = time.perf_counter()
-            await sched.wait(timeout=c.weights_poll_s)
-            self.health.raise_if_failed()
-            if self.evaluator:
-                self.evaluator.raise_if_failed()
-            if blocked:
-                t_blocked += time.perf_counter() - t_wait
-        t_collect = time.perf_counter() - t_start
-        times = {
-            "time/generate": max(0.0, t_collect - t_blocked - t_reload),
-            "time/wait_trainer": t_blocked,
-            "time/reload": t_reload,
-            "time/collect": t_collect,
-        }
-        return Collected(taken.groups, taken.failures, taken.uniform, taken.short, times)
-
-    async def _adapt_async_level(self, version: int) -> None:
-        """With `adaptive_async`, move the async level by the ESS the trainer published with the
-        weights of `version` (`loop/staleness.py`)."""
-        c = self.config
-        if not c.adaptive_async.enabled:
-            return
-        stats = await asyncio.to_thread(read_trainer_stats, weights_root(self.output_dir), version)
-        before = self.async_level
-        self.async_level = adapt(
-            before, (stats or {}).get("is_ratio_ess"), c.adaptive_async, c.max_async_level
-        )
-        if self.async_level.level != before.level:
-            log.info(
-                "async level %d -> %d (trainer ESS %.4f at policy version %d, target %.4f)",
-                before.level, self.async_level.level, self.async_level.last_ess, version, c.adaptive_async.target_ess,
-            )  # fmt: skip
-
-    def _notice_waiting(self, step: int, blocked: bool) -> None:
-        c, sched = self.config, self.scheduler
-        if blocked:
-            log.info(
-                "step %d waits for the trainer's weights of step %d", step, step - self.async_level.level
-            )
-        elif self.pool.pick() is None:
-            log.info("step %d waits for an inference server to come back", step)
-        else:
-            last = sched.last_failure
-            last_error = f"; last failure: {last}" if last else ""
-            log.info(
-                "step %d still collecting: %d/%d rollouts ready, %d in flight, %d failed so far%s",
-                step, sched.ready_rollouts, c.batch_size, sched.inflight_rollouts,
-                sum(sched.acc.buckets["failed"].values()), last_error[:300],
-            )  # fmt: skip
 
     def _build(self, groups: list[FinishedGroup], step: int) -> tuple[StepBuild, list[list[MicroBatch]]]:
         """The step's batch and its micro-batches per rank: one worker-thread hop per step."""
@@ -424,19 +354,13 @@ class Orchestrator:
         m.update(batch_metrics(per_rank, c.seq_len))
         m["policy_version"] = self.weights.version
         if c.adaptive_async.enabled:
-            m["async/level"] = self.async_level.level
-            if self.async_level.last_ess is not None:
-                m["async/trainer_ess"] = self.async_level.last_ess
+            level = self.collector.async_level
+            m["async/level"] = level.level
+            if level.last_ess is not None:
+                m["async/trainer_ess"] = level.last_ess
         # Processes `rl` restarted so far (deployment.max_restarts): a small file, read once a step.
         m.update({f"restarts/{kind}": n for kind, n in restart_counts(self.output_dir).items()})
         m.update(times)
         m["throughput/tokens_per_s"] = m["batch/tokens"] / max(times["time/step"], 1e-9)
         self.metrics.log(step, m)
         log.info(step_line(step, m, envs))
-
-
-def waiting_for(step: int, weights: int, blocked: bool) -> tuple[str, str]:
-    """What the step loop waits for while it collects (activity record: words, the kind waited for)."""
-    if blocked:
-        return f"step {step}: waiting for the trainer's weights of step {weights}", "trainer"
-    return f"step {step}: collecting rollouts", "inference"

@@ -48,8 +48,11 @@ class ScoredGroup:
     """The rewards that train (after `reward_clip`); None: the rollouts' own."""
 
     def trained(self) -> list[tuple[Rollout, float]]:
-        return [(r, a) for i, (r, a) in enumerate(zip(self.rollouts, self.advantages, strict=True))
-                if i not in self.filtered]  # fmt: skip
+        return [
+            (r, a)
+            for i, (r, a) in enumerate(zip(self.rollouts, self.advantages, strict=True))
+            if i not in self.filtered
+        ]
 
     def trained_rewards(self) -> list[float]:
         rewards = self.rewards if self.rewards is not None else tuple(r.reward for r in self.rollouts)

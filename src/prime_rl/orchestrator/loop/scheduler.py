@@ -35,7 +35,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from prime_rl.logging_setup import ROLLOUT_FAILED
-from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs_config import EnvConfig
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 from prime_rl.orchestrator.loop.examples import Cursor, ExampleSource
 from prime_rl.orchestrator.loop.failures import SERVER_SILENT, FailureStreak
@@ -241,10 +242,15 @@ class Scheduler:
         server = self.pool.pick()
         assert server is not None
         job = GroupJob(
-            self._next_group_id, env.name, row["example_id"], index, env.config.group_size,
-            policy_version, server.base_url,
+            self._next_group_id,
+            env.name,
+            row["example_id"],
+            index,
+            env.config.group_size,
+            policy_version,
+            server.base_url,
             model=request_model(self.config.model.name, self.config.lora_adapter, policy_version),
-        )  # fmt: skip
+        )
         group = Group(job.id, env, job.example_id, job.policy_version, job.size, server, index)
         self._next_group_id += 1
         self.acc.dispatched[env.name] += group.size
@@ -279,8 +285,13 @@ class Scheduler:
                 self._finalize(group, task.result())
                 continue
             task.cancel()
-            self._finalize(group, [failed_rollout(group.env_name, group.example_id, group.policy_version, reason)
-                                   for _ in range(group.size)])  # fmt: skip
+            self._finalize(
+                group,
+                [
+                    failed_rollout(group.env_name, group.example_id, group.policy_version, reason)
+                    for _ in range(group.size)
+                ],
+            )
             self._again.append((group.env, group.index))
             n += 1
         return n

@@ -199,8 +199,13 @@ class WeightSync:
             async def check(server: Server) -> None:
                 served = await served_step(http, server, self.adapter)
                 if served is None or not self.serves(served, step):
-                    log.warning("%s did not receive the broadcast weights of step %d (it serves %s): no new "
-                                "rollouts go to it until a later broadcast reaches it", server.root_url, step, served)  # fmt: skip
+                    log.warning(
+                        "%s did not receive the broadcast weights of step %d (it serves %s): no new "
+                        "rollouts go to it until a later broadcast reaches it",
+                        server.root_url,
+                        step,
+                        served,
+                    )
                     self.pool.suspect(server)
                     unreachable.append(server)
 

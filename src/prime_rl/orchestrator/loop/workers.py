@@ -34,7 +34,8 @@ import zmq
 import zmq.asyncio
 
 from prime_rl.environments import EnvError
-from prime_rl.orchestrator.config import EnvConfig, EvalEnvConfig, OrchestratorConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.loop.failures import WORKER_DIED
 from prime_rl.orchestrator.messages import (
     Broken,
@@ -187,8 +188,10 @@ class WorkerPool:
                 future.set_result(died(job, reason))
         log.warning(
             "env worker %d exited with status %s; %d group(s) it was running failed; starting it again",
-            w.index, code, len(lost),
-        )  # fmt: skip
+            w.index,
+            code,
+            len(lost),
+        )
         w.quick_deaths = w.quick_deaths + 1 if time.monotonic() - w.started_at < QUICK_S else 1
         try:
             if w.quick_deaths >= MAX_QUICK_DEATHS:

@@ -1,35 +1,46 @@
-"""Token-level advantage estimators: one module per built-in (its function and its config), listed
-once below.
+"""Token-level advantage estimators: one module per built-in function (`estimators/<name>.py`), their
+configs and registry in `estimators/config.py`, what every estimator gets and returns in
+`estimators/base.py`.
 
-Adding a built-in: write `estimators/<name>.py` with a config subclassing `EstimatorBase` (`type:
-Literal["<name>"]`) and `<name>(inputs: TokenAdvantageInputs, **its fields) -> TokenAdvantageOutputs`,
-ending with `BUILTIN = Builtin("<name>", <name>, <Config>)`; add it to `ESTIMATORS`.
+Adding a built-in: write `estimators/<name>.py` with `<name>(inputs: TokenAdvantageInputs, **its
+fields) -> TokenAdvantageOutputs`; add its config (subclassing `EstimatorBase`, with `type:
+Literal["<name>"]`) to `estimators/config.py` and a `Builtin("<name>",
+"prime_rl.trainer.estimators.<name>:<name>", <Config>)` to `ESTIMATORS`.
+
+Importing this package loads no torch: the run-time names are loaded from `estimators/base.py` on
+first use.
 """
 
 from __future__ import annotations
 
-from prime_rl.plugins import Registry
-from prime_rl.trainer.estimators import gae, reinforce
-from prime_rl.trainer.estimators.base import (
-    CustomEstimator,
-    Estimator,
-    EstimatorBase,
-    TokenAdvantageError,
-    TokenAdvantageInputs,
-    TokenAdvantageOutputs,
+from typing import TYPE_CHECKING
+
+from prime_rl.trainer.estimators.config import ESTIMATORS, EstimatorConfig
+
+if TYPE_CHECKING:
+    from prime_rl.trainer.estimators.base import (
+        Estimator,
+        TokenAdvantageError,
+        TokenAdvantageInputs,
+        TokenAdvantageOutputs,
+        build_estimator,
+    )
+
+RUNTIME = (
+    "Estimator",
+    "TokenAdvantageError",
+    "TokenAdvantageInputs",
+    "TokenAdvantageOutputs",
+    "build_estimator",
 )
 
-ESTIMATORS = Registry("token-level estimator", EstimatorBase, CustomEstimator, [
-    reinforce.BUILTIN,
-    gae.BUILTIN,
-])  # fmt: skip
 
-EstimatorConfig = ESTIMATORS.config_type()
+def __getattr__(name: str):
+    if name in RUNTIME:
+        from prime_rl.trainer.estimators import base
 
-
-def build_estimator(config: EstimatorBase, key: str = "trainer.advantage") -> Estimator:
-    found = ESTIMATORS.resolve(config, key)
-    return Estimator(found.name, found.fn, found.kwargs)
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

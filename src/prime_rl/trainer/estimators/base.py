@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 
-from prime_rl.config import BaseConfig
-from prime_rl.trainer.rl.returns import TokenGrid
+from prime_rl.trainer.estimators.config import ESTIMATORS, EstimatorBase
+from prime_rl.trainer.estimators.returns import TokenGrid
 
 
 @dataclass(frozen=True)
@@ -56,41 +56,6 @@ class TokenAdvantageError(ValueError):
     """A token-level estimator returned something unusable."""
 
 
-class EstimatorBase(BaseConfig):
-    """Settings every token-level estimator shares (read by the trainer around the estimator)."""
-
-    moved_keys: ClassVar[dict[str, str]] = {
-        "import_path": "name your estimator in 'type' = 'package.module:function'"
-    }
-
-    batch_normalize: Literal["none", "all", "env"] = "none"
-    """The one normalization of the advantages: whiten the estimator's per-token advantages over the
-    step's model tokens on all ranks, over every env ('all') or per env ('env'), before per-token
-    terms (distillation) are added. GAE and REINFORCE++ usually want 'all'."""
-
-    @property
-    def uses_critic(self) -> bool:
-        """Whether the trainer builds and trains a critic for this estimator (its `values`)."""
-        return False
-
-
-class CustomEstimator(EstimatorBase):
-    """Your own estimator: `fn(TokenAdvantageInputs, **kwargs) -> TokenAdvantageOutputs`."""
-
-    type: str
-    """Where the function lives, as 'package.module:function'."""
-
-    kwargs: dict[str, Any] = {}
-    """Keyword arguments passed to the function on every call."""
-
-    critic: bool = False
-    """Train a critic (`[trainer.critic]`): the function then gets `values` and must return `returns`."""
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.critic
-
-
 @dataclass(frozen=True)
 class Estimator:
     """A configured token-level estimator, validated on every call."""
@@ -122,3 +87,9 @@ class Estimator:
         mask = inputs.loss_mask
         returns = None if out.returns is None else out.returns.float() * mask
         return TokenAdvantageOutputs(out.advantages.float() * mask, returns)
+
+
+def build_estimator(config: EstimatorBase, key: str = "trainer.advantage") -> Estimator:
+    """The configured estimator, validated on every call; a built-in's function is imported here."""
+    found = ESTIMATORS.resolve(config, key)
+    return Estimator(found.name, found.fn, found.kwargs)

@@ -10,35 +10,12 @@ regresses on R_t.
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from prime_rl.plugins import Builtin
 from prime_rl.trainer.estimators.base import (
-    EstimatorBase,
     TokenAdvantageError,
     TokenAdvantageInputs,
     TokenAdvantageOutputs,
 )
-from prime_rl.trainer.rl.returns import gae, terminal_rewards
-
-
-class GAE(EstimatorBase):
-    """Advantages from the critic's values (trains a critic)."""
-
-    type: Literal["gae"] = "gae"
-    """Selects this estimator."""
-
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """Discount per model token."""
-
-    lam: float = Field(default=0.95, ge=0, le=1)
-    """GAE's lambda (bias-variance trade-off of the advantage; 1 gives Monte-Carlo returns minus values)."""
-
-    @property
-    def uses_critic(self) -> bool:
-        return True
+from prime_rl.trainer.estimators.returns import gae, terminal_rewards
 
 
 def gae_estimator(
@@ -50,6 +27,3 @@ def gae_estimator(
     rewards = terminal_rewards(grid, inputs.rollout_rewards) + inputs.kl_rewards
     advantages, returns = gae(grid, rewards, inputs.values, gamma, lam)
     return TokenAdvantageOutputs(advantages, returns)
-
-
-BUILTIN = Builtin("gae", gae_estimator, GAE)

@@ -10,24 +10,10 @@ reward and are skipped: the discount counts model tokens only.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from prime_rl.plugins import Builtin
-from prime_rl.trainer.estimators.base import EstimatorBase, TokenAdvantageInputs, TokenAdvantageOutputs
-from prime_rl.trainer.rl.returns import discounted_returns
-
-
-class Reinforce(EstimatorBase):
-    """The rollout advantage as the terminal reward, discounted per model token."""
-
-    type: Literal["reinforce"] = "reinforce"
-    """Selects this estimator."""
-
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """Discount per model token."""
+from prime_rl.trainer.estimators.base import TokenAdvantageInputs, TokenAdvantageOutputs
+from prime_rl.trainer.estimators.returns import discounted_returns
 
 
 def reinforce(inputs: TokenAdvantageInputs, gamma: float = 1.0) -> TokenAdvantageOutputs:
@@ -39,6 +25,3 @@ def reinforce(inputs: TokenAdvantageInputs, gamma: float = 1.0) -> TokenAdvantag
     # The rollout advantage, constant over the sample, is its terminal reward: discounted too.
     rewards = torch.where(grid.last_token(), inputs.rollout_advantages.float(), 0.0) + inputs.kl_rewards
     return TokenAdvantageOutputs(discounted_returns(grid, rewards, gamma))
-
-
-BUILTIN = Builtin("reinforce", reinforce, Reinforce)

@@ -288,12 +288,21 @@ def _micro_batches(trainer, tokens: int, count: int) -> list:
 def _each_loss(trainer, mb, config, loss_fn) -> list[str]:
     """Forward and backward of every built-in loss (and the configured plugin) on one micro-batch's
     tensors: the step itself ran only the configured one."""
+    from prime_rl.trainer.batch import PackedBatch
     from prime_rl.trainer.losses import LOSSES, LossInputs, build_loss
 
-    t = trainer._tensors(mb)
-    lp = torch.zeros_like(t["logprobs"], requires_grad=True)
-    inputs = LossInputs(lp, t["logprobs"], t["rollout_advantages"], t["loss_mask"], torch.zeros_like(lp),
-                        mb.sample_lens, torch.zeros_like(lp))  # fmt: skip
+    b = PackedBatch.of(mb, trainer.world)
+    lp = torch.zeros_like(b.sampling_logprobs, requires_grad=True)
+    inputs = LossInputs(
+        trainer_logprobs=lp,
+        sampling_logprobs=b.sampling_logprobs,
+        advantages=b.per_token(b.rollout_advantages),
+        loss_mask=b.loss_mask,
+        entropy=torch.zeros_like(lp),
+        sample_lens=b.sample_lens,
+        ref_logprobs=torch.zeros_like(lp),
+        sample_of_token=b.sample_of_token,
+    )
     variants = {name: b.config() for name, b in LOSSES.builtins.items()}
     ppo = LOSSES.builtins["ppo"].config
     variants["ppo (gspo: sequence ratio)"] = ppo(ratio_type="sequence")

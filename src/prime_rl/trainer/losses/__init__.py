@@ -1,41 +1,32 @@
-"""The RL losses: one module per built-in (its function and its config), listed once below.
+"""The RL losses: one module per built-in function (`losses/<name>.py`), their configs and registry in
+`losses/config.py`, the frame every loss runs in in `losses/frame.py`.
 
-Adding a built-in: write `losses/<name>.py` with a `<Name>Loss(LossBase)` config (`type:
-Literal["<name>"]`) and `<name>(inputs: LossInputs, **its fields) -> LossOutputs`, ending with
-`BUILTIN = Builtin("<name>", <name>, <Name>Loss)`; add it to `LOSSES`. `frame` runs it.
+Adding a built-in: write `losses/<name>.py` with `<name>(inputs: LossInputs, **its fields) ->
+LossOutputs`; add its `<Name>Loss(LossBase)` config (`type: Literal["<name>"]`) to `losses/config.py`
+and a `Builtin("<name>", "prime_rl.trainer.losses.<name>:<name>", <Name>Loss)` to `LOSSES`.
+
+Importing this package loads no torch: the run-time names (`LossInputs`, `LossOutputs`, `LossFn`,
+`build_loss`) are loaded from `losses/frame.py` on first use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from typing import TYPE_CHECKING
 
-from prime_rl.plugins import Registry
-from prime_rl.trainer.losses import cispo, cpgd, dppo, dual_clip, ppo, sapo
-from prime_rl.trainer.losses.base import CustomLoss, LossBase, LossInputs, LossOutputs, frame
-from prime_rl.trainer.losses.correction import RolloutCorrectionConfig
+from prime_rl.trainer.losses.config import LOSSES, LossConfig
 
-LOSSES = Registry("loss", LossBase, CustomLoss, [
-    ppo.BUILTIN,
-    cpgd.BUILTIN,
-    cispo.BUILTIN,
-    dual_clip.BUILTIN,
-    sapo.BUILTIN,
-    dppo.BUILTIN,
-])  # fmt: skip
+if TYPE_CHECKING:
+    from prime_rl.trainer.losses.frame import LossFn, LossInputs, LossOutputs, build_loss
 
-LossConfig = LOSSES.config_type()
-
-LossFn = Callable[[LossInputs], LossOutputs]
+RUNTIME = ("LossFn", "LossInputs", "LossOutputs", "build_loss")
 
 
-def build_loss(
-    config: LossBase, key: str = "trainer.loss", correction: RolloutCorrectionConfig | None = None
-) -> LossFn:
-    """The configured loss inside its frame (with the rollout correction, if any), as one function
-    of the micro-batch's inputs."""
-    loss = LOSSES.resolve(config, key)
-    return partial(frame, config=config, loss=loss.fn, correction=correction, **loss.kwargs)
+def __getattr__(name: str):
+    if name in RUNTIME:
+        from prime_rl.trainer.losses import frame
+
+        return getattr(frame, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["LOSSES", "LossConfig", "LossFn", "LossInputs", "LossOutputs", "build_loss"]

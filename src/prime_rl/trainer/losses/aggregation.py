@@ -14,28 +14,25 @@ reduced once per step; the result is the same whatever the dp x cp split.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+from prime_rl.trainer.losses.config import Aggregation
 
 
 def token_weights(
-    mode: Aggregation,
-    loss_mask: torch.Tensor,
-    loss_tokens_per_sample: list[int],
-    sample_lens: list[int],
-    norm: float,
+    mode: Aggregation, loss_tokens: Sequence[int], sample_of_token: torch.Tensor, norm: float
 ) -> torch.Tensor | None:
-    """[T] weight of each token's loss (None: all 1). `loss_tokens_per_sample`: n_i of each sample of
-    the micro-batch (counted over the whole sample, whatever rank holds which of its tokens)."""
+    """[T] weight of each token's loss (None: all 1). `loss_tokens`: n_i of each sample of the
+    micro-batch (counted over the whole sample, whatever rank holds which of its tokens);
+    `sample_of_token`: the sample of each token."""
     if mode in ("token-mean", "seq-mean-token-sum"):
         return None
     if mode == "seq-mean-token-sum-norm":
-        return torch.full_like(loss_mask, 1.0 / norm, dtype=torch.float32)
-    per_sample = torch.tensor([1.0 / max(n, 1) for n in loss_tokens_per_sample], device=loss_mask.device)
-    return per_sample.repeat_interleave(torch.tensor(sample_lens, device=loss_mask.device))
+        return torch.full(sample_of_token.shape, 1.0 / norm, device=sample_of_token.device)
+    per_sample = torch.tensor([1.0 / max(n, 1) for n in loss_tokens], device=sample_of_token.device)
+    return per_sample[sample_of_token]
 
 
 def divisor(mode: Aggregation, global_tokens: float, global_samples: float) -> float:

@@ -12,31 +12,11 @@ importance ratio, so a truncated-IS rollout correction on top multiplies two suc
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from prime_rl.plugins import Builtin
-from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
-
-
-class CISPOLoss(LossBase):
-    """A clipped, stop-gradient importance weight on the policy gradient."""
-
-    type: Literal["cispo"] = "cispo"
-    """Selects this loss."""
-
-    clip_low: float = Field(default=1.0, ge=0)
-    """The weight is clipped below at 1 - clip_low (1: no lower bound, as in the paper)."""
-
-    clip_high: float = Field(default=4.0, ge=0)
-    """The weight is clipped above at 1 + clip_high (the paper's one tuned knob)."""
+from prime_rl.trainer.losses.frame import LossInputs, LossOutputs
 
 
 def cispo(inputs: LossInputs, clip_low: float, clip_high: float) -> LossOutputs:
     weight = torch.exp(inputs.log_ratio.detach()).clamp(1.0 - clip_low, 1.0 + clip_high)
     return LossOutputs(-weight * inputs.advantages * inputs.trainer_logprobs)
-
-
-BUILTIN = Builtin("cispo", cispo, CISPOLoss)

@@ -17,30 +17,10 @@ the importance ratio (CISPO), TIS multiplies a second truncated weight on top.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from prime_rl.config import BaseConfig
-from prime_rl.trainer.rl.returns import sample_index
-
-
-class RolloutCorrectionConfig(BaseConfig):
-    """How the trainer corrects for the sampler's probabilities differing from its own."""
-
-    type: Literal["none", "tis", "icepop", "seq_mask"] = "none"
-    """'none', 'tis' (truncated importance weight on each token's loss), 'icepop' (drop tokens whose
-    ratio leaves [low, high]) or 'seq_mask' (drop samples whose geometric-mean ratio leaves it)."""
-
-    tis_cap: float = Field(default=2.0, gt=0)
-    """'tis': the largest weight a token's loss gets."""
-
-    low: float = Field(default=0.5, ge=0)
-    """'icepop' and 'seq_mask': the lowest trusted ratio."""
-
-    high: float = Field(default=2.0, gt=0)
-    """'icepop' and 'seq_mask': the highest trusted ratio."""
+from prime_rl.trainer.losses.config import RolloutCorrectionConfig
 
 
 @dataclass
@@ -52,9 +32,14 @@ class Correction:
 
 
 def correct(
-    log_ratio: torch.Tensor, mask: torch.Tensor, sample_lens: list[int], config: RolloutCorrectionConfig
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    sample_of_token: torch.Tensor,
+    num_samples: int,
+    config: RolloutCorrectionConfig,
 ) -> Correction:
-    """The correction of the loss tokens in `mask`; `log_ratio` is log(trainer / sampler), detached."""
+    """The correction of the loss tokens in `mask`; `log_ratio` is log(trainer / sampler), detached;
+    `sample_of_token` the sample of each token, of `num_samples`."""
     none = torch.zeros_like(mask)
     if config.type == "tis":
         return Correction(torch.exp(log_ratio.clamp(max=30.0)).clamp(max=config.tis_cap), none)
@@ -62,8 +47,7 @@ def correct(
         r = torch.exp(log_ratio.clamp(-30.0, 30.0))
         return Correction(None, mask & ((r < config.low) | (r > config.high)))
     if config.type == "seq_mask":
-        ids = sample_index(sample_lens, mask.device)
-        n = len(sample_lens)
+        ids, n = sample_of_token, num_samples
         sums = torch.zeros(n, dtype=log_ratio.dtype, device=mask.device).index_add(0, ids, log_ratio * mask)
         counts = torch.zeros(n, dtype=log_ratio.dtype, device=mask.device).index_add(
             0, ids, mask.to(log_ratio.dtype)

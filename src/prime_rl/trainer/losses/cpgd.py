@@ -13,29 +13,10 @@ the sampler), whose gradient pulls the ratio back to 1 from either side.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from prime_rl.plugins import Builtin
-from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
-
-
-class CPGDLoss(LossBase):
-    """The clipped log-ratio times the advantage, plus a policy-drift penalty."""
-
-    type: Literal["cpgd"] = "cpgd"
-    """Selects this loss."""
-
-    clip_low: float = Field(default=0.2, ge=0)
-    """The log-ratio is clipped below at log(1 - clip_low)."""
-
-    clip_high: float = Field(default=0.28, ge=0)
-    """The log-ratio is clipped above at log(1 + clip_high)."""
-
-    drift_coef: float = Field(default=0.1, ge=0)
-    """Weight of the policy-drift penalty."""
+from prime_rl.trainer.losses.frame import LossInputs, LossOutputs
 
 
 def cpgd(inputs: LossInputs, clip_low: float, clip_high: float, drift_coef: float) -> LossOutputs:
@@ -50,6 +31,3 @@ def cpgd(inputs: LossInputs, clip_low: float, clip_high: float, drift_coef: floa
         "clipped_high": keep & (adv > 0) & (r > 1.0 + clip_high),
     }
     return LossOutputs(-objective + drift_coef * drift, masks)
-
-
-BUILTIN = Builtin("cpgd", cpgd, CPGDLoss)

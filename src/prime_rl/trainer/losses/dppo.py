@@ -14,29 +14,9 @@ toward the sampler, with a gradient proportional to log r.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from prime_rl.plugins import Builtin
-from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
-
-
-class DPPOLoss(LossBase):
-    """A probability-difference trust region per advantage sign, plus a squared log-ratio penalty."""
-
-    type: Literal["dppo"] = "dppo"
-    """Selects this loss."""
-
-    delta_low: float = Field(default=0.2, ge=0)
-    """Tokens with A <= 0 whose probability fell by more than this are masked."""
-
-    delta_high: float = Field(default=0.2, ge=0)
-    """Tokens with A > 0 whose probability rose by more than this are masked."""
-
-    kl_tau: float = Field(default=1e-3, ge=0)
-    """Weight of the (log r)^2 penalty (the name prime-rl gives it)."""
+from prime_rl.trainer.losses.frame import LossInputs, LossOutputs
 
 
 def dppo(inputs: LossInputs, delta_low: float, delta_high: float, kl_tau: float) -> LossOutputs:
@@ -50,6 +30,3 @@ def dppo(inputs: LossInputs, delta_low: float, delta_high: float, kl_tau: float)
     trusted = ~(masked_high | masked_low)
     loss = -torch.where(trusted, ratio * adv, torch.zeros_like(ratio)) + kl_tau * log_ratio**2
     return LossOutputs(loss, {"dppo_masked_high": masked_high, "dppo_masked_low": masked_low})
-
-
-BUILTIN = Builtin("dppo", dppo, DPPOLoss)

@@ -12,29 +12,9 @@ is 0.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from prime_rl.plugins import Builtin
-from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
-
-
-class DualClipLoss(LossBase):
-    """PPO's clipped surrogate with a lower bound for negative advantages."""
-
-    type: Literal["dual_clip"] = "dual_clip"
-    """Selects this loss."""
-
-    clip_low: float = Field(default=0.2, ge=0)
-    """The ratio is clipped below at 1 - clip_low."""
-
-    clip_high: float = Field(default=0.28, ge=0)
-    """The ratio is clipped above at 1 + clip_high."""
-
-    clip_c: float = Field(default=3.0, gt=1)
-    """The bound for negative advantages: the surrogate is at least c A (c > 1)."""
+from prime_rl.trainer.losses.frame import LossInputs, LossOutputs
 
 
 def dual_clip(inputs: LossInputs, clip_low: float, clip_high: float, clip_c: float) -> LossOutputs:
@@ -48,6 +28,3 @@ def dual_clip(inputs: LossInputs, clip_low: float, clip_high: float, clip_c: flo
         "clipped_dual": keep & (adv < 0) & (r > clip_c),
     }
     return LossOutputs(-bounded, masks)
-
-
-BUILTIN = Builtin("dual_clip", dual_clip, DualClipLoss)

@@ -8,26 +8,9 @@ with the asymmetric bounds of DAPO (Yu et al. 2025, arXiv:2503.14476) by default
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from prime_rl.plugins import Builtin
-from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
-
-
-class PPOLoss(LossBase):
-    """The clipped importance ratio times the advantage."""
-
-    type: Literal["ppo"] = "ppo"
-    """Selects this loss."""
-
-    clip_low: float = Field(default=0.2, ge=0)
-    """The ratio is clipped below at 1 - clip_low."""
-
-    clip_high: float = Field(default=0.28, ge=0)
-    """The ratio is clipped above at 1 + clip_high."""
+from prime_rl.trainer.losses.frame import LossInputs, LossOutputs
 
 
 def ppo(inputs: LossInputs, clip_low: float, clip_high: float) -> LossOutputs:
@@ -40,6 +23,3 @@ def ppo(inputs: LossInputs, clip_low: float, clip_high: float) -> LossOutputs:
         "clipped_high": keep & (adv > 0) & (r > 1.0 + clip_high),
     }
     return LossOutputs(-torch.minimum(ratio * adv, clipped * adv), masks)
-
-
-BUILTIN = Builtin("ppo", ppo, PPOLoss)

@@ -10,26 +10,9 @@ damps negative-advantage updates faster: the paper reports they destabilize trai
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from prime_rl.plugins import Builtin
-from prime_rl.trainer.losses.base import LossBase, LossInputs, LossOutputs
-
-
-class SAPOLoss(LossBase):
-    """A temperature-controlled sigmoid gate on the ratio, per advantage sign."""
-
-    type: Literal["sapo"] = "sapo"
-    """Selects this loss."""
-
-    tau_pos: float = Field(default=1.0, gt=0)
-    """Gate temperature for tokens with a positive advantage."""
-
-    tau_neg: float = Field(default=1.05, gt=0)
-    """Gate temperature for tokens with a zero or negative advantage."""
+from prime_rl.trainer.losses.frame import LossInputs, LossOutputs
 
 
 def sapo(inputs: LossInputs, tau_pos: float, tau_neg: float) -> LossOutputs:
@@ -38,6 +21,3 @@ def sapo(inputs: LossInputs, tau_pos: float, tau_neg: float) -> LossOutputs:
     tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
     gate = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
     return LossOutputs(-gate * adv)
-
-
-BUILTIN = Builtin("sapo", sapo, SAPOLoss)

@@ -4,7 +4,7 @@ load-balancing loss.
 
 Invariant: everything is kept on the device during the step (no host sync per micro-batch) and
 reaches the host once, in `metrics`, after one sum over all ranks; only sample tokens count
-(`sample_positions`), so the figures do not depend on the dp x cp x ep layout.
+(`PackedBatch.real`), so the figures do not depend on the dp x cp x ep layout.
 """
 
 from __future__ import annotations
@@ -18,14 +18,6 @@ import torch
 from prime_rl.trainer.moe.load import Routing, load_metrics, new_counts, recording_routes
 from prime_rl.trainer.moe.replay import agreement_metrics, replay
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
-from prime_rl.transport.messages import MicroBatch
-from prime_rl.transport.packing import FILLER_ENV
-
-
-def sample_positions(mb: MicroBatch, device: torch.device) -> torch.Tensor:
-    """[T] bool: the positions of real samples (a filler micro-batch's pad token is not one)."""
-    real = torch.tensor([e != FILLER_ENV for e in mb.env_names], device=device)
-    return real.repeat_interleave(torch.tensor(mb.sample_lens, device=device))
 
 
 @dataclass

@@ -17,60 +17,52 @@ Invariant: every function here returns new tensors and changes none of its input
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from prime_rl import activity
+from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
-from prime_rl.trainer.rl.returns import sample_index
 
 STD_EPS = 1e-6
 
 
 @dataclass(frozen=True)
 class Credit:
-    """One micro-batch's terms, per token ([T] tensors)."""
+    """One micro-batch and its estimator's advantages."""
 
+    batch: PackedBatch
     estimate: torch.Tensor
-    """The estimator's advantages (0 outside the loss mask)."""
-    loss_mask: torch.Tensor
-    owned: torch.Tensor
-    """The tokens this rank counts (context parallelism: each token is owned by one rank)."""
-    sample_lens: list[int]
-    env_names: list[str]
-    token_terms: torch.Tensor | None = None
-    """Per-token terms added after normalization (distillation); None: none."""
-
-
-def rollout_advantages(
-    advantages: Sequence[float], sample_lens: list[int], device: torch.device
-) -> torch.Tensor:
-    """Each sample's scalar rollout advantage on every one of its tokens."""
-    return torch.tensor(advantages, dtype=torch.float32, device=device)[sample_index(sample_lens, device)]
+    """[T] the estimator's advantages (0 outside the loss mask)."""
 
 
 def whiten(items: list[Credit], mode: str, world: World) -> list[torch.Tensor]:
     """(A - mean) / (std + eps) of the estimates over the model tokens of every micro-batch on every
     rank: one pool ('all') or one per env ('env'). Moments are summed over ranks, so every rank uses
     the same."""
-    names = sorted({e for c in items for e in c.env_names if e}) if mode == "env" else ["all"]
-    if world.distributed and mode == "env":
+    names = sorted({e for c in items if not c.batch.source.filler for e in c.batch.env_names})
+    if mode != "env":
+        names = ["all"]
+    elif world.distributed:
         gathered: list = [None] * world.world_size
         with activity.waiting("an all_gather of the env names", "trainer"):
             dist.all_gather_object(gathered, names)
         names = sorted({e for g in gathered for e in g})
+    if not names:
+        # Not one real sample on any rank (every rollout of the step filtered): only filler
+        # micro-batches, which have no loss token to whiten.
+        return [c.estimate for c in items]
     index = {e: i for i, e in enumerate(names)}
     dev = world.device
     moments = torch.zeros(len(names), 3, dtype=torch.float64, device=dev)
     rows_of = []
     for c in items:
-        per_sample = torch.tensor([index.get(e, 0) if mode == "env" else 0 for e in c.env_names], device=dev)
-        rows = per_sample[sample_index(c.sample_lens, dev)]
-        counted = (c.loss_mask & c.owned).to(torch.float64)  # each token once over the cp group
-        a = torch.where(c.loss_mask, c.estimate.to(torch.float64), 0.0)
+        b = c.batch
+        rows = b.per_token(torch.tensor([index.get(e, 0) for e in b.env_names], device=dev))
+        counted = b.counted.to(torch.float64)  # each token once over the cp group
+        a = torch.where(b.loss_mask, c.estimate.to(torch.float64), 0.0)
         moments.index_add_(0, rows, torch.stack([counted, a * counted, a * a * counted], dim=1))
         rows_of.append(rows)
     moments = all_reduce_sum(moments, world)
@@ -80,7 +72,7 @@ def whiten(items: list[Credit], mode: str, world: World) -> list[torch.Tensor]:
     out = []
     for c, rows in zip(items, rows_of, strict=True):
         whitened = ((c.estimate - mean[rows]) / (std[rows] + STD_EPS)).to(c.estimate.dtype)
-        out.append(torch.where(c.loss_mask, whitened, c.estimate))
+        out.append(torch.where(c.batch.loss_mask, whitened, c.estimate))
     return out
 
 
@@ -88,6 +80,6 @@ def compose(items: list[Credit], normalize: str, world: World) -> list[torch.Ten
     """The advantages the loss sees, per micro-batch: A_t = normalize(estimate_t) + d_t."""
     estimates = [c.estimate for c in items] if normalize == "none" else whiten(items, normalize, world)
     return [
-        a if c.token_terms is None else a + torch.where(c.loss_mask, c.token_terms, 0.0)
+        a if (d := c.batch.token_advantages) is None else a + torch.where(c.batch.loss_mask, d, 0.0)
         for a, c in zip(estimates, items, strict=True)
     ]

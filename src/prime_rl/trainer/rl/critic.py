@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from prime_rl.trainer.config import CriticConfig, LoRAConfig, ModelConfig
+from prime_rl.trainer.config import CriticConfig, LoRAConfig, TrainedModelConfig
 from prime_rl.trainer.model import (
     DTYPES,
     ModelLoadError,
@@ -47,7 +47,11 @@ class ValueModel(torch.nn.Module):
 
 
 def load_critic(
-    config: CriticConfig, policy: ModelConfig, world: World, lora: LoRAConfig | None = None, seed: int = 0
+    config: CriticConfig,
+    policy: TrainedModelConfig,
+    world: World,
+    lora: LoRAConfig | None = None,
+    seed: int = 0,
 ) -> ValueModel:
     """With `lora`, the body trains an adapter of its own (seeded apart from the policy's) and the
     value head is trained fully."""
@@ -93,7 +97,7 @@ def explained_variance(prepared: list, world: World) -> float:
     the trainer's prepared micro-batches: their masks, returns and old values)."""
     sums = world.scalars(0.0, 0.0, 0.0, 0.0, 0.0)
     for p in prepared:
-        mask = p.t["loss_mask"] & p.t["owned"]
+        mask = p.batch.counted
         w = mask.double()
         r, v = p.returns.double() * w, p.old_values.double() * w
         d = r - v

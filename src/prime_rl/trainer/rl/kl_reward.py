@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from prime_rl.trainer.losses.base import kl_penalty
+from prime_rl.trainer.losses.frame import kl_penalty
 
 MAX_PROPORTIONAL_ERROR = 0.2
 """Ziegler et al. 2019 clip the controller's relative error to +-0.2 per update."""

@@ -1,47 +1,40 @@
-"""One optimizer step on the micro-batches of this rank, with the loss normalized globally.
+"""The RL objective of the trainer's step (`trainer/step.py`): the policy, its reference, the
+estimator and credit, the loss, and the critic.
 
-Normalization (the contract of DESIGN.md):
-1. before the micro-batch loop, all-reduce (sum) the loss tokens this rank owns over all dp x cp ranks;
-2. each micro-batch's loss is the sum of its owned tokens' losses divided by that global count;
-3. after the loop, multiply the gradients by the factor FSDP divided them by (dp x cp, the ranks it
-   shards over).
-The gradient is then that of the per-token mean over the whole global batch, however the tokens
-are split across ranks, micro-batches and context-parallel shards.
+First pass (`prepare`, no gradients): the reference model's logprobs and the critic's old values
+where needed, then each micro-batch's per-token advantages, composed once (`rl/credit.py`). Then per
+micro-batch (`loss`): the policy's logprobs at the sampling temperature, the configured loss in its
+frame, weighted by the aggregation mode over the step's global counts, plus the MoE load-balancing
+term and the critic's value loss.
 
 With context parallelism (`context_parallel.py`) each rank computes the logprobs of its share of a
 micro-batch's positions, and they are gathered back to full length: the estimators and losses run
 on the whole micro-batch on every rank of the group, and each token is owned (counted in the loss
-and in the metrics) by one rank. Reductions of per-micro-batch data that every rank of a group
-holds (sample counts, total tokens) count the group's cp rank 0 only.
+and in the metrics) by one rank.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 
+from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import check_sample_lengths
 from prime_rl.trainer.estimators import TokenAdvantageError, TokenAdvantageInputs, build_estimator
-from prime_rl.trainer.logprobs import align_to_tokens, next_token_targets, position_logprobs
+from prime_rl.trainer.logprobs import align_to_tokens, batch_logprobs
 from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.losses.aggregation import divisor, token_weights
-from prime_rl.trainer.memory import peak_memory_gb
-from prime_rl.trainer.model import fsdp_group_size, load_model
-from prime_rl.trainer.moe.step import MoEStep, sample_positions
-from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from prime_rl.trainer.parallel.context_parallel import SequenceShard, shard_micro_batch
+from prime_rl.trainer.model import load_model
+from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
-from prime_rl.trainer.rl.credit import Credit, compose, rollout_advantages
+from prime_rl.trainer.rl.credit import Credit, compose
 from prime_rl.trainer.rl.critic import explained_variance, load_critic, value_loss
 from prime_rl.trainer.rl.kl_reward import KLController, kl_rewards
-from prime_rl.trainer.rl.returns import sample_index
-from prime_rl.trainer.rl.stats import TokenStats
+from prime_rl.trainer.stats import TokenStats
+from prime_rl.trainer.step import Accumulated, Context, Part, accumulate, train_step
 from prime_rl.transport.messages import MicroBatch
 
 
@@ -49,7 +42,7 @@ from prime_rl.transport.messages import MicroBatch
 class MicroBatchResult:
     """What the loss saw, per token, for metrics and the token export."""
 
-    mb: MicroBatch
+    batch: PackedBatch
     trainer_logprobs: torch.Tensor
     token_loss: torch.Tensor
     """Of the whole micro-batch (the same on every rank of a cp group)."""
@@ -58,26 +51,13 @@ class MicroBatchResult:
     """The per-token advantages the loss saw (`rl/credit.py`)."""
 
 
-@dataclass
-class Accumulated:
-    """A step's gradients are in the modules; this is what else the pass produced."""
-
-    stats: TokenStats
-    results: list[MicroBatchResult]
-    global_tokens: float
-    """Loss tokens of the step on all ranks (the loss's denominator)."""
-    metrics: dict[str, float]
-    """Step-level metrics of the first pass (KL in the reward, the critic's explained variance)."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """One micro-batch ready for the losses: its tensors, with `advantages` now per token."""
+    """One micro-batch ready for the loss: the batch and what the first pass computed, per token."""
 
-    mb: MicroBatch
-    t: dict[str, torch.Tensor]
-    """Full-length per-token tensors; t["owned"] marks the tokens this rank counts."""
-    shard: SequenceShard
+    batch: PackedBatch
+    advantages: torch.Tensor
+    """What the loss sees (`rl/credit.py`)."""
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -103,59 +83,28 @@ class Trainer:
             self.critic = load_critic(config.critic, config.model, world, config.lora, config.seed)
             self.critic_optimizer = build_optimizer(self.critic, config.critic.optim)
 
-    def _tensors(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        dev = self.world.device
-        a = mb.arrays()
-        t = {
-            "input_ids": torch.from_numpy(a["input_ids"].astype("int64")).to(dev),
-            "position_ids": torch.from_numpy(a["position_ids"].astype("int64")).to(dev),
-            "loss_mask": torch.from_numpy(a["loss_mask"].astype(bool)).to(dev),
-            "logprobs": torch.from_numpy(a["logprobs"].copy()).to(dev),
-            "rollout_advantages": rollout_advantages(mb.advantages, mb.sample_lens, dev),
-        }
-        if "token_advantages" in a:
-            t["token_advantages"] = torch.from_numpy(a["token_advantages"].copy()).to(dev)
-        if "routes" in a:
-            t["routes"] = torch.from_numpy(a["routes"].astype("int64")).to(dev)
-        return t
-
-    def _shard(self, mb: MicroBatch) -> SequenceShard:
-        w = self.world
-        return shard_micro_batch(mb.sample_lens, w.cp, w.cp_rank, w.cp_group, w.device)
-
-    def _logprobs(
-        self, model: torch.nn.Module, t: dict, shard: SequenceShard, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs, entropy) of the whole micro-batch, aligned to tokens; this rank computes its shard."""
-        lp, entropy = position_logprobs(
-            model,
-            shard.take(t["input_ids"]),
-            shard.take(t["position_ids"]),
-            shard.take(next_token_targets(t["input_ids"])),
-            temperature,
-            self.config.model.logprob_chunk_tokens,
-            **shard.model_kwargs(),
+    def _logprobs(self, model: torch.nn.Module, b: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # (the entropy is differentiated only for an entropy bonus)
+        return batch_logprobs(
+            model, b, self.config.model.logprob_chunk_tokens, self.config.loss.entropy_coef > 0
         )
-        if self.config.loss.entropy_coef == 0:  # differentiated only for an entropy bonus
-            entropy = entropy.detach()
-        return align_to_tokens(shard.gather(lp)), align_to_tokens(shard.gather(entropy))
 
     @property
     def needs_reference(self) -> bool:
         return self.config.loss.kl_coef > 0 or self.config.kl_reward.beta > 0
 
-    def _reference_logprobs(self, t: dict, shard: SequenceShard, temperature: float) -> torch.Tensor:
+    def _reference_logprobs(self, b: PackedBatch) -> torch.Tensor:
         """The frozen starting model's logprobs: the reference copy, or with LoRA the model itself
         with its adapters off (the base weights never change)."""
         if self.ref_model is not None:
-            return self._logprobs(self.ref_model, t, shard, temperature)[0]
+            return self._logprobs(self.ref_model, b)[0]
         with adapters_off(self.model):
-            return self._logprobs(self.model, t, shard, temperature)[0]
+            return self._logprobs(self.model, b)[0]
 
-    def _values(self, t: dict, shard: SequenceShard) -> torch.Tensor:
+    def _values(self, b: PackedBatch) -> torch.Tensor:
         """The critic's values of the whole micro-batch, aligned to tokens."""
-        v = self.critic(shard.take(t["input_ids"]), shard.take(t["position_ids"]), **shard.model_kwargs())
-        return align_to_tokens(shard.gather(v))
+        v = self.critic(b.shard.take(b.input_ids), b.shard.take(b.position_ids), **b.shard.model_kwargs())
+        return align_to_tokens(b.shard.gather(v))
 
     def extra_state(self) -> dict:
         """What a checkpoint keeps besides the modules and optimizers (the same on every rank)."""
@@ -170,53 +119,46 @@ class Trainer:
         return self.critic is None or step >= self.config.critic.warmup_steps
 
     @torch.no_grad()
-    def prepare(self, micro_batches: list[MicroBatch]) -> tuple[list[Prepared], dict[str, float]]:
+    def prepare(self, batches: list[PackedBatch]) -> tuple[list[Prepared], dict[str, float]]:
         """First pass, without gradients: reference logprobs and old values where needed, then each
         micro-batch's per-token advantages, composed from the estimator's and the orchestrator's
         terms in one place (`rl/credit.py`)."""
-        out, credits, kl_sum, samples = [], [], self.world.scalars(0.0)[0], 0
+        firsts, credits, kl_sum, samples = [], [], self.world.scalars(0.0)[0], 0
         lead = self.world.cp_rank == 0
-        for mb in micro_batches:
-            t = self._tensors(mb)
-            shard = self._shard(mb)
-            t["owned"] = shard.owned_tokens(self.world.device)
-            mask = t["loss_mask"]
-            ref = values = None
-            if self.needs_reference:
-                ref = self._reference_logprobs(t, shard, mb.temperature)
-            if self.critic is not None:
-                values = self._values(t, shard) * mask
-            kl_reward = torch.zeros_like(t["logprobs"])
-            if self.config.kl_reward.beta > 0:
+        kl_in_reward = self.config.kl_reward.beta > 0
+        for b in batches:
+            ref = self._reference_logprobs(b) if self.needs_reference else None
+            values = self._values(b) * b.loss_mask if self.critic is not None else None
+            kl_reward = torch.zeros_like(b.sampling_logprobs)
+            if kl_in_reward:
                 kl_reward, kl = kl_rewards(
-                    t["logprobs"], ref, mask, self.kl.beta, self.config.kl_reward.estimator
+                    b.sampling_logprobs, ref, b.loss_mask, self.kl.beta, self.config.kl_reward.estimator
                 )
-                kl_sum += (kl * t["owned"]).sum().double()
-                if lead:
-                    samples += sum(1 for n in mb.loss_tokens_per_sample() if n > 0)
+                kl_sum += (kl * b.owned).sum().double()
+                samples += b.samples_with_loss if lead else 0
             est = self.estimator(
                 TokenAdvantageInputs(
-                    loss_mask=mask,
-                    sample_lens=mb.sample_lens,
-                    rollout_advantages=t["rollout_advantages"],
-                    rollout_rewards=torch.tensor(mb.rewards, device=mask.device),
+                    loss_mask=b.loss_mask,
+                    sample_lens=b.sample_lens,
+                    rollout_advantages=b.per_token(b.rollout_advantages),
+                    rollout_rewards=b.rewards,
                     kl_rewards=kl_reward,
-                    kl_in_reward=self.config.kl_reward.beta > 0,
+                    kl_in_reward=kl_in_reward,
                     values=values,
                 ),
                 host=self.world.host,
             )
             if self.critic is not None and est.returns is None:
                 raise TokenAdvantageError(f"estimator '{self.estimator.name}' gave no returns for the critic")
-            credits.append(Credit(est.advantages, mask, t["owned"], mb.sample_lens, mb.env_names,
-                                  t.get("token_advantages")))  # fmt: skip
-            out.append(Prepared(mb, t, shard, ref, values, est.returns))
-        for p, advantages in zip(
-            out, compose(credits, self.config.advantage.batch_normalize, self.world), strict=True
-        ):
-            p.t["advantages"] = advantages
+            credits.append(Credit(b, est.advantages))
+            firsts.append((ref, values, est.returns))
+        advantages = compose(credits, self.config.advantage.batch_normalize, self.world)
+        out = [
+            Prepared(b, a, ref, values, returns)
+            for b, a, (ref, values, returns) in zip(batches, advantages, firsts, strict=True)
+        ]
         metrics: dict[str, float] = {}
-        if self.config.kl_reward.beta > 0:
+        if kl_in_reward:
             both = self.world.host(
                 all_reduce_sum(torch.stack([kl_sum, self.world.scalars(samples)[0]]), self.world)
             )
@@ -227,170 +169,112 @@ class Trainer:
             metrics["critic/explained_variance"] = explained_variance(out, self.world)
         return out, metrics
 
-    def accumulate(self, micro_batches: list[MicroBatch], step: int = 0) -> Accumulated:
-        """Forward and backward over this rank's micro-batches (policy, and critic when there is one)."""
+    @property
+    def parts(self) -> list[Part]:
+        """What the step trains: the policy, then the critic when there is one."""
+        parts = [Part("", self.model, self.optimizer, self.config.optim.max_norm)]
+        if self.critic is not None:
+            parts.append(
+                Part("critic/", self.critic, self.critic_optimizer, self.config.critic.optim.max_norm)
+            )
+        return parts
+
+    def trains(self, step: int) -> list[bool]:
+        return [self.policy_trains(step)] + ([True] if self.critic is not None else [])
+
+    def batches(self, micro_batches: list[MicroBatch]) -> list[PackedBatch]:
         context = getattr(self.model.config, "max_position_embeddings", None)
         for mb in micro_batches:
             mb.validate(seq_len=self.config.seq_len)
             check_sample_lengths(mb, context, self.config.model.name)
-        prepared, prepare_metrics = self.prepare(micro_batches)
-        local = self.world.scalars(0.0, 0.0)
-        lead = self.world.cp_rank == 0  # a cp group's samples are counted once
-        for p in prepared:
-            local[0] = local[0] + (p.t["loss_mask"] & p.t["owned"]).sum()
-            if lead:
-                local[1] += sum(1 for n in p.mb.loss_tokens_per_sample() if n > 0)
-        global_tokens, global_samples = self.world.host(all_reduce_sum(local, self.world))
-        denom = max(global_tokens, 1.0)
-        aggregation = self.config.loss.aggregation
-        loss_denom = divisor(aggregation, global_tokens, global_samples)
-        train_policy = self.policy_trains(step)
-        stats, results = TokenStats(self.world.device), []
-        moe = MoEStep.start(self.model, self.config.moe.replay, self.config.moe.aux_loss_coef, self.world)
-        for p in prepared:
-            mb, t = p.mb, p.t
-            with torch.set_grad_enabled(train_policy):
-                routing_context = nullcontext()
-                if moe is not None:
-                    routes = p.shard.take(t["routes"]) if "routes" in t else None
-                    routing_context = moe.forward(
-                        p.shard.take(sample_positions(mb, t["input_ids"].device)), routes
-                    )
-                with routing_context as routing:
-                    lp, entropy = self._logprobs(self.model, t, p.shard, mb.temperature)
-                inputs = LossInputs(
-                    lp,
-                    t["logprobs"],
-                    t["advantages"],
-                    t["loss_mask"],
-                    entropy,
-                    mb.sample_lens,
-                    p.ref_logprobs,
+        return [PackedBatch.of(mb, self.world) for mb in micro_batches]
+
+    def loss(self, p: Prepared, ctx: Context) -> tuple[torch.Tensor, MicroBatchResult]:
+        """One micro-batch's policy loss (and the critic's), over the step's global counts."""
+        b, n, train_policy = p.batch, ctx.totals, ctx.trains[0]
+        loss_config = self.config.loss
+        with torch.set_grad_enabled(train_policy):
+            with ctx.routing(b) as routing:
+                lp, entropy = self._logprobs(self.model, b)
+            out = self.loss_fn(
+                LossInputs(
+                    trainer_logprobs=lp,
+                    sampling_logprobs=b.sampling_logprobs,
+                    advantages=p.advantages,
+                    loss_mask=b.loss_mask,
+                    entropy=entropy,
+                    sample_lens=b.sample_lens,
+                    ref_logprobs=p.ref_logprobs,
+                    sample_of_token=b.sample_of_token,
                 )
-                out = self.loss_fn(inputs)
-                token_loss = out.token_loss * t["owned"]
-                weights = token_weights(aggregation, t["loss_mask"], mb.loss_tokens_per_sample(), mb.sample_lens,
-                                        self.config.loss.aggregation_norm or self.config.seq_len)  # fmt: skip
-                if weights is not None:
-                    token_loss = token_loss * weights
-                loss = token_loss.sum() / loss_denom
-                if moe is not None:  # its load-balancing loss, weighted by the loss tokens
-                    aux = moe.aux_loss(routing, (t["loss_mask"] & t["owned"]).sum() / denom)
-                    loss = loss if aux is None else loss + aux
-            if train_policy:
-                loss.backward()
-            self._record(stats, mb, t, lp.detach(), entropy, out)
-            if self.critic is not None:
-                self._critic_backward(stats, p, denom)
-            results.append(
-                MicroBatchResult(mb, lp.detach(), out.token_loss.detach(), out.masks, t["advantages"])
             )
-        if self.world.distributed:
-            # FSDP2 averaged the reduce-scattered gradients over each parameter's group (all dp x cp
-            # ranks; the experts' copies under ep); the loss is already divided by the global
-            # count, so undo that average.
-            for module in (self.model, self.critic):
-                for p in module.parameters() if module is not None else ():
-                    if p.grad is not None:
-                        p.grad.mul_(fsdp_group_size(p))
-        if moe is not None:
-            prepare_metrics = {**prepare_metrics, **moe.metrics()}
-        return Accumulated(stats, results, global_tokens, prepare_metrics)
-
-    def _critic_backward(self, stats: TokenStats, p: Prepared, denom: float) -> None:
-        mask = p.t["loss_mask"]
-        values = self._values(p.t, p.shard)
-        loss, clipped = value_loss(values, p.old_values, p.returns, mask, self.config.critic.value_clip)
-        ((loss * p.t["owned"]).sum() / denom).backward()
-        mask = mask & p.t["owned"]
-        rows = stats.rows(p.mb.env_names)[sample_index(p.mb.sample_lens, mask.device)]
-        stats.add("critic/value_loss", rows, loss, mask)
-        stats.add("critic/value_clipped", rows, clipped.float(), mask)
-        stats.add("critic/value", rows, values.detach(), mask)
-
-    def _record(
-        self, stats: TokenStats, mb: MicroBatch, t: dict, lp: torch.Tensor, entropy, out: LossOutputs
-    ) -> None:
-        mask = t["loss_mask"] & t["owned"]
-        rows = stats.rows(mb.env_names)[sample_index(mb.sample_lens, mask.device)]  # env row per token
-        d = torch.where(mask, lp - t["logprobs"], 0.0)
-        stats.add("loss", rows, out.token_loss, mask)
-        stats.add("entropy", rows, entropy, mask)
-        stats.add("mismatch_kl", rows, torch.exp(d) - 1 - d, mask)  # KL(sampler || trainer), k3 estimate
-        stats.add("token_advantage", rows, t["advantages"], mask)
-        for name, flag in out.masks.items():
-            stats.add(name, rows, flag.float(), mask)
-        for name, value in out.values.items():
-            stats.add(name, rows, value, mask)
-
-    def optimizer_step(self, train_policy: bool = True) -> dict[str, float]:
-        out = {}
-        parts = [("", self.model, self.optimizer, self.config.optim.max_norm, train_policy)]
+            token_loss = out.token_loss * b.owned
+            norm = loss_config.aggregation_norm or self.config.seq_len
+            weights = token_weights(loss_config.aggregation, b.loss_tokens, b.sample_of_token, norm)
+            if weights is not None:
+                token_loss = token_loss * weights
+            loss = token_loss.sum() / divisor(loss_config.aggregation, n.loss_tokens, n.samples)
+            aux = ctx.aux_loss(routing, b)
+            loss = loss if aux is None else loss + aux
+        self._record(ctx.stats, p, lp.detach(), entropy, out)
         if self.critic is not None:
-            parts.append(
-                ("critic/", self.critic, self.critic_optimizer, self.config.critic.optim.max_norm, True)
-            )
-        for prefix, module, optimizer, max_norm, enabled in parts:
-            grad_norm = float("nan")
-            if enabled:
-                grad_norm = self.world.host(clip_grad_norm(module.parameters(), max_norm))
-                if math.isfinite(grad_norm):
-                    optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            out[f"{prefix}grad_norm"] = grad_norm
-        if train_policy:
-            self.scheduler.step()
-        return out
+            loss = loss + self._critic_loss(ctx.stats, p, max(n.loss_tokens, 1.0))
+        return loss, MicroBatchResult(b, lp.detach(), out.token_loss.detach(), out.masks, p.advantages)
+
+    def metrics(self, records: list[MicroBatchResult], ctx: Context) -> dict[str, float]:
+        """The step's loss: the per-token mean of the loss over the global batch (whatever the
+        aggregation); every rank of a cp group holds its micro-batches' full token losses, so its
+        first rank counts them."""
+        local = self.world.scalars(0.0)
+        for r in records if self.world.cp_rank == 0 else ():
+            local[0] += r.token_loss.sum().double()
+        (loss_sum,) = self.world.host(all_reduce_sum(local, self.world))
+        metrics = {"loss": loss_sum / max(ctx.totals.loss_tokens, 1.0)}
+        if self.critic is not None:
+            metrics["critic/lr"] = self.config.critic.optim.lr
+            metrics["critic/policy_trained"] = float(ctx.trains[0])
+        return metrics
+
+    def _moe(self) -> tuple[bool, float]:
+        return self.config.moe.replay, self.config.moe.aux_loss_coef
+
+    def accumulate(self, micro_batches: list[MicroBatch], step: int = 0) -> Accumulated:
+        """Forward and backward over this rank's micro-batches (policy, and critic when there is one)."""
+        return accumulate(
+            self, self.batches(micro_batches), self.parts, self.world, self.trains(step), self._moe()
+        )
 
     def train_step(
         self, micro_batches: list[MicroBatch], step: int = 0
     ) -> tuple[dict[str, float], list[MicroBatchResult]]:
-        t0 = time.perf_counter()
-        if self.world.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        lr = self.scheduler.get_last_lr()[0]
-        train_policy = self.policy_trains(step)
-        acc = self.accumulate(micro_batches, step)
-        results, global_tokens = acc.results, acc.global_tokens
-        metrics = acc.stats.reduce(self.world)
-        metrics.update(acc.metrics)
-        # Every rank of a cp group holds its micro-batches' full token losses and tokens: count them once.
-        lead = self.world.cp_rank == 0
-        sums = self.world.scalars(0.0, sum(mb.num_tokens for mb in micro_batches) if lead else 0.0)
-        for r in results if lead else ():
-            sums[0] += r.token_loss.sum().double()
-        loss_sum, tokens = self.world.host(all_reduce_sum(sums, self.world))
-        loss = loss_sum / max(global_tokens, 1)
-        if global_tokens == 0:
-            # No sample to learn from (every one filtered or failed): the parameters stay as they
-            # are (an AdamW step on zero gradients would still move them); the schedule goes on.
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.critic_optimizer is not None:
-                self.critic_optimizer.zero_grad(set_to_none=True)
-            if train_policy:
-                self.scheduler.step()
-        elif not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.critic_optimizer is not None:
-                self.critic_optimizer.zero_grad(set_to_none=True)
-            metrics["grad_norm"] = float("nan")
-        else:
-            metrics.update(self.optimizer_step(train_policy))
+        batches = self.batches(micro_batches)
+        metrics, results = train_step(self, batches, self.parts, self.scheduler, self.world,
+                                      trains=self.trains(step), moe=self._moe())  # fmt: skip
         if "kl_reward/samples" in metrics:
             self.kl = self.kl.update(metrics["kl_reward/kl_per_sample"], int(metrics["kl_reward/samples"]))
-        elapsed = time.perf_counter() - t0
-        metrics.update(
-            {
-                "loss": loss,
-                "lr": lr if train_policy else 0.0,
-                "loss_tokens": global_tokens,
-                "tokens": tokens,
-                "throughput/tokens_per_s": tokens / max(elapsed, 1e-9),
-                "time/train": elapsed,
-                "peak_memory_gb": peak_memory_gb(self.world),
-            }
-        )
-        if self.critic is not None:
-            metrics["critic/lr"] = self.config.critic.optim.lr
-            metrics["critic/policy_trained"] = float(train_policy)
         return metrics, results
+
+    def _critic_loss(self, stats: TokenStats, p: Prepared, denom: float) -> torch.Tensor:
+        b = p.batch
+        values = self._values(b)
+        loss, clipped = value_loss(
+            values, p.old_values, p.returns, b.loss_mask, self.config.critic.value_clip
+        )
+        rows = b.per_token(stats.rows(b.env_names))
+        stats.add("critic/value_loss", rows, loss, b.counted)
+        stats.add("critic/value_clipped", rows, clipped.float(), b.counted)
+        stats.add("critic/value", rows, values.detach(), b.counted)
+        return (loss * b.owned).sum() / denom
+
+    def _record(self, stats: TokenStats, p: Prepared, lp: torch.Tensor, entropy, out: LossOutputs) -> None:
+        b, mask = p.batch, p.batch.counted
+        rows = b.per_token(stats.rows(b.env_names))  # env row per token
+        d = torch.where(mask, lp - b.sampling_logprobs, 0.0)
+        stats.add("loss", rows, out.token_loss, mask)
+        stats.add("entropy", rows, entropy, mask)
+        stats.add("mismatch_kl", rows, torch.exp(d) - 1 - d, mask)  # KL(sampler || trainer), k3 estimate
+        stats.add("token_advantage", rows, p.advantages, mask)
+        for name, flag in out.masks.items():
+            stats.add(name, rows, flag.float(), mask)
+        for name, value in out.values.items():
+            stats.add(name, rows, value, mask)

@@ -6,7 +6,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from prime_rl.config import BaseConfig
-from prime_rl.trainer.config import TrainerConfig, TrainingConfig
+from prime_rl.trainer.config import TrainingConfig
 
 
 class SFTDataConfig(BaseConfig):
@@ -51,8 +51,3 @@ class SFTConfig(TrainingConfig):
 
     save_dir: Path | None = None
     """Also save the final model as an HF folder here (default: <output_dir>/model)."""
-
-    def trainer_config(self) -> TrainerConfig:
-        """The trainer's config of this run: the shared sections, the RL knobs at their defaults
-        (the SFT step brings its own loss, and no estimator, critic or reward runs)."""
-        return TrainerConfig(**{k: getattr(self, k) for k in TrainingConfig.model_fields})

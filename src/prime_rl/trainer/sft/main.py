@@ -1,7 +1,8 @@
 """`uv run sft @ sft.toml`: supervised fine-tuning with the trainer's machinery.
 
-Same model loading, packing, global-token normalization, checkpoints and publishing as RL; the loss
-is cross-entropy on completion tokens. Examples are tokenized with the model's chat template exactly
+The same step as RL (`trainer/step.py`: model loading, packing, global-token normalization,
+FSDP, the optimizer), with the SFT objective (`sft/objective.py`: cross-entropy on completion
+tokens), and the same checkpoints and publishing. Examples are tokenized with the model's chat template exactly
 as inference will render them: the completion is what the template adds after the prompt's
 generation prefix, so the model learns to end its turn with the template's end-of-turn token.
 """
@@ -18,8 +19,6 @@ from typing import Any, NamedTuple
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
-from prime_rl.trainer.losses import LossInputs, LossOutputs
-from prime_rl.trainer.main import NEEDS_USER, USER_ERRORS, resume_step
 from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import (
     World,
@@ -29,19 +28,15 @@ from prime_rl.trainer.parallel.dist import (
     init_world_or_exit,
     run_rank,
 )
-from prime_rl.trainer.rl.trainer import Trainer
+from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS, resume_step
 from prime_rl.trainer.sft.config import SFTConfig, SFTDataConfig
+from prime_rl.trainer.sft.objective import SFT
 from prime_rl.trainer.weights.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
 from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
 log = logging.getLogger("prime_rl.sft")
-
-
-def sft_loss(inputs: LossInputs) -> LossOutputs:
-    """Cross-entropy on the loss tokens (the completion)."""
-    return LossOutputs(-inputs.trainer_logprobs * inputs.loss_mask)
 
 
 class SFTDataError(ValueError):
@@ -164,7 +159,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
         if len(s) > config.seq_len:
             raise SFTDataError(f"{ex.where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
         samples.append(s)
-    trainer = Trainer(config.trainer_config(), world, loss_fn=sft_loss)
+    trainer = SFT(config, world)
     start = resume_step(config, world)
     if start:
         load_checkpoint(
@@ -185,7 +180,7 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
             t0 = time.perf_counter()
             batch = [next(stream) for _ in range(config.batch_size)]
             mbs = pack(batch, config.seq_len, world.dp, "sft", step)[world.dp_rank]  # cp ranks share them
-            metrics, _ = trainer.train_step(mbs)
+            metrics = trainer.train_step(mbs)
             if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
                 metrics_log.log(step, metrics)
                 log.info("step %d | loss %.4f | grad_norm %.3f | %.1fs", step, metrics["loss"],

@@ -1,5 +1,6 @@
-"""What every RL loss shares: its inputs and outputs, its config's common fields, and the frame
-that runs it (`frame`): the importance ratio, the trust masks, the KL penalty.
+"""What every RL loss shares at run time: its inputs and outputs, and the frame that runs it
+(`frame`): the importance ratio, the trust masks, the KL penalty. (Its config's common fields are
+`LossBase`, in `losses/config.py`.)
 
 Invariant: a loss returns the per-token loss *before* normalization; the trainer sums it over the
 loss tokens and divides by the global loss-token count (all ranks, all micro-batches of the step),
@@ -13,16 +14,15 @@ the sampling logprobs from inference: ratio = exp(trainer - sampling), per token
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from functools import partial
 
 import torch
-from pydantic import Field
 
-from prime_rl.config import BaseConfig
-from prime_rl.trainer.losses.aggregation import Aggregation
-from prime_rl.trainer.losses.correction import RolloutCorrectionConfig, correct
-from prime_rl.trainer.rl.returns import sample_index
+from prime_rl.trainer.batch import sample_index
+from prime_rl.trainer.losses.config import LOSSES, LossBase, RolloutCorrectionConfig
+from prime_rl.trainer.losses.correction import correct
 
 
 @dataclass
@@ -45,6 +45,13 @@ class LossInputs:
     """log(trainer / sampling) per token, or per sample with `ratio_type = 'sequence'` (then the same
     on each of its tokens, gradients flowing per token); differentiable, 0 outside the loss mask
     (so it is finite wherever a loss reads it). Set by the frame."""
+    sample_of_token: torch.Tensor | None = None
+    """[T] int64: the sample each token belongs to; built from `sample_lens` when not given (the
+    trainer hands over its batch's)."""
+
+    def __post_init__(self) -> None:
+        if self.sample_of_token is None:
+            self.sample_of_token = sample_index(self.sample_lens, self.loss_mask.device)
 
 
 @dataclass
@@ -58,64 +65,12 @@ class LossOutputs:
     effective sample size of 'is_ratio') are logged."""
 
 
-class LossBase(BaseConfig):
-    """Settings every RL loss shares (read by the frame around the loss)."""
-
-    moved_keys: ClassVar[dict[str, str]] = {
-        "custom_import_path": "name your loss in 'type' = 'package.module:function'",
-        "custom_kwargs": "your loss's keyword arguments are 'kwargs'",
-    }
-
-    ratio_type: Literal["token", "sequence"] = "token"
-    """Importance ratio per token, or one per sample (geometric mean of its token ratios, GSPO-style)."""
-
-    mask_low: float = Field(default=0.125, ge=0)
-    """Tokens whose ratio is below this are masked out of the loss (trainer and sampler disagree)."""
-
-    mask_high: float = Field(default=8.0, gt=0)
-    """Tokens whose ratio is above this are masked out of the loss."""
-
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of a KL penalty to the frozen starting model (0 disables it and the reference model)."""
-
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Estimator of the KL to the reference model."""
-
-    top_entropy_fraction: float = Field(default=1.0, gt=0, le=1)
-    """Train only on this fraction of loss tokens with the highest entropy (per micro-batch)."""
-
-    entropy_coef: float = Field(default=0.0, ge=0)
-    """Entropy bonus: subtract this times each kept token's entropy (of the trainer's next-token
-    distribution) from its loss, pushing toward more varied sampling. 0: off (the entropy is then
-    not differentiated at all)."""
-
-    aggregation: Aggregation = "token-mean"
-    """How per-token losses become the step's loss (`losses/aggregation.py`): 'token-mean' (every
-    loss token of the global batch weighs the same), 'seq-mean-token-sum', 'seq-mean-token-mean'
-    (every sample weighs the same) or 'seq-mean-token-sum-norm' (Dr. GRPO: token sums over a
-    constant, `aggregation_norm`)."""
-
-    aggregation_norm: int | None = Field(default=None, ge=1)
-    """The constant of 'seq-mean-token-sum-norm' (unset: the trainer's seq_len)."""
-
-
-class CustomLoss(LossBase):
-    """Your own loss: `fn(LossInputs, **kwargs) -> LossOutputs`, run inside the frame (it gets the
-    trust-masked tokens and the importance log-ratio; the KL penalty is added after it)."""
-
-    type: str
-    """Where the function lives, as 'package.module:function'."""
-
-    kwargs: dict[str, Any] = {}
-    """Keyword arguments passed to the function on every call."""
-
-
 def importance_log_ratio(inputs: LossInputs, ratio_type: str) -> torch.Tensor:
     log_ratio = (inputs.trainer_logprobs - inputs.sampling_logprobs) * inputs.loss_mask
     if ratio_type == "token":
         return log_ratio
     # GSPO: one ratio per sample (mean log-ratio over its loss tokens), gradients flowing per token.
-    ids = sample_index(inputs.sample_lens, log_ratio.device)
+    ids = inputs.sample_of_token
     n = len(inputs.sample_lens)
     sums = torch.zeros(n, device=log_ratio.device).index_add(0, ids, log_ratio.detach())
     counts = torch.zeros(n, device=log_ratio.device).index_add(0, ids, inputs.loss_mask.float())
@@ -164,7 +119,13 @@ def frame(
     token_log_ratio = ((inputs.trainer_logprobs.detach() - inputs.sampling_logprobs) * mask).clamp(
         -30.0, 30.0
     )
-    fix = correct(token_log_ratio, mask, inputs.sample_lens, correction or RolloutCorrectionConfig())
+    fix = correct(
+        token_log_ratio,
+        mask,
+        inputs.sample_of_token,
+        len(inputs.sample_lens),
+        correction or RolloutCorrectionConfig(),
+    )
     keep = top_entropy_mask(
         inputs.entropy, mask & ~masked_low & ~masked_high & ~fix.dropped, config.top_entropy_fraction
     )
@@ -190,3 +151,15 @@ def frame(
     if fix.weight is not None:
         values["is_weight"] = fix.weight
     return LossOutputs(token_loss * keep, masks, values)
+
+
+LossFn = Callable[[LossInputs], LossOutputs]
+
+
+def build_loss(
+    config: LossBase, key: str = "trainer.loss", correction: RolloutCorrectionConfig | None = None
+) -> LossFn:
+    """The configured loss inside its frame (with the rollout correction, if any), as one function
+    of the micro-batch's inputs; a built-in's function is imported here."""
+    loss = LOSSES.resolve(config, key)
+    return partial(frame, config=config, loss=loss.fn, correction=correction, **loss.kwargs)

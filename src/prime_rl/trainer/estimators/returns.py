@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prime_rl.trainer.batch import sample_index
+
 
 @dataclass(frozen=True)
 class TokenGrid:
@@ -63,15 +65,6 @@ class TokenGrid:
         nxt[:, : self.width] = self.valid()
         is_last = nxt[:, :-1] & ~nxt[:, 1:]
         return self.from_grid(is_last.to(torch.float32)) > 0
-
-
-def sample_index(sample_lens: list[int], device: torch.device) -> torch.Tensor:
-    """[T]: the sample each token of a packed micro-batch belongs to (its size known on the host)."""
-    return torch.repeat_interleave(
-        torch.arange(len(sample_lens), device=device),
-        torch.tensor(sample_lens, device=device),
-        output_size=sum(sample_lens),
-    )
 
 
 def terminal_rewards(grid: TokenGrid, per_sample: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,229 @@
+"""One optimizer step over this rank's micro-batches, shared by RL, SFT and reward-model training.
+
+What a kind of training adds is an `Objective`: a first pass without gradients (`prepare`), each
+micro-batch's loss (`loss`), and the step's metrics from what the losses recorded (`metrics`). The
+step does the rest, the same for every kind:
+
+1. before the micro-batch loop, all-reduce (sum) the loss tokens and samples this rank owns over all
+   dp x cp ranks (`Totals`): a micro-batch's loss is its owned tokens' losses divided by such a
+   global count, so the gradient is that of the mean over the whole global batch, however the
+   tokens are split across ranks, micro-batches and context-parallel shards;
+2. forward and backward of each micro-batch, with the mixture-of-experts bookkeeping around it;
+3. multiply the gradients by the factor FSDP divided them by (the ranks it shards over);
+4. clip and update each trained part, or leave every parameter as it is when the step has no loss
+   token or a non-finite loss.
+
+Invariant: the parts' gradients are zero (None) when the step starts and when it ends; the step's
+counts that every rank of a cp group holds (samples, total tokens) are counted on its cp rank 0 only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from prime_rl.trainer.batch import PackedBatch
+from prime_rl.trainer.memory import peak_memory_gb
+from prime_rl.trainer.model import fsdp_group_size
+from prime_rl.trainer.moe.step import MoEStep
+from prime_rl.trainer.optim import clip_grad_norm
+from prime_rl.trainer.parallel.dist import World, all_reduce_sum
+from prime_rl.trainer.stats import TokenStats
+
+
+@dataclass
+class Part:
+    """A module the step trains, with its optimizer."""
+
+    prefix: str
+    """Of its metrics: '' for the policy, 'critic/' for a critic."""
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    max_norm: float
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The step's counts over all ranks."""
+
+    loss_tokens: float
+    """Loss tokens: the per-token mean's denominator."""
+    samples: float
+    """Samples with at least one loss token."""
+    tokens: float
+    """Every token of every micro-batch (padding and filler included)."""
+
+
+@dataclass
+class Context:
+    """What a micro-batch's loss gets besides its own item."""
+
+    totals: Totals
+    world: World
+    trains: Sequence[bool]
+    """Which parts are differentiated and updated this step (parts[0]: the policy)."""
+    stats: TokenStats
+    """Per-token metrics, reduced once when the step ends."""
+    moe: MoEStep | None
+    """The mixture-of-experts bookkeeping (None: a dense model)."""
+
+    def routing(self, b: PackedBatch) -> AbstractContextManager:
+        """Around a micro-batch's forward of the policy: count its experts' loads and replay the
+        sampler's routes when it carries them (a dense model: nothing)."""
+        if self.moe is None:
+            return nullcontext()
+        routes = b.shard.take(b.routes) if b.routes is not None else None
+        return self.moe.forward(b.shard.take(b.real), routes)
+
+    def aux_loss(self, routing, b: PackedBatch) -> torch.Tensor | None:
+        """The micro-batch's load-balancing term, weighted by its share of the loss tokens (None:
+        none to add)."""
+        if self.moe is None:
+            return None
+        return self.moe.aux_loss(routing, b.counted.sum() / max(self.totals.loss_tokens, 1.0))
+
+
+class Objective(Protocol):
+    """What one kind of training adds to the step."""
+
+    def prepare(self, batches: list[PackedBatch]) -> tuple[list[Any], dict[str, float]]:
+        """First pass, without gradients: one item per micro-batch, and step metrics."""
+        ...
+
+    def loss(self, item: Any, ctx: Context) -> tuple[torch.Tensor, Any]:
+        """One micro-batch's forward: the loss to backpropagate (already divided by a global count of
+        `ctx.totals`) and what to keep of it (its record)."""
+        ...
+
+    def metrics(self, records: list[Any], ctx: Context) -> dict[str, float]:
+        """The step's metrics from its records, the same on every rank; 'loss' among them."""
+        ...
+
+
+def totals(batches: Sequence[PackedBatch], world: World) -> Totals:
+    lead = world.cp_rank == 0  # a cp group's samples and tokens are counted once
+    local = world.scalars(
+        0.0,
+        sum(b.samples_with_loss for b in batches) if lead else 0.0,
+        sum(b.num_tokens for b in batches) if lead else 0.0,
+    )
+    for b in batches:
+        local[0] = local[0] + b.counted.sum()
+    return Totals(*world.host(all_reduce_sum(local, world)))
+
+
+def undo_fsdp_average(parts: Sequence[Part], world: World) -> None:
+    """FSDP2 averaged the reduce-scattered gradients over each parameter's group (all dp x cp ranks;
+    the experts' copies under ep); the loss is already divided by the global count, so undo it."""
+    if not world.distributed:
+        return
+    for part in parts:
+        for param in part.module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(fsdp_group_size(param))
+
+
+def update(parts: Sequence[Part], trains: Sequence[bool], world: World) -> dict[str, float]:
+    """Clip and step each part that trains this step (a part whose norm is not finite skips its
+    update); every part's gradients are dropped."""
+    out = {}
+    for part, enabled in zip(parts, trains, strict=True):
+        grad_norm = float("nan")
+        if enabled:
+            grad_norm = world.host(clip_grad_norm(part.module.parameters(), part.max_norm))
+            if math.isfinite(grad_norm):
+                part.optimizer.step()
+        part.optimizer.zero_grad(set_to_none=True)
+        out[f"{part.prefix}grad_norm"] = grad_norm
+    return out
+
+
+@dataclass
+class Accumulated:
+    """A step's gradients are in the modules; this is what else the pass produced."""
+
+    metrics: dict[str, float]
+    """The objective's and the per-token metrics, reduced over the ranks."""
+    records: list[Any]
+    totals: Totals
+
+
+def accumulate(
+    objective: Objective,
+    batches: list[PackedBatch],
+    parts: Sequence[Part],
+    world: World,
+    trains: Sequence[bool] | None = None,
+    moe: tuple[bool, float] = (False, 0.0),
+) -> Accumulated:
+    """Forward and backward over this rank's `batches`, with the global normalization. `parts[0]`
+    is the policy; `trains`: which parts learn this step (default: all); `moe`: (replay the
+    sampler's routes, the load-balancing loss's coefficient)."""
+    items, metrics = objective.prepare(batches)
+    trains = list(trains) if trains is not None else [True] * len(parts)
+    moe_step = MoEStep.start(parts[0].module, moe[0], moe[1], world)
+    ctx = Context(totals(batches, world), world, trains, TokenStats(world.device), moe_step)
+    records = []
+    for item in items:
+        loss, record = objective.loss(item, ctx)
+        if loss.requires_grad:
+            loss.backward()
+        records.append(record)
+    undo_fsdp_average(parts, world)
+    metrics.update(ctx.stats.reduce(world))
+    if ctx.moe is not None:
+        metrics.update(ctx.moe.metrics())
+    metrics.update(objective.metrics(records, ctx))
+    return Accumulated(metrics, records, ctx.totals)
+
+
+def train_step(
+    objective: Objective,
+    batches: list[PackedBatch],
+    parts: Sequence[Part],
+    scheduler,
+    world: World,
+    *,
+    trains: Sequence[bool] | None = None,
+    moe: tuple[bool, float] = (False, 0.0),
+) -> tuple[dict[str, float], list[Any]]:
+    """(metrics, records) of one optimizer step on this rank's `batches` (`accumulate`, then the
+    update). `scheduler` is the policy's; `trains`: which parts update this step (default: all)."""
+    t0 = time.perf_counter()
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trains = list(trains) if trains is not None else [True] * len(parts)
+    lr = scheduler.get_last_lr()[0]
+    acc = accumulate(objective, batches, parts, world, trains, moe)
+    metrics, n = acc.metrics, acc.totals
+    if n.loss_tokens == 0 or not math.isfinite(metrics["loss"]):
+        # No sample to learn from (every one filtered or failed), or a broken loss: the parameters
+        # stay as they are (an AdamW step on zero gradients would still move them).
+        for part in parts:
+            part.optimizer.zero_grad(set_to_none=True)
+        if n.loss_tokens > 0:
+            metrics["grad_norm"] = float("nan")
+        elif trains[0]:
+            scheduler.step()  # nothing to learn from is no reason to stop the schedule
+    else:
+        metrics.update(update(parts, trains, world))
+        if trains[0]:
+            scheduler.step()
+    elapsed = time.perf_counter() - t0
+    metrics.update(
+        {
+            "lr": lr if trains[0] else 0.0,
+            "loss_tokens": n.loss_tokens,
+            "tokens": n.tokens,
+            "throughput/tokens_per_s": n.tokens / max(elapsed, 1e-9),
+            "time/train": elapsed,
+            "peak_memory_gb": peak_memory_gb(world),
+        }
+    )
+    return metrics, acc.records
