@@ -6,169 +6,148 @@ A pair is a prompt with a chosen and a rejected completion; the loss is Bradley-
 tokenizer, a new one-output head) and is saved as an HF sequence-classification folder that the
 orchestrator's reward model (a `rewards` entry of type `reward_model`) and `reward-server` load.
 
+Training is the trainer's step (`trainer/step.py`) with the Bradley-Terry objective
+(`reward_model/objective.py`): FSDP2 over torchrun's ranks, data and context parallelism, the
+global normalization, clipping, AdamW and its schedule, and the trainer's checkpoints
+(`ckpt.interval`, `ckpt.resume_step`).
+
 Invariant: held-out pairs never train (the split is fixed by the seed), and the accuracy printed is
-on them; the same config and seed give the same model.
+on them; the same config and seed give the same model, on any number of ranks (up to float
+rounding) and whether or not the run was stopped and resumed from a checkpoint.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
-import random
-import sys
+import os
 import time
-from typing import Any
+from pathlib import Path
 
 from prime_rl.config import parse_config
-from prime_rl.environments import env_module_name
 from prime_rl.logging_setup import setup_logging
-from prime_rl.model.reward import RewardModel, RewardModelError, init_reward_model, plain_messages
-from prime_rl.trainer.reward_model.config import PairsConfig, RewardModelTrainConfig
+from prime_rl.shutdown import Stopped, exit_stopped, take_signals
+from prime_rl.trainer.memory import keep_freed_memory
+from prime_rl.trainer.parallel.dist import (
+    World,
+    collective_error,
+    collective_failure,
+    init_world,
+    init_world_or_exit,
+    run_rank,
+)
+from prime_rl.trainer.reward_model.config import RewardModelTrainConfig
+from prime_rl.trainer.reward_model.data import PairsError, pack_pairs, pair_stream, read_pairs, split_pairs
+from prime_rl.trainer.reward_model.objective import BradleyTerry, save_reward_model
+from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS, resume_step
+from prime_rl.trainer.weights.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
+
+__all__ = ["PairsError", "RewardModelTrainConfig", "main", "read_pairs", "train"]
 
 log = logging.getLogger("prime_rl.reward_model")
 
 
-class PairsError(ValueError):
-    """The preference pairs cannot be read; the message names the file and line, or the env."""
+def save_dir(config: RewardModelTrainConfig) -> Path:
+    return Path(config.output or Path(config.output_dir) / "reward_model" / "model")
 
 
-def _messages(value: Any, role: str, where: str) -> list[dict]:
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
-        return plain_messages(value)
-    raise PairsError(f"{where}: expected a string or a list of {{'role', 'content'}} messages")
-
-
-def read_pairs(config: PairsConfig, seed: int) -> list[tuple[list[dict], list[dict], list[dict]]]:
-    """Every pair as (prompt, chosen, rejected) message lists."""
-    if config.path is not None:
-        if not config.path.is_file():
-            raise PairsError(f"data.path '{config.path}' not found")
-        rows = []
-        for i, line in enumerate(config.path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append((json.loads(line), f"{config.path}:{i}"))
-                except json.JSONDecodeError as e:
-                    raise PairsError(f"{config.path}:{i}: not JSON ({e})") from None
-    else:
-        name = env_module_name(config.env_id)
-        try:
-            module = importlib.import_module(name)
-        except Exception as e:
-            raise PairsError(f"data.env_id '{config.env_id}': module '{name}' does not import: {e}") from None
-        make = getattr(module, "preference_pairs", None)
-        if not callable(make):
-            raise PairsError(
-                f"data.env_id '{config.env_id}': module '{name}' has no preference_pairs(num_pairs, seed); "
-                "give data.path instead"
-            )
-        rows = [(r, f"env '{config.env_id}' pair {i}") for i, r in enumerate(make(config.num_pairs, seed))]
-    pairs = []
-    for row, where in rows:
-        if not isinstance(row, dict) or not {"prompt", "chosen", "rejected"} <= row.keys():
-            raise PairsError(f"{where}: expected keys 'prompt', 'chosen' and 'rejected'")
-        pairs.append(
-            (
-                _messages(row["prompt"], "user", f"{where} 'prompt'"),
-                _messages(row["chosen"], "assistant", f"{where} 'chosen'"),
-                _messages(row["rejected"], "assistant", f"{where} 'rejected'"),
-            )
-        )
-    if len(pairs) < 2:
-        raise PairsError("need at least 2 preference pairs (one to train, one to hold out)")
-    return pairs
-
-
-def accuracy(
-    rm: RewardModel, pairs: list[tuple[list[int], list[int]]], batch_size: int
-) -> tuple[float, float]:
-    """Share of pairs whose chosen completion scores higher, and the mean margin."""
+def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[str, float]:
+    """Train, save the reward model, and return its held-out figures: start_accuracy (the untrained
+    model's), accuracy and margin (the saved model's), seconds."""
     import torch
-
-    right, margin = 0, 0.0
-    with torch.inference_mode():
-        for i in range(0, len(pairs), batch_size):
-            chunk = pairs[i : i + batch_size]
-            scores = rm.forward([c for c, _ in chunk] + [r for _, r in chunk])
-            diff = scores[: len(chunk)] - scores[len(chunk) :]
-            right += int((diff > 0).sum())
-            margin += float(diff.sum())
-    return right / len(pairs), margin / len(pairs)
-
-
-def train(config: RewardModelTrainConfig) -> dict[str, float]:
-    import torch
-    import torch.nn.functional as F
+    from transformers import AutoTokenizer
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    torch.manual_seed(config.seed)
-    pairs = read_pairs(config.data, config.seed)
-    try:
-        rm = init_reward_model(config.base_model)
-    except Exception as e:
-        raise RewardModelError(
-            f"base_model '{config.base_model}' does not load: {type(e).__name__}: {e}"
-        ) from None
-    rm.max_length = config.max_length
-    encoded = [(rm.ids(p, c), rm.ids(p, r)) for p, c, r in pairs]
-    random.Random(config.seed).shuffle(encoded)
-    n_eval = max(1, int(len(encoded) * config.data.eval_fraction))
-    held_out, train_pairs = encoded[:n_eval], encoded[n_eval:]
-    log.info("%d training pairs, %d held out", len(train_pairs), len(held_out))
+    world = world or init_world(config.parallel.cp, config.parallel.ep, config.dist_timeout_s)
+    keep_freed_memory(world)
+    output_dir = Path(config.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    train_pairs, held_out = split_pairs(config.data, tokenizer, config.max_length, config.seed)
+    rm = BradleyTerry(config, world)
+    eval_batches = pack_pairs(held_out, config.seq_len, world.dp, "reward_model-eval", 0)[world.dp_rank]
+    started = time.perf_counter()
+    # The fresh model is the same in every run of this config, so a resumed run measures it again
+    # rather than keeping it in the checkpoint.
+    first = rm.evaluate(eval_batches)
+    log.info("%d training pairs, %d held out; held-out accuracy %.3f, margin %.3f before training",
+             len(train_pairs), len(held_out), first["accuracy"], first["margin"])  # fmt: skip
+    start = resume_step(config, world)
+    if start:
+        load_checkpoint(checkpoint_root(output_dir), start, rm.model, rm.optimizer, rm.scheduler, world)
+    stream = pair_stream(train_pairs, config.seed, start * config.batch_size)
+    metrics_log = None
+    if world.is_main:
+        from prime_rl.monitor import MetricsLogger, forget_steps_from
 
-    rm.model.train()
-    optim = torch.optim.AdamW(rm.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    warmup = max(1, config.max_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warmup))
-    rng = random.Random(config.seed + 1)
-    acc, margin = accuracy(rm, held_out, config.batch_size)
-    log.info("step 0: held-out accuracy %.3f, margin %.3f", acc, margin)
-    result = {"start_accuracy": acc}
-    order, pos, started = [], 0, time.perf_counter()
-    for step in range(1, config.max_steps + 1):
-        batch = []
-        while len(batch) < config.batch_size:
-            if pos >= len(order):
-                order, pos = rng.sample(range(len(train_pairs)), len(train_pairs)), 0
-            batch.append(train_pairs[order[pos]])
-            pos += 1
-        scores = rm.forward([c for c, _ in batch] + [r for _, r in batch])
-        loss = -F.logsigmoid(scores[: len(batch)] - scores[len(batch) :]).mean()
-        optim.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0)
-        optim.step()
-        sched.step()
-        if step % config.eval_interval == 0 or step == config.max_steps:
-            rm.model.eval()
-            acc, margin = accuracy(rm, held_out, config.batch_size)
-            rm.model.train()
-            log.info(
-                "step %d: loss %.4f, held-out accuracy %.3f, margin %.3f (%.1fs)",
-                step, loss.item(), acc, margin, time.perf_counter() - started,
-            )  # fmt: skip
-    rm.model.eval()
-    config.output.mkdir(parents=True, exist_ok=True)
-    rm.model.save_pretrained(config.output)
-    rm.tokenizer.save_pretrained(config.output)
-    result.update(accuracy=acc, margin=margin, seconds=time.perf_counter() - started)
-    (config.output / "reward_model_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        path = output_dir / "reward_model" / "metrics.jsonl"
+        forget_steps_from(path, start, evals=True)  # steps trained again, with their evals
+        metrics_log = MetricsLogger(path, config.wandb)
+    held = None
+    step = start
+    try:
+        for step in range(start, config.max_steps):
+            t0 = time.perf_counter()
+            batch = [next(stream) for _ in range(config.batch_size)]
+            mbs = pack_pairs(batch, config.seq_len, world.dp, "reward_model", step)[world.dp_rank]
+            metrics = rm.train_step(mbs)
+            if (step + 1) % config.eval_interval == 0 or step + 1 == config.max_steps:
+                held = rm.evaluate(eval_batches)
+                metrics.update({f"eval/{k}": v for k, v in held.items()})
+            if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
+                metrics_log.log(step, metrics)
+                log.info("step %d | loss %.4f | accuracy %.3f | grad_norm %.3f%s | %.1fs", step, metrics["loss"],
+                         metrics["accuracy"], metrics["grad_norm"],
+                         f" | held-out accuracy {held['accuracy']:.3f}" if "eval/accuracy" in metrics else "",
+                         time.perf_counter() - t0)  # fmt: skip
+            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
+                save_checkpoint(checkpoint_root(output_dir), step + 1, rm.model, rm.optimizer, rm.scheduler,
+                                world, config.ckpt.keep)  # fmt: skip
+    except RuntimeError as e:
+        if not world.distributed or not collective_failure(e):
+            raise
+        raise collective_error(e, world, "dist_timeout_s", step) from None
+    if held is None:  # resumed from the last step's checkpoint: nothing trained here
+        held = rm.evaluate(eval_batches)
+    out = save_dir(config)
+    save_reward_model(rm.model, config, tokenizer, out, world)
+    result = {
+        "start_accuracy": first["accuracy"],
+        "accuracy": held["accuracy"],
+        "margin": held["margin"],
+        "seconds": time.perf_counter() - started,
+    }
+    if metrics_log is not None:
+        metrics_log.close()
+        (out / "reward_model_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        log.info("saved the reward model to %s", out)
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(RewardModelTrainConfig, argv, prog="train-reward-model")
+    # Ctrl-C or SIGTERM stops every rank with one line (`prime_rl.shutdown`); a checkpoint being
+    # written when it comes is never resumed from (`weights/checkpoint.py`).
     setup_logging("reward_model")
+    take_signals(announce=os.environ.get("RANK", "0") == "0")
     try:
-        result = train(config)
-    except (PairsError, RewardModelError) as e:
-        sys.stderr.write(f"train-reward-model: error: {e}\n")
-        raise SystemExit(1) from None
-    print(
-        f"train-reward-model: wrote {config.output}; held-out accuracy "
-        f"{result['start_accuracy']:.3f} -> {result['accuracy']:.3f}"
-    )
+        config = parse_config(RewardModelTrainConfig, argv, prog="train-reward-model")
+        world = init_world_or_exit(
+            config.parallel.cp, "train-reward-model", config.parallel.ep, config.dist_timeout_s
+        )
+    except Stopped:  # before the ranks' work (`run_rank` says the line from there on)
+        exit_stopped()
+    setup_logging(f"reward_model[{world.rank}]" if world.distributed else "reward_model")
+
+    def run() -> None:
+        result = train(config, world)
+        if world.is_main:
+            print(
+                f"train-reward-model: wrote {save_dir(config)}; held-out accuracy "
+                f"{result['start_accuracy']:.3f} -> {result['accuracy']:.3f}"
+            )
+
+    run_rank(world, "train-reward-model", run, (*USER_ERRORS, PairsError), (*NEEDS_USER, PairsError))
+
+
+if __name__ == "__main__":
+    main()
