@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -230,6 +231,7 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     else:
         pieces = [(None, None, None)] * len(plan.buckets)
     outs, row = [], 0
+    sdpa = partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling)
     for b, (qp, kp, vp) in zip(plan.buckets, pieces, strict=True):
         if b.rows is not None:
             start, n, lq = b.rows
@@ -238,22 +240,23 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
             qb, kb, vb = (x[0].unflatten(1, (n, lq)).transpose(0, 1) for x in (qp, kp, vp))
         elif b.k_received is not None and qp is not None:
             qb = qp
-            kb, vb = (torch.cat([got[b.k_received].transpose(0, 1)[None], own], 2)
-                      for got, own in ((k_got, kp), (v_got, vp)))  # fmt: skip
+            kb, vb = (
+                torch.cat([got[b.k_received].transpose(0, 1)[None], own], 2)
+                for got, own in ((k_got, kp), (v_got, vp))
+            )
         elif b.k_local is not None:
             qb = q[b.q_index].transpose(1, 2)
-            kb, vb = (torch.cat([x[b.k_local], got])[b.k_index].transpose(1, 2)
-                      for x, got in ((k, k_got), (v, v_got)))  # fmt: skip
+            kb, vb = (
+                torch.cat([x[b.k_local], got])[b.k_index].transpose(1, 2)
+                for x, got in ((k, k_got), (v, v_got))
+            )
         else:
             qb, kb, vb = (x[i].transpose(1, 2) for x, i in ((q, b.q_index), (k, b.k_index), (v, b.k_index)))
         if b.mask is not None and gqa:
             # CUDA's fused kernels take a mask only with as many k/v heads as query heads.
             kb = kb.repeat_interleave(qb.shape[1] // kb.shape[1], dim=1)
             vb = vb.repeat_interleave(qb.shape[1] // vb.shape[1], dim=1)
-        o = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=b.mask, is_causal=b.mask is None, dropout_p=dropout, scale=scaling,
-            enable_gqa=gqa and b.mask is None,
-        )  # fmt: skip
+        o = sdpa(qb, kb, vb, attn_mask=b.mask, is_causal=b.mask is None, enable_gqa=gqa and b.mask is None)
         o = o.transpose(1, 2)  # [n, Lq, Hq, D]
         if in_place:
             out[row : row + o.shape[0] * o.shape[1]].view(o.shape).copy_(o)

@@ -85,8 +85,15 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     start = resume_step(config, world)
     critic = (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None
     if start:
-        extra = load_checkpoint(checkpoint_root(output_dir), start, trainer.model, trainer.optimizer,
-                                trainer.scheduler, world, critic=critic)  # fmt: skip
+        extra = load_checkpoint(
+            checkpoint_root(output_dir),
+            start,
+            trainer.model,
+            trainer.optimizer,
+            trainer.scheduler,
+            world,
+            critic=critic,
+        )
         trainer.load_extra_state(extra)
         log.info("resumed from checkpoint step %d", start)
     broadcaster = None
@@ -122,8 +129,11 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
         for step in range(start, config.max_steps):
             t_get = time.perf_counter()
             # (cp peers take theirs from their group's first rank, a trainer rank)
-            activity.doing(f"waiting for the micro-batches of step {step}",
-                           "orchestrator" if receiver else "trainer", step)  # fmt: skip
+            activity.doing(
+                f"waiting for the micro-batches of step {step}",
+                "orchestrator" if receiver else "trainer",
+                step,
+            )
             # A cp peer waits for its leader's data in a collective while the leader waits for the
             # orchestrator (up to transport.timeout_s); the leader's own side waits as usual.
             data_wait_s = config.transport.timeout_s + config.dist_timeout_s if receiver is None else 0.0
@@ -165,25 +175,42 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
             if metrics_log is not None and not metrics["loss_tokens"]:
                 log.info(
                     "step %d | no samples: every rollout of the step was filtered or failed, nothing trained | "
-                    "%.1fs (wait for data %.1fs)", step, metrics["time/step"], t_wait,
-                )  # fmt: skip
+                    "%.1fs (wait for data %.1fs)",
+                    step,
+                    metrics["time/step"],
+                    t_wait,
+                )
             elif metrics_log is not None:
                 log.info(
                     "step %d | loss %.4f | entropy %.3f | mismatch_kl %.2e | grad_norm %.3f | %.0f tok/s | "
                     "%.1fs (wait for data %.1fs, train %.1fs)%s",
-                    step, metrics["loss"], metrics.get("entropy/all/mean", float("nan")),
-                    metrics.get("mismatch_kl/all/mean", float("nan")), metrics["grad_norm"],
-                    metrics["throughput/tokens_per_s"], metrics["time/step"], t_wait, metrics["time/train"],
+                    step,
+                    metrics["loss"],
+                    metrics.get("entropy/all/mean", float("nan")),
+                    metrics.get("mismatch_kl/all/mean", float("nan")),
+                    metrics["grad_norm"],
+                    metrics["throughput/tokens_per_s"],
+                    metrics["time/step"],
+                    t_wait,
+                    metrics["time/train"],
                     estimator_summary(metrics),
-                )  # fmt: skip
+                )
             # The checkpoint is the step's commit point: its metrics line is written before it, so a
             # kill after it loses nothing, and one before it has the step trained and logged again.
             t0, t_ckpt = time.perf_counter(), 0.0
             if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
                 activity.doing(f"step {step}: writing the checkpoint of step {step + 1}", "", step, io=True)
-                save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
-                                trainer.scheduler, world, config.ckpt.keep, critic=critic,
-                                extra=trainer.extra_state())  # fmt: skip
+                save_checkpoint(
+                    checkpoint_root(output_dir),
+                    step + 1,
+                    trainer.model,
+                    trainer.optimizer,
+                    trainer.scheduler,
+                    world,
+                    config.ckpt.keep,
+                    critic=critic,
+                    extra=trainer.extra_state(),
+                )
                 t_ckpt = time.perf_counter() - t0
     except RuntimeError as e:
         if not world.distributed or not collective_failure(e):

@@ -181,8 +181,20 @@ def _register_stream_guard() -> None:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             src, out = Path(tmp) / "guard.cpp", Path(tmp) / "guard.so"
             src.write_text(_GUARD_SOURCE)
-            cmd = [compiler, "-O1", "-shared", "-fPIC", "-std=c++17", f"-I{root / 'include'}", str(src),
-                   f"-L{root / 'lib'}", "-lc10", f"-Wl,-rpath,{root / 'lib'}", "-o", str(out)]  # fmt: skip
+            cmd = [
+                compiler,
+                "-O1",
+                "-shared",
+                "-fPIC",
+                "-std=c++17",
+                f"-I{root / 'include'}",
+                str(src),
+                f"-L{root / 'lib'}",
+                "-lc10",
+                f"-Wl,-rpath,{root / 'lib'}",
+                "-o",
+                str(out),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(
@@ -242,8 +254,16 @@ def cuda_attention(sdpa: Callable) -> Callable:
         query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ):
         if query.device.type != FAKE_GPU:
-            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+            return sdpa(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         same_heads = key.shape[-3] == query.shape[-3]
         half = query.dtype in (torch.float16, torch.bfloat16)
         if attn_mask is None and half and (same_heads or enable_gqa) and query.shape[-1] <= 256:
@@ -262,8 +282,16 @@ def cuda_attention(sdpa: Callable) -> Callable:
                 query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
             )
             return out[0]
-        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        return sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
 
     return attention
 

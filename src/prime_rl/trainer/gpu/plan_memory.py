@@ -96,8 +96,15 @@ def predict(args, folder: str, tokens: int) -> dict[str, int]:
     from prime_rl.trainer.gpu.dry_run import dry_run
 
     device = torch.device("cpu") if args.device == "cpu" else None
-    report = dry_run(trainer_config(args, folder, tokens), dp=args.dp, cp=args.cp,
-                     micro_batches=args.micro_batches, tokens=tokens, device=device, measure=tracked_step)  # fmt: skip
+    report = dry_run(
+        trainer_config(args, folder, tokens),
+        dp=args.dp,
+        cp=args.cp,
+        micro_batches=args.micro_batches,
+        tokens=tokens,
+        device=device,
+        measure=tracked_step,
+    )
     return report.peak
 
 
@@ -201,8 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--gpu-gib", type=float, default=80.0, help="memory of one GPU in GiB (an 80 GB H100 has 79.6)"
     )
-    ap.add_argument("--headroom", type=float, default=0.1,
-                    help="share of the GPU kept for what is not a tensor (CUDA context, NCCL, fragmentation)")  # fmt: skip
+    ap.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        help="share of the GPU kept for what is not a tensor (CUDA context, NCCL, fragmentation)",
+    )
     ap.add_argument(
         "--max-tokens", type=int, default=131_072, help="upper end of the longest-micro-batch search"
     )

@@ -40,8 +40,15 @@ class MoEStep:
         counts = new_counts(model, world.device)
         if counts is None:
             return None
-        return cls(model, replay_routes, aux_loss_coef, world, counts, counts.new_zeros(counts.shape[0], 2),
-                   world.scalars(0.0)[0])  # fmt: skip
+        return cls(
+            model,
+            replay_routes,
+            aux_loss_coef,
+            world,
+            counts,
+            counts.new_zeros(counts.shape[0], 2),
+            world.scalars(0.0)[0],
+        )
 
     @contextmanager
     def forward(self, real: torch.Tensor, routes: torch.Tensor | None) -> Iterator[Routing]:

@@ -70,8 +70,13 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
     # The fresh model is the same in every run of this config, so a resumed run measures it again
     # rather than keeping it in the checkpoint.
     first = rm.evaluate(eval_batches)
-    log.info("%d training pairs, %d held out; held-out accuracy %.3f, margin %.3f before training",
-             len(train_pairs), len(held_out), first["accuracy"], first["margin"])  # fmt: skip
+    log.info(
+        "%d training pairs, %d held out; held-out accuracy %.3f, margin %.3f before training",
+        len(train_pairs),
+        len(held_out),
+        first["accuracy"],
+        first["margin"],
+    )
     start = resume_step(config, world)
     if start:
         load_checkpoint(checkpoint_root(output_dir), start, rm.model, rm.optimizer, rm.scheduler, world)
@@ -96,13 +101,25 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
                 metrics.update({f"eval/{k}": v for k, v in held.items()})
             if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
                 metrics_log.log(step, metrics)
-                log.info("step %d | loss %.4f | accuracy %.3f | grad_norm %.3f%s | %.1fs", step, metrics["loss"],
-                         metrics["accuracy"], metrics["grad_norm"],
-                         f" | held-out accuracy {held['accuracy']:.3f}" if "eval/accuracy" in metrics else "",
-                         time.perf_counter() - t0)  # fmt: skip
+                log.info(
+                    "step %d | loss %.4f | accuracy %.3f | grad_norm %.3f%s | %.1fs",
+                    step,
+                    metrics["loss"],
+                    metrics["accuracy"],
+                    metrics["grad_norm"],
+                    f" | held-out accuracy {held['accuracy']:.3f}" if "eval/accuracy" in metrics else "",
+                    time.perf_counter() - t0,
+                )
             if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-                save_checkpoint(checkpoint_root(output_dir), step + 1, rm.model, rm.optimizer, rm.scheduler,
-                                world, config.ckpt.keep)  # fmt: skip
+                save_checkpoint(
+                    checkpoint_root(output_dir),
+                    step + 1,
+                    rm.model,
+                    rm.optimizer,
+                    rm.scheduler,
+                    world,
+                    config.ckpt.keep,
+                )
     except RuntimeError as e:
         if not world.distributed or not collective_failure(e):
             raise

@@ -252,8 +252,9 @@ def save_reward_model(
         return
     classifier = empty_classifier(config, tokenizer.pad_token_id)
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    classifier.load_state_dict(classifier_state(state, classifier.base_model_prefix, config.lora), strict=True,
-                               assign=True)  # fmt: skip
+    classifier.load_state_dict(
+        classifier_state(state, classifier.base_model_prefix, config.lora), strict=True, assign=True
+    )
     with writing(path, "the reward model"):
         path.mkdir(parents=True, exist_ok=True)
         classifier.save_pretrained(path)

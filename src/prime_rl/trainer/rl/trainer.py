@@ -248,8 +248,9 @@ class Trainer:
         self, micro_batches: list[MicroBatch], step: int = 0
     ) -> tuple[dict[str, float], list[MicroBatchResult]]:
         batches = self.batches(micro_batches)
-        metrics, results = train_step(self, batches, self.parts, self.scheduler, self.world,
-                                      trains=self.trains(step), moe=self._moe())  # fmt: skip
+        metrics, results = train_step(
+            self, batches, self.parts, self.scheduler, self.world, trains=self.trains(step), moe=self._moe()
+        )
         if "kl_reward/samples" in metrics:
             self.kl = self.kl.update(metrics["kl_reward/kl_per_sample"], int(metrics["kl_reward/samples"]))
         return metrics, results

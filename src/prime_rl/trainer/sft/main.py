@@ -183,11 +183,23 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
             metrics = trainer.train_step(mbs)
             if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
                 metrics_log.log(step, metrics)
-                log.info("step %d | loss %.4f | grad_norm %.3f | %.1fs", step, metrics["loss"],
-                         metrics["grad_norm"], time.perf_counter() - t0)  # fmt: skip
+                log.info(
+                    "step %d | loss %.4f | grad_norm %.3f | %.1fs",
+                    step,
+                    metrics["loss"],
+                    metrics["grad_norm"],
+                    time.perf_counter() - t0,
+                )
             if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-                save_checkpoint(checkpoint_root(output_dir), step + 1, trainer.model, trainer.optimizer,
-                                trainer.scheduler, world, config.ckpt.keep)  # fmt: skip
+                save_checkpoint(
+                    checkpoint_root(output_dir),
+                    step + 1,
+                    trainer.model,
+                    trainer.optimizer,
+                    trainer.scheduler,
+                    world,
+                    config.ckpt.keep,
+                )
     except RuntimeError as e:
         if not world.distributed or not collective_failure(e):
             raise

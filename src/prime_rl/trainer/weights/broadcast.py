@@ -106,8 +106,16 @@ class Broadcaster:
         phases["ask"] = time.perf_counter() - t0
 
         def ask(url: str, first_rank: int) -> None:
-            body = {"step": step, "host": self.host, "port": c.port, "prefix": prefix, "first_rank": first_rank,
-                    "world_size": world, "plan": plan_to_json(plan), "timeout_s": c.timeout_s}  # fmt: skip
+            body = {
+                "step": step,
+                "host": self.host,
+                "port": c.port,
+                "prefix": prefix,
+                "first_rank": first_rank,
+                "world_size": world,
+                "plan": plan_to_json(plan),
+                "timeout_s": c.timeout_s,
+            }
             try:
                 reply = httpx.post(f"{url}/prime_rl/receive_weights", json=body, timeout=3 * c.timeout_s + 30)
                 answers[url] = (
@@ -145,8 +153,12 @@ class Broadcaster:
             raise _GroupBroke(
                 f"the broadcast of step {step} failed ({type(error).__name__ + ': ' + str(error) if error else 'no server confirmed'}); "
                 f"servers: {failed or confirmed}"
-            )  # fmt: skip
+            )
         if failed:
-            log.warning("step %d: %s did not take the broadcast weights (%s); they are resynced by a later update",
-                        step, ", ".join(failed), "; ".join(failed.values()))  # fmt: skip
+            log.warning(
+                "step %d: %s did not take the broadcast weights (%s); they are resynced by a later update",
+                step,
+                ", ".join(failed),
+                "; ".join(failed.values()),
+            )
         return Pushed(confirmed, time.perf_counter() - t0, sum(chunk_bytes(chunk) for chunk in plan), phases)

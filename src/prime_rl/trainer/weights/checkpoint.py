@@ -43,7 +43,9 @@ def choose_checkpoint(root: Path, wanted: int | None) -> tuple[int, list[str]]:
     steps = complete_steps(root)
     if wanted != -1:
         if wanted not in steps:
-            raise CheckpointError(f"ckpt.resume_step = {wanted}, but the complete checkpoints in {root} are {steps or 'none'}")  # fmt: skip
+            raise CheckpointError(
+                f"ckpt.resume_step = {wanted}, but the complete checkpoints in {root} are {steps or 'none'}"
+            )
         problem = verify_checkpoint(root / f"step_{wanted}")
         if problem:
             raise CheckpointError(f"ckpt.resume_step = {wanted}: the checkpoint is unreadable: {problem}")
@@ -134,11 +136,20 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
     state = _sharded_state(model, optimizer, critic)
     try:
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=LOAD_TRAINED)  # fmt: skip
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=LOAD_TRAINED,
+        )
         if critic is not None:
-            set_state_dict(*critic, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"],
-                           options=LOAD_TRAINED)  # fmt: skip
+            set_state_dict(
+                *critic,
+                model_state_dict=state["critic"],
+                optim_state_dict=state["critic_optim"],
+                options=LOAD_TRAINED,
+            )
         saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
     except torch.OutOfMemoryError:
         raise
