@@ -22,6 +22,7 @@ import httpx
 import psutil
 import pytest
 
+from helpers.cores import server_env
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
@@ -51,6 +52,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
                 start_new_session=True,
+                env=server_env(),  # a server's threads on this worker's cores
             )
 
     def output(self) -> str:

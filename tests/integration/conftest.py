@@ -20,6 +20,7 @@ from typing import NamedTuple
 import pytest
 import tomli_w
 
+from helpers.cores import server_env
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.net import free_port
 
@@ -53,7 +54,9 @@ def vllm_server(
         "--server.port", str(port),
         "--output-dir", str(out),
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=server_env()
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(base, timeout_s=300, process=proc)

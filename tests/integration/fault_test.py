@@ -30,6 +30,7 @@ import torch
 from rl_test import write_config
 from safetensors.torch import load_file
 
+from helpers.cores import server_env
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
 from prime_rl.inference.server import wait_until_healthy
@@ -143,7 +144,7 @@ def test_trainer_killed_at_a_random_step_resumes_to_the_same_parameters(tiny_mod
 
 def start(name: str, cmd: list, log_dir: Path) -> subprocess.Popen:
     log = (log_dir / f"{name}.log").open("a")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**server_env(), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
 

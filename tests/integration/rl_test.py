@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers.cores import deployment_keys
 from prime_rl.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -22,6 +23,8 @@ ENVS = str(Path(__file__).parents[1] / "envs")
 
 
 def write_config(tmp_path: Path, model: Path, env_id: str, steps: int, extra: str = "") -> Path:
+    """An `rl` config for a test run; `extra` is more TOML, appended. The run is placed on this xdist
+    worker's cores unless `extra` places it (cores or several servers, which spread by themselves)."""
     toml = tmp_path / "rl.toml"
     toml.write_text(
         f"""
@@ -47,9 +50,20 @@ port = {free_port()}
 id = "{env_id}"
 group_size = 8
 sampling = {{ temperature = 1.0, max_tokens = 24 }}
-{extra}"""
+{placed(extra)}"""
     )
     return toml
+
+
+def placed(extra: str) -> str:
+    """`extra` with this worker's cores under `[deployment]`, unless it places the run itself (cores,
+    several servers, which spread by themselves, or a SLURM job)."""
+    keys = deployment_keys()
+    if not keys or any(k in extra for k in ("inference_cpus", "trainer_cpus", "inference_servers", "slurm")):
+        return extra
+    if "[deployment]\n" in extra:
+        return extra.replace("[deployment]\n", f"[deployment]\n{keys}", 1)
+    return f"{extra}\n[deployment]\n{keys}"
 
 
 def alive(pids: list[int]) -> list[int]:
