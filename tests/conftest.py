@@ -1,11 +1,13 @@
-"""Shared fixtures: the tiny model is built once per test session (it takes ~10 s); every test
+"""Shared fixtures: the tiny model is built once per test run (it takes ~10 s); every test
 fails if it leaves a thread running or a logging handler on a closed stream (`_nothing_left_running`)."""
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -107,20 +109,46 @@ def _nothing_left_running():
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
+def built_once(tmp_path_factory, request):
+    """`built_once(name, build)`: the folder `name` that `build(folder)` fills (given it empty), built
+    once per test run however many xdist workers ask for it (pytest-xdist's recipe for session data):
+    under a folder of the run's, behind a file lock, the first asker builds it and the others reuse
+    it. It is built under another name and renamed when complete, so a build that failed half-way is
+    never reused."""
+    from filelock import FileLock
 
-    return make_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("models") / "tiny"))
+    # A worker's basetemp is a folder of the run's; without xdist the session's is the run's.
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):
+        root = root.parent
+
+    def built_once(name: str, build: Callable[[Path], object]) -> Path:
+        folder = root / name
+        with FileLock(root / f"{name}.lock"):
+            if not folder.exists():
+                partial = root / f"{name}.partial"
+                shutil.rmtree(partial, ignore_errors=True)  # what a failed build left
+                partial.mkdir()
+                build(partial)
+                partial.rename(folder)
+        return folder
+
+    return built_once
 
 
 @pytest.fixture(scope="session")
-def tiny_moe_model(tmp_path_factory) -> Path:
+def tiny_model(built_once) -> Path:
+    from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
+
+    return built_once("tiny", lambda out: make_tiny_model(TinyModelConfig(output=out)))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(built_once) -> Path:
     """The tiny model as a mixture of experts (`make-tiny-model --preset tiny-moe`), random weights."""
     from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 
-    return make_tiny_model(
-        TinyModelConfig(output=tmp_path_factory.mktemp("models") / "tiny-moe", preset="tiny-moe")
-    )
+    return built_once("tiny-moe", lambda out: make_tiny_model(TinyModelConfig(output=out, preset="tiny-moe")))
 
 
 @pytest.fixture

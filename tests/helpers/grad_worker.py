@@ -1,16 +1,21 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
-argv: model_path out_file split [gae] [lora] [cp=N] [ep=N] [steps=N] [agg=MODE] [norm=MODE] [filtered]. With data-parallel ranks, rank 0 takes
-samples[:split] and the others deal the rest in turn, each packed into its own micro-batches (the poorer rank gets
-filler micro-batches). With cp=N, each data-parallel rank is N context-parallel ranks sharing its
-micro-batches. With ep=N, a MoE model's experts are split over N ranks. agg=MODE: the loss aggregation. Rank 0 saves the full (unsharded) gradients and the per-token metrics reduced over
-the ranks. With "gae", the estimator is GAE with a critic, KL in the reward and batch whitening (all
-reduced over ranks), and the critic's gradients are saved too. With steps=N, it trains N optimizer
-steps (a fresh global batch each) and saves the parameters before and after, and each step's metrics.
-With "lora", the policy (and the critic's body) train rank-4 adapters: only trained parameters are saved.
-norm=MODE: the advantages' batch_normalize. With "filtered", every rollout of the step was filtered:
-each rank gets one filler micro-batch, trains one step, and rank 0 saves its metrics and whether any
-parameter changed.
+argv: model_path RUN [+ RUN]..., each RUN being out_file split [gae] [lora] [cp=N] [ep=N] [steps=N]
+[agg=MODE] [norm=MODE] [filtered]. The runs go one after the other in the same processes, each with a
+fresh trainer: one interpreter start and one process group for all of them (so cp and ep are the same
+in every run).
+
+With data-parallel ranks, rank 0 takes samples[:split] and the others deal the rest in turn, each
+packed into its own micro-batches (the poorer rank gets filler micro-batches). With cp=N, each
+data-parallel rank is N context-parallel ranks sharing its micro-batches. With ep=N, a MoE model's
+experts are split over N ranks. agg=MODE: the loss aggregation. Rank 0 saves the full (unsharded)
+gradients and the per-token metrics reduced over the ranks. With "gae", the estimator is GAE with a
+critic, KL in the reward and batch whitening (all reduced over ranks), and the critic's gradients are
+saved too. With steps=N, it trains N optimizer steps (a fresh global batch each) and saves the
+parameters before and after, and each step's metrics. With "lora", the policy (and the critic's body)
+train rank-4 adapters: only trained parameters are saved. norm=MODE: the advantages'
+batch_normalize. With "filtered", every rollout of the step was filtered: each rank gets one filler
+micro-batch, trains one step, and rank 0 saves its metrics and whether any parameter changed.
 """
 
 import random
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.parallel.dist import close_world, exit_rank, init_world
+from prime_rl.trainer.parallel.dist import World, close_world, exit_rank, init_world
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
@@ -69,17 +74,21 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def main() -> None:
-    model_path, out_file, split = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    options = sys.argv[4:]
-    gae, lora = "gae" in options, "lora" in options
+def layout(options: list[str]) -> tuple[int, int]:
+    """(cp, ep) of a run's options."""
     cp = next((int(o[3:]) for o in options if o.startswith("cp=")), 1)
     ep = next((int(o[3:]) for o in options if o.startswith("ep=")), 1)
+    return cp, ep
+
+
+def run(world: World, model_path: str, out_file: str, split: int, options: list[str]) -> None:
+    """One run: a fresh trainer on this process's world; rank 0 writes `out_file`."""
+    gae, lora = "gae" in options, "lora" in options
+    cp, ep = layout(options)
     steps = next((int(o[6:]) for o in options if o.startswith("steps=")), 0)
     aggregation = next((o[4:] for o in options if o.startswith("agg=")), "token-mean")
     normalize = next((o[5:] for o in options if o.startswith("norm=")), None)
     filtered = "filtered" in options
-    world = init_world(cp, ep)
     config = TrainerConfig(
         model={"name": model_path, "logprob_chunk_tokens": 48},
         parallel={"cp": cp, "ep": ep},
@@ -132,8 +141,6 @@ def main() -> None:
             publisher.close()
         if world.is_main:
             torch.save({"before": before, "after": after, "metrics": history}, out_file)
-        close_world(world)
-        exit_rank(world, 0)
         return
     if filtered:
         before = [full(p) for p in trainer.model.parameters()]
@@ -143,8 +150,6 @@ def main() -> None:
         )
         if world.is_main:
             torch.save({"metrics": metrics, "changed": changed}, out_file)
-        close_world(world)
-        exit_rank(world, 0)
         return
     mbs = rank_micro_batches(world, split, 0)
     acc = trainer.accumulate(mbs)
@@ -156,6 +161,20 @@ def main() -> None:
         torch.save({"grads": grads, "global_tokens": global_tokens, "local_mbs": len(mbs),
                     "metrics": metrics},
                    out_file)  # fmt: skip
+
+
+def main() -> None:
+    model_path, args = sys.argv[1], sys.argv[2:]
+    runs, start = [], 0
+    for end in [i for i, a in enumerate(args) if a == "+"] + [len(args)]:
+        out_file, split, *options = args[start:end]
+        runs.append((out_file, int(split), options))
+        start = end + 1
+    layouts = {layout(options) for _, _, options in runs}
+    assert len(layouts) == 1, f"the runs of one launch share cp and ep, not {layouts}"
+    world = init_world(*layouts.pop())
+    for out_file, split, options in runs:
+        run(world, model_path, out_file, split, options)
     close_world(world)
     exit_rank(world, 0)
 

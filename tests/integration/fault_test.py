@@ -256,7 +256,8 @@ def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_pat
     kinds = ["inference", "trainer", "orchestrator"] * 2
     rng.shuffle(kinds)
     why = f"(seed {seed}: PRIME_RL_FAULT_SEED={seed} repeats it; kills {kinds})"
-    steps = 80  # steps take ~0.5 s here: ample for the 6 kills, each after progress
+    steps = 40  # each kill takes 1-5 steps (progress, then up to 1 s): ample for 6, and the
+    # test fails loudly (`kind in pids`) rather than passing short if the run ever ends first
     toml = write_config(tmp_path, tiny_model, "reverse-text", steps=steps, extra=(
         "[trainer.ckpt]\ninterval = 2\n[deployment]\nmax_restarts = 4\nrestart_backoff_s = 0.5\n"
     ))  # fmt: skip

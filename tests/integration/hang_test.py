@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,22 @@ def freeze(run: Path, kind: str) -> activity.State:
     return target
 
 
-def run_with_freeze(tmp_path: Path, model: Path, kind: str, steps: int, restarts: int, *flags: str):
-    """`rl` on reverse-text; once the trainer has done 3 steps, freeze a `kind` process. Returns
-    (rl's exit status, its console, the frozen state, seconds from the freeze to rl's exit or to the
-    trainer's next step after the stall line, whichever the caller needs: both are returned)."""
+@dataclass
+class Freeze:
+    """One process frozen during a run, and what followed."""
+
+    state: activity.State
+    lines: list[str]
+    """The stall lines `rl` printed between this freeze and the next (or the end)."""
+    healed_s: float | None
+    """Seconds from the freeze to a stall line and two more trainer steps; None if the run never got there."""
+
+
+def run_with_freezes(tmp_path: Path, model: Path, kinds: list[str], steps: int, restarts: int, *flags: str):
+    """`rl` on reverse-text, freezing a process of each of `kinds` in turn: the first once the trainer
+    has done 3 steps, each next one once the run healed from the one before and the trainer did 5 more
+    steps (so the watchdog has timed a step again and uses its adaptive timeout, not the first step's).
+    Returns (rl's exit status, its console, a `Freeze` per kind, seconds from the last freeze to exit)."""
     extra = (
         f"[trainer.ckpt]\ninterval = 2\n[deployment]\nmax_restarts = {restarts}\nrestart_backoff_s = 0.5\n"
     )
@@ -56,37 +69,45 @@ def run_with_freeze(tmp_path: Path, model: Path, kind: str, steps: int, restarts
     console = tmp_path / "rl.console"
     with console.open("w") as out:
         proc = subprocess.Popen([RL, "@", str(toml), *flags], stdout=out, stderr=subprocess.STDOUT)
-    frozen, healed_s = None, None
+    freezes: list[Freeze] = []
+    frozen: list[tuple[str, int]] = []
     try:
-        deadline = time.monotonic() + 600
-        while len(trainer_steps(run)) < 3:
-            assert proc.poll() is None, console.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no 3 trainer steps in 600 s"
-            time.sleep(0.2)
-        frozen = freeze(run, kind)
-        t_freeze, done_at = time.monotonic(), len(trainer_steps(run))
-        while proc.poll() is None:
+        deadline, wait_for = time.monotonic() + 600, 3
+        for kind in kinds:
+            while len(trainer_steps(run)) < wait_for:
+                assert proc.poll() is None, console.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"no {wait_for} trainer steps in 600 s"
+                time.sleep(0.2)
+            seen = len(stall_lines(console.read_text()))
+            state = freeze(run, kind)
+            frozen.append((kind, state.pid))
+            t_freeze, done_at, healed_s = time.monotonic(), len(trainer_steps(run)), None
             # Healed: a stall was declared and the trainer did two more steps (trained past the freeze).
-            if (
-                healed_s is None
-                and "rl: stall:" in console.read_text()
-                and len(trainer_steps(run)) > done_at + 1
-            ):
-                healed_s = time.monotonic() - t_freeze
-            assert time.monotonic() - t_freeze < 600, console.read_text()[-3000:]
-            time.sleep(0.2)
+            while proc.poll() is None and healed_s is None:
+                if len(stall_lines(console.read_text())) > seen and len(trainer_steps(run)) > done_at + 1:
+                    healed_s = time.monotonic() - t_freeze
+                assert time.monotonic() - t_freeze < 600, console.read_text()[-3000:]
+                time.sleep(0.2)
+            freezes.append(Freeze(state, [], healed_s))
+            deadline, wait_for = time.monotonic() + 600, len(trainer_steps(run)) + 5
+        proc.wait(timeout=600)
         exit_s = time.monotonic() - t_freeze
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
-        if frozen is not None:  # a frozen process that rl did not kill must not outlive the test
+        for kind, pid in frozen:  # a frozen process that rl did not kill must not outlive the test
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if kind == "inference":
-                    os.killpg(os.getpgid(frozen.pid), signal.SIGKILL)
+                    os.killpg(os.getpgid(pid), signal.SIGKILL)
                 else:
-                    os.kill(frozen.pid, signal.SIGKILL)
-    return proc.returncode, console.read_text(), frozen, healed_s, exit_s
+                    os.kill(pid, signal.SIGKILL)
+    text = console.read_text()
+    lines = stall_lines(text)
+    # Each stall line is the one of the first freeze whose process it names.
+    for f in freezes:
+        f.lines = [line for line in lines if f"(pid {f.state.pid})" in line]
+    return proc.returncode, text, freezes, exit_s
 
 
 def stall_lines(console: str) -> list[str]:
@@ -110,29 +131,45 @@ LAST_FRAMES = {
 }
 
 
-@pytest.mark.parametrize("kind", ["trainer", "inference", "orchestrator", "env-worker"])
-def test_a_frozen_process_is_named_its_stack_written_and_it_is_restarted(tiny_model, tmp_path, kind):
-    steps = 8
-    flags = ("--orchestrator.env-workers", "1") if kind == "env-worker" else ()
-    code, console, frozen, healed_s, _ = run_with_freeze(tmp_path, tiny_model, kind, steps, 2, *flags)
+KINDS = ["trainer", "env-worker", "orchestrator", "inference"]
+STEPS = 30
+"""Enough for four freezes, each healed, with 5 steps between them."""
+
+
+@pytest.fixture(scope="module")
+def four_freezes(tiny_model, tmp_path_factory):
+    """One run (one env worker) in which a process of each kind is frozen in turn: the four tests below
+    read it, so it costs one `rl` start instead of four."""
+    tmp = tmp_path_factory.mktemp("freezes")
+    code, console, freezes, _ = run_with_freezes(
+        tmp, tiny_model, KINDS, STEPS, len(KINDS), "--orchestrator.env-workers", "1"
+    )
+    return tmp / "run", code, console, dict(zip(KINDS, freezes, strict=True))
+
+
+@pytest.mark.xdist_group("four_freezes")
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_frozen_process_is_named_its_stack_written_and_it_is_restarted(four_freezes, kind):
+    run, code, console, freezes = four_freezes
     assert code == 0, console[-3000:]
-    lines = stall_lines(console)
-    assert len(lines) == 1, console[-3000:]  # one line per stall
-    line = lines[0]
+    assert len(stall_lines(console)) == len(KINDS), console[-3000:]  # one line per stall
+    frozen = freezes[kind].state
+    assert len(freezes[kind].lines) == 1, console[-3000:]
+    line = freezes[kind].lines[0]
     assert f"{frozen.label} (pid {frozen.pid}) is frozen (stopped by a signal)" in line, line
     timeout_s = float(re.search(r"stall timeout (\d+) s", line).group(1))
     assert FLOOR_S <= timeout_s <= 120, line
     stack_file = Path(re.search(r"stacks in (\S+)$", line).group(1))
-    assert stack_file.parent == tmp_path / "run" / "logs" and stack_file.name.startswith("stall_")
+    assert stack_file.parent == run / "logs" and stack_file.name.startswith("stall_")
     section = culprit_section(stack_file, frozen.label)
     assert "[culprit]" in section and "process state T" in section, section[:2000]
     assert re.search(LAST_FRAMES[kind], section), section[:3000]
     # Healed within the stall timeout plus the restart: the trainer went on past the freeze.
+    healed_s = freezes[kind].healed_s
     assert healed_s is not None and healed_s < timeout_s + 240, (healed_s, console[-3000:])
-    run = tmp_path / "run"
-    assert trainer_steps(run) == list(range(steps)), console[-3000:]  # every step exactly once
+    assert trainer_steps(run) == list(range(STEPS)), console[-3000:]  # every step exactly once
     orch = read_metrics(run / "orchestrator" / "metrics.jsonl")
-    assert [m["step"] for m in orch] == list(range(steps))
+    assert [m["step"] for m in orch] == list(range(STEPS))
     last = orch[-1]
     pending = last["rollouts/all/inflight"] + last["rollouts/all/waiting"]
     buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
@@ -144,10 +181,12 @@ def test_a_frozen_process_is_named_its_stack_written_and_it_is_restarted(tiny_mo
 
 
 def test_without_restarts_a_frozen_trainer_stops_the_run_with_status_1_and_the_line(tiny_model, tmp_path):
-    code, console, frozen, _, exit_s = run_with_freeze(tmp_path, tiny_model, "trainer", 20, 0)
+    code, console, (freeze,), exit_s = run_with_freezes(tmp_path, tiny_model, ["trainer"], 20, 0)
     assert code == 1, console[-3000:]
     lines = stall_lines(console)
-    assert len(lines) == 1 and f"{frozen.label} (pid {frozen.pid}) is frozen" in lines[0], console[-3000:]
+    assert len(lines) == 1 and f"{freeze.state.label} (pid {freeze.state.pid}) is frozen" in lines[0], (
+        console[-3000:]
+    )
     timeout_s = float(re.search(r"stall timeout (\d+) s", lines[0]).group(1))
     assert exit_s < timeout_s + 30, (exit_s, lines[0])
     assert "rl: trainer hung and was killed; stopping the others" in console
@@ -160,9 +199,9 @@ def test_two_trainer_ranks_one_frozen_mid_run_the_other_gives_up_and_rl_restarts
     naming the collective and the step; under `rl` the trainer (both ranks) restarts and resumes."""
     steps = 8
     flags = ("--deployment.trainer-ranks", "2", "--trainer.dist-timeout-s", "10")
-    code, console, frozen, _, _ = run_with_freeze(tmp_path, tiny_model, "trainer-rank1", steps, 2, *flags)
+    code, console, (freeze,), _ = run_with_freezes(tmp_path, tiny_model, ["trainer-rank1"], steps, 2, *flags)
     assert code == 0, console[-3000:]
-    assert frozen.label == "trainer-rank1"
+    assert freeze.state.label == "trainer-rank1"
     run = tmp_path / "run"
     log = (run / "logs" / "trainer.log").read_text()
     gave_up = [

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from prime_rl.orchestrator.envs_config import SamplingConfig
 from prime_rl.orchestrator.loop.samples import turn_stats
 
-pytestmark = pytest.mark.slow
+# One worker for the module: its tests share the module's vLLM server (`served`), started once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tool_server")]
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tool_add-tiny"
 

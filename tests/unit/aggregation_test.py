@@ -13,7 +13,10 @@ from prime_rl.trainer.batch import sample_index
 from prime_rl.trainer.losses.aggregation import divisor, token_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_grad_test import run_worker
+from trainer_grad_test import run_workers
+
+# On one xdist worker, which computes the module fixtures (shared by the training tests) once.
+pytestmark = pytest.mark.xdist_group("aggregation")
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -55,9 +58,20 @@ def test_weights_and_divisor_give_the_formula(mode):
 
 
 @pytest.fixture(scope="module")
-def one_rank_by_mode(tiny_model, tmp_path_factory):
+def one_rank_by_mode(tiny_model, tmp_path_factory) -> dict[str, dict]:
+    """One rank's output for each mode, from one process."""
     folder = tmp_path_factory.mktemp("agg")
-    return {m: run_worker(tiny_model, folder / f"{m}.pt", 1, 0, f"agg={m}") for m in MODES}
+    runs = [(folder / f"{m}.pt", 0, f"agg={m}") for m in MODES]
+    return dict(zip(MODES, run_workers(tiny_model, 1, *runs), strict=True))
+
+
+@pytest.fixture(scope="module")
+def dp2_by_cp2_by_mode(tiny_model, tmp_path_factory) -> dict[str, dict]:
+    """4 ranks' output (2 replicas of 2 cp ranks, 5 and 7 samples) for each mode but token-mean, from
+    one launch."""
+    folder = tmp_path_factory.mktemp("agg4")
+    runs = [(folder / f"{m}.pt", 5, f"agg={m}", "cp=2") for m in MODES[1:]]
+    return dict(zip(MODES[1:], run_workers(tiny_model, 4, *runs), strict=True))
 
 
 def test_the_modes_train_differently(one_rank_by_mode):
@@ -69,11 +83,10 @@ def test_the_modes_train_differently(one_rank_by_mode):
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
-def test_dp2_by_cp2_aggregates_like_one_rank(tiny_model, tmp_path, one_rank_by_mode, mode):
+def test_dp2_by_cp2_aggregates_like_one_rank(one_rank_by_mode, dp2_by_cp2_by_mode, mode):
     """4 ranks (2 replicas of 2 cp ranks, 5 and 7 samples): the global sample count and each
     sample's token count are the one rank's, so are the gradients."""
-    one = one_rank_by_mode[mode]
-    four = run_worker(tiny_model, tmp_path / "four.pt", 4, 5, f"agg={mode}", "cp=2")
+    one, four = one_rank_by_mode[mode], dp2_by_cp2_by_mode[mode]
     for name, g in one["grads"].items():
         assert g.abs().max() > 0, name
         torch.testing.assert_close(four["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")

@@ -1,11 +1,14 @@
 """Fixtures shared by unit test modules."""
 
 import pytest
+import torch
 from trainer_grad_test import run_worker
 
 
 @pytest.fixture(scope="session")
-def one_rank_gae(tiny_model, tmp_path_factory) -> dict:
+def one_rank_gae(tiny_model, built_once) -> dict:
     """One rank's gradients and metrics of the grad worker's batch under GAE with a critic, KL in the
-    reward and whitening: the reference of both the two-rank and the dp x cp runs (one worker run)."""
-    return run_worker(tiny_model, tmp_path_factory.mktemp("gae") / "one.pt", 1, 0, "gae")
+    reward and whitening: the reference of both the two-rank and the dp x cp runs (one worker run per
+    test run: the modules that use it may run on different xdist workers)."""
+    folder = built_once("one-rank-gae", lambda out: run_worker(tiny_model, out / "one.pt", 1, 0, "gae"))
+    return torch.load(folder / "one.pt")

@@ -16,9 +16,13 @@ from prime_rl.trainer.parallel.context_parallel import shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, WorldError, init_world
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_grad_test import run_worker
+from trainer_grad_test import run_worker, run_workers
 
 CPU = torch.device("cpu")
+
+# The tests that share the module fixtures run on one xdist worker, which computes them once (the
+# others, the slow checkpoint test among them, go wherever a worker is free).
+SHARES_FIXTURES = pytest.mark.xdist_group("context_parallel")
 
 
 def shards(sample_lens: list[int], cp: int):
@@ -116,6 +120,15 @@ def one_rank_steps(tiny_model, tmp_path_factory):
     return run_worker(tiny_model, tmp_path_factory.mktemp("cp") / "one.pt", 1, 0, "steps=3")
 
 
+@pytest.fixture(scope="module")
+def dp2_by_cp2(tiny_model, tmp_path_factory) -> dict[str, dict]:
+    """4 ranks (2 replicas of 2 cp ranks), from one launch: 3 steps with 5 and 7 samples per replica
+    ("steps"), and GAE with a critic's gradients with 7 and 5 ("gae")."""
+    folder = tmp_path_factory.mktemp("dp2cp2")
+    runs = [(folder / "steps.pt", 5, "steps=3", "cp=2"), (folder / "gae.pt", 7, "gae", "cp=2")]
+    return dict(zip(["steps", "gae"], run_workers(tiny_model, 4, *runs), strict=True))
+
+
 def assert_same_training(one: dict, other: dict) -> None:
     moved = max((one["after"][n] - one["before"][n]).abs().max().item() for n in one["after"])
     assert moved > 1e-4  # the steps trained, so equal parameters mean equal updates
@@ -126,6 +139,7 @@ def assert_same_training(one: dict, other: dict) -> None:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key
 
 
+@SHARES_FIXTURES
 def test_cp2_trains_like_one_rank(tiny_model, tmp_path, one_rank_steps):
     two = run_worker(tiny_model, tmp_path / "cp2.pt", 2, 0, "steps=3", "cp=2")
     assert_same_training(one_rank_steps, two)
@@ -133,16 +147,16 @@ def test_cp2_trains_like_one_rank(tiny_model, tmp_path, one_rank_steps):
     assert [m["tokens"] for m in two["metrics"]] == [m["tokens"] for m in one_rank_steps["metrics"]]
 
 
-def test_dp2_by_cp2_trains_like_one_rank(tiny_model, tmp_path, one_rank_steps):
-    four = run_worker(tiny_model, tmp_path / "dp2cp2.pt", 4, 5, "steps=3", "cp=2")
-    assert_same_training(one_rank_steps, four)
+@SHARES_FIXTURES
+def test_dp2_by_cp2_trains_like_one_rank(one_rank_steps, dp2_by_cp2):
+    assert_same_training(one_rank_steps, dp2_by_cp2["steps"])
 
 
-def test_critic_estimators_and_metrics_under_dp2_by_cp2(tiny_model, tmp_path, one_rank_gae):
+@SHARES_FIXTURES
+def test_critic_estimators_and_metrics_under_dp2_by_cp2(one_rank_gae, dp2_by_cp2):
     """GAE with a critic, KL in the reward and whitening: the values, returns and moments of a
     context-parallel group count each token once, so gradients and metrics equal one rank's."""
-    one = one_rank_gae
-    four = run_worker(tiny_model, tmp_path / "four.pt", 4, 7, "gae", "cp=2")
+    one, four = one_rank_gae, dp2_by_cp2["gae"]
     assert four["global_tokens"] == one["global_tokens"]
     for name, g in one["grads"].items():
         assert g.abs().max() > 0 or "critic" not in name, name

@@ -291,3 +291,12 @@ def test_servers_return_routes_when_the_machine_says_the_policy_is_a_mixture_of_
     assert not at(config, policy_experts=0).inference.return_routes  # dense: nothing to return
     off = RLConfig(orchestrator={"return_routes": False})
     assert not at(off, policy_experts=8).inference.return_routes  # not asked for
+
+
+def test_the_orchestrator_waits_for_the_servers_at_least_as_long_as_rl_does():
+    """It starts with the servers and waits for their health: a longer `startup_timeout_s` (a big
+    model) must not make it give up first; a longer wait of its own is kept."""
+    slow = at(RLConfig(deployment={"startup_timeout_s": 1800}))
+    assert slow.orchestrator.client.health_timeout_s == 1800
+    patient = at(RLConfig(orchestrator={"client": {"health_timeout_s": 3600}}))
+    assert patient.orchestrator.client.health_timeout_s == 3600

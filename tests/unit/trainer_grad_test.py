@@ -15,17 +15,31 @@ from prime_rl.net import free_port
 WORKER = str(Path(__file__).parents[1] / "helpers" / "grad_worker.py")
 
 
-def run_worker(model: Path, out: Path, ranks: int, split: int, *extra: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_workers(model: Path, ranks: int, *runs: tuple) -> list[dict]:
+    """The outputs of the grad worker's `runs`, each (out file, split, *options), run one after the
+    other in one launch of `ranks` processes (torchrun above one rank): a launch's interpreter starts
+    and process group cost more than a run on the tiny model."""
+    args = [str(model)]
+    for i, (out, split, *extra) in enumerate(runs):
+        args += (["+"] if i else []) + [str(out), str(split), *extra]
     if ranks == 1:
-        cmd = [sys.executable, WORKER, str(model), str(out), str(split), *extra]
+        cmd = [sys.executable, WORKER, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER, str(model), str(out), str(split),
-               *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER, *args]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+    return [torch.load(out) for out, *_ in runs]
+
+
+def run_worker(model: Path, out: Path, ranks: int, split: int, *extra: str) -> dict:
+    """The grad worker's output for one run (`run_workers`)."""
+    return run_workers(model, ranks, (out, split, *extra))[0]
+
+
+SPLITS = [6, 11]  # even-ish, and 11 samples vs 1
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +47,19 @@ def single_rank(tiny_model, tmp_path_factory):
     return run_worker(tiny_model, tmp_path_factory.mktemp("g") / "one.pt", ranks=1, split=0)
 
 
-@pytest.mark.parametrize("split", [6, 11])  # even-ish, and 11 samples vs 1
-def test_two_ranks_give_the_same_gradients_as_one(tiny_model, tmp_path, single_rank, split):
-    two = run_worker(tiny_model, tmp_path / "two.pt", ranks=2, split=split)
+@pytest.fixture(scope="module")
+def two_ranks_by_split(tiny_model, tmp_path_factory) -> dict[int, dict]:
+    """Two ranks' output for each split, from one launch."""
+    folder = tmp_path_factory.mktemp("g2")
+    runs = [(folder / f"two-{split}.pt", split) for split in SPLITS]
+    return dict(zip(SPLITS, run_workers(tiny_model, 2, *runs), strict=True))
+
+
+# Its cases share the module's fixtures: on one xdist worker, which computes them once.
+@pytest.mark.xdist_group("trainer_grad")
+@pytest.mark.parametrize("split", SPLITS)
+def test_two_ranks_give_the_same_gradients_as_one(single_rank, two_ranks_by_split, split):
+    two = two_ranks_by_split[split]
     assert two["global_tokens"] == single_rank["global_tokens"]
     for name, g1 in single_rank["grads"].items():
         g2 = two["grads"][name]

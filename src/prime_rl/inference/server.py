@@ -126,18 +126,23 @@ def wait_until_healthy(base_url: str, timeout_s: float = 300.0, process=None, po
     """Block until `<base_url>/health` answers 200; fail early if `process` (a Popen) exits."""
     import time
 
-    import httpx
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(
                 f"the inference server exited with status {process.returncode} before it was healthy"
             )
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if is_healthy(base_url):
+            return
         time.sleep(poll_s)
     raise TimeoutError(f"the inference server at {base_url} was not healthy after {timeout_s:.0f} s")
+
+
+def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
+    """Whether `<base_url>/health` answers 200 now."""
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False

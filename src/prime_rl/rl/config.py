@@ -108,7 +108,9 @@ class DeploymentConfig(BaseConfig):
     """Torch threads per trainer rank (default: its cores divided by the ranks, at least 1)."""
 
     startup_timeout_s: float = Field(default=600.0, gt=0)
-    """How long to wait for the inference server to become healthy."""
+    """How long to wait for the inference servers to become healthy. The trainer and the orchestrator
+    start with them (loading the model and the envs meanwhile); the orchestrator waits at least this
+    long for them too."""
 
     teacher_cpus: list[int] | None = None
     """CPU cores of the teacher's inference server, with `[teacher]` (default: the policy server's)."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from prime_rl import activity
 from prime_rl.config.cli import to_toml
 from prime_rl.disk import DiskFull, writing
-from prime_rl.inference.server import server_env, wait_until_healthy
+from prime_rl.inference.server import is_healthy, server_env
 from prime_rl.layout import restarts_path
 from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig
@@ -78,24 +78,40 @@ class Launcher:
         self.children.append(child)
         return child
 
-    def _start_servers(self, servers: tuple[Server, ...], base_env: dict[str, str]) -> list[Child] | None:
-        """This machine's servers, healthy; None if one did not come up (everything is stopped then)."""
+    def _start_servers(self, servers: tuple[Server, ...], base_env: dict[str, str]) -> list[Child]:
+        """This machine's servers, started: `watch` waits until they are healthy."""
         started = []
         for s in servers:
             # The plan's defaults, under the environment's own, under the server's run folders.
             env = {**s.env_defaults, **server_env(s.config, base_env), activity.ENV_LABEL: s.name}
             started.append(self._start(s.name, s.command, env, s.cpus, s.log_path, False, s.group))
             print(f"rl: starting {s.label} at {s.url} ...", flush=True)
-        for child, s in zip(started, servers, strict=True):
-            try:
-                wait_until_healthy(
-                    s.url, timeout_s=self.config.deployment.startup_timeout_s, process=child.proc
-                )
-            except (RuntimeError, TimeoutError) as e:
-                print(f"rl: error: {child.name}: {e}; see {child.log_path}", file=sys.stderr)
-                self.stop_all()
-                return None
         return started
+
+    def _look_at_starting(self, servers: list[Child], starting: dict[str, str], up_by: float) -> int | None:
+        """Drop the servers that answer their health route from `starting` (name -> URL); 1, with
+        everything stopped, when one of them exited or `startup_timeout_s` passed first."""
+        for child in servers:
+            url = starting.get(child.name)
+            if url is None:
+                continue
+            if child.proc.poll() is not None:
+                why = f"the inference server exited with status {child.proc.returncode} before it was healthy"
+            elif is_healthy(url):
+                del starting[child.name]
+                continue
+            elif time.monotonic() > up_by:
+                timeout_s = self.config.deployment.startup_timeout_s
+                why = f"the inference server at {url} was not healthy after {timeout_s:.0f} s"
+            else:
+                continue
+            print(f"rl: error: {child.name}: {why}; see {child.log_path}", file=sys.stderr, flush=True)
+            self.stop_all()
+            return 1
+        if not starting:
+            print("rl: inference is up", flush=True)
+            self.watchdog.restarted()  # the run's clock starts once its servers serve
+        return None
 
     def stop_all(self, announce: str | None = None) -> None:
         """SIGTERM every group, SIGKILL what is left after the grace period, reap. Runs once: a
@@ -195,34 +211,41 @@ class Launcher:
         print(f"rl: output in {self.out} (logs in {p.log_dir}){where}", flush=True)
         self.log_dir = p.log_dir
         activity.forget_gone(activity.folder(self.out), socket.gethostname())
-        servers: list[Child] = []
-        if p.servers:
-            started = self._start_servers(p.servers, base_env)
-            if started is None:
-                return 1
-            servers = started
-            print(
-                "rl: inference is up" + ("; starting trainer and orchestrator" if p.workers else ""),
-                flush=True,
-            )
+        servers = self._start_servers(p.servers, base_env)
+        # The trainer loads its model and the orchestrator its envs while the servers start (the
+        # orchestrator waits for their health itself): on a CPU build the trainer's cores are idle
+        # during a vLLM start, and the run's first step comes that much sooner.
         workers = [
             self._start(
                 w.name, w.command, {**base_env, **w.env}, w.cpus, w.log_path, True, again=w.restart_args
             )
             for w in p.workers
         ]
-        return self.watch(servers, workers)
+        return self.watch(servers, workers, {c.name: s.url for c, s in zip(servers, p.servers, strict=True)})
 
-    def watch(self, servers: list[Child], workers: list[Child], poll_s: float = 0.5) -> int:
+    def watch(
+        self,
+        servers: list[Child],
+        workers: list[Child],
+        starting: dict[str, str] | None = None,
+        poll_s: float = 0.5,
+    ) -> int:
         """Wait until every worker (trainer, orchestrator) has exited 0, then stop the servers: 0.
         A worker failing stops everything: that child's status, at least 1. A server serves until rl
         stops it, so one that exits has failed (vLLM's API server exits 0 when its engine dies): the
         run goes on while another server of its group lives (the orchestrator moves the work there),
-        and stops when none does. With no workers (an inference-only node) rl serves until stopped."""
+        and stops when none does; one that fails to start (`starting`: name -> URL, until healthy)
+        stops everything. With no workers (an inference-only node) rl serves until stopped."""
         done: set[str] = set()
+        starting = dict(starting or {})
+        up_by = time.monotonic() + self.config.deployment.startup_timeout_s
         next_check = time.monotonic() + CHECK_S
         while True:
+            if starting and (code := self._look_at_starting(servers, starting, up_by)) is not None:
+                return code
             for child in servers + workers:
+                if child.name in starting:  # its exit is a failed start: looked at above
+                    continue
                 code = child.proc.poll()
                 if code is None or (child.name in done and code == 0):
                     continue
@@ -267,7 +290,7 @@ class Launcher:
                     f"rl: done; metrics in {self.out / 'trainer'} and {self.out / 'orchestrator'}", flush=True
                 )
                 return 0
-            if time.monotonic() >= next_check and not self.stopping:
+            if time.monotonic() >= next_check and not self.stopping and not starting:
                 self._watch_for_stall(servers + workers)
                 next_check = time.monotonic() + CHECK_S
             time.sleep(poll_s)

@@ -233,7 +233,13 @@ def _orchestrator(
         transport = transport.model_copy(update={"host": hosts(d, "orchestrator")[0]})
     adapter = orch.lora_adapter or ((machine.run_dir.name or "run") if config.trainer.lora else None)
     update = {
-        "client": orch.client.model_copy(update={"base_urls": urls}),
+        # It starts with the servers and waits for them: at least as long as rl does.
+        "client": orch.client.model_copy(
+            update={
+                "base_urls": urls,
+                "health_timeout_s": max(orch.client.health_timeout_s, d.startup_timeout_s),
+            }
+        ),
         # The orchestrator sends each data-parallel replica its batches; a replica is cp ranks.
         "trainer_ranks": config.dp,
         "transport": transport,

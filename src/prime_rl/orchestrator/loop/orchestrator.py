@@ -103,9 +103,10 @@ class Orchestrator:
         }
         self.temperatures = {e.name: e.config.sampling.temperature for e in self.envs}
         self.pool = ServerPool(c.client)
-        log.info("checking inference at %s", ", ".join(c.client.base_urls))
+        teacher = (c.teacher.base_url,) if c.teacher else ()
+        log.info("checking inference at %s", ", ".join((*c.client.base_urls, *teacher)))
         activity.doing("waiting for the inference servers to answer", "inference")
-        await self.pool.wait_healthy()
+        await self.pool.wait_healthy(also=teacher)
         await check_weights_dirs(self.pool, self.output_dir, adapter=c.lora_adapter is not None)
         self.pipeline = PipelineConfig(
             c.seq_len,
