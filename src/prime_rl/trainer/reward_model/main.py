@@ -27,20 +27,14 @@ from pathlib import Path
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.shutdown import Stopped, exit_stopped, take_signals
+from prime_rl.trainer.loop import metrics_log, resume, train_steps
 from prime_rl.trainer.memory import keep_freed_memory
-from prime_rl.trainer.parallel.dist import (
-    World,
-    collective_error,
-    collective_failure,
-    init_world,
-    init_world_or_exit,
-    run_rank,
-)
+from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.reward_model.config import RewardModelTrainConfig
 from prime_rl.trainer.reward_model.data import PairsError, pack_pairs, pair_stream, read_pairs, split_pairs
 from prime_rl.trainer.reward_model.objective import BradleyTerry, save_reward_model
-from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS, resume_step
-from prime_rl.trainer.weights.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
+from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS
+from prime_rl.transport.messages import MicroBatch
 
 __all__ = ["PairsError", "RewardModelTrainConfig", "main", "read_pairs", "train"]
 
@@ -77,53 +71,38 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
         first["accuracy"],
         first["margin"],
     )
-    start = resume_step(config, world)
-    if start:
-        load_checkpoint(checkpoint_root(output_dir), start, rm.model, rm.optimizer, rm.scheduler, world)
+    start = resume(config, world, rm)
     stream = pair_stream(train_pairs, config.seed, start * config.batch_size)
-    metrics_log = None
-    if world.is_main:
-        from prime_rl.monitor import MetricsLogger, forget_steps_from
-
-        path = output_dir / "reward_model" / "metrics.jsonl"
-        forget_steps_from(path, start, evals=True)  # steps trained again, with their evals
-        metrics_log = MetricsLogger(path, config.wandb)
+    metrics = metrics_log(
+        world, output_dir / "reward_model" / "metrics.jsonl", start, config.wandb, evals=True
+    )
     held = None
-    step = start
-    try:
-        for step in range(start, config.max_steps):
-            t0 = time.perf_counter()
-            batch = [next(stream) for _ in range(config.batch_size)]
-            mbs = pack_pairs(batch, config.seq_len, world.dp, "reward_model", step)[world.dp_rank]
-            metrics = rm.train_step(mbs)
-            if (step + 1) % config.eval_interval == 0 or step + 1 == config.max_steps:
-                held = rm.evaluate(eval_batches)
-                metrics.update({f"eval/{k}": v for k, v in held.items()})
-            if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
-                metrics_log.log(step, metrics)
-                log.info(
-                    "step %d | loss %.4f | accuracy %.3f | grad_norm %.3f%s | %.1fs",
-                    step,
-                    metrics["loss"],
-                    metrics["accuracy"],
-                    metrics["grad_norm"],
-                    f" | held-out accuracy {held['accuracy']:.3f}" if "eval/accuracy" in metrics else "",
-                    time.perf_counter() - t0,
-                )
-            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-                save_checkpoint(
-                    checkpoint_root(output_dir),
-                    step + 1,
-                    rm.model,
-                    rm.optimizer,
-                    rm.scheduler,
-                    world,
-                    config.ckpt.keep,
-                )
-    except RuntimeError as e:
-        if not world.distributed or not collective_failure(e):
-            raise
-        raise collective_error(e, world, "dist_timeout_s", step) from None
+
+    def batches(step: int) -> list[MicroBatch]:
+        batch = [next(stream) for _ in range(config.batch_size)]
+        return pack_pairs(batch, config.seq_len, world.dp, "reward_model", step)[world.dp_rank]
+
+    def evaluation(step: int) -> dict[str, float]:
+        nonlocal held
+        if (step + 1) % config.eval_interval and step + 1 != config.max_steps:
+            return {}
+        held = rm.evaluate(eval_batches)
+        return {f"eval/{k}": v for k, v in held.items()}
+
+    t0 = time.perf_counter()
+    for step, figures in train_steps(config, world, rm, start, batches, also=evaluation):
+        if metrics is not None:
+            metrics.log(step, figures)
+            log.info(
+                "step %d | loss %.4f | accuracy %.3f | grad_norm %.3f%s | %.1fs",
+                step,
+                figures["loss"],
+                figures["accuracy"],
+                figures["grad_norm"],
+                f" | held-out accuracy {figures['eval/accuracy']:.3f}" if "eval/accuracy" in figures else "",
+                time.perf_counter() - t0,
+            )
+        t0 = time.perf_counter()
     if held is None:  # resumed from the last step's checkpoint: nothing trained here
         held = rm.evaluate(eval_batches)
     out = save_dir(config)
@@ -134,8 +113,8 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
         "margin": held["margin"],
         "seconds": time.perf_counter() - started,
     }
-    if metrics_log is not None:
-        metrics_log.close()
+    if metrics is not None:
+        metrics.close()
         (out / "reward_model_eval.json").write_text(json.dumps(result, indent=2) + "\n")
         log.info("saved the reward model to %s", out)
     return result

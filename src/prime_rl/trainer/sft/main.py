@@ -19,21 +19,14 @@ from typing import Any, NamedTuple
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
+from prime_rl.trainer.loop import metrics_log, resume, train_steps
 from prime_rl.trainer.memory import keep_freed_memory
-from prime_rl.trainer.parallel.dist import (
-    World,
-    collective_error,
-    collective_failure,
-    init_world,
-    init_world_or_exit,
-    run_rank,
-)
-from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS, resume_step
+from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
+from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS
 from prime_rl.trainer.sft.config import SFTConfig, SFTDataConfig
 from prime_rl.trainer.sft.objective import SFT
-from prime_rl.trainer.weights.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
 from prime_rl.trainer.weights.publish import Publisher
-from prime_rl.transport.messages import TrainingSample
+from prime_rl.transport.messages import MicroBatch, TrainingSample
 from prime_rl.transport.packing import pack
 
 log = logging.getLogger("prime_rl.sft")
@@ -160,55 +153,34 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
             raise SFTDataError(f"{ex.where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
         samples.append(s)
     trainer = SFT(config, world)
-    start = resume_step(config, world)
-    if start:
-        load_checkpoint(
-            checkpoint_root(output_dir), start, trainer.model, trainer.optimizer, trainer.scheduler, world
-        )
+    start = resume(config, world, trainer)
     stream = sample_stream(samples, config.data.seed, start * config.batch_size)
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, lora=config.lora)
-    metrics_log = None
+    metrics = metrics_log(world, output_dir / "sft" / "metrics.jsonl", start, config.wandb)
     if world.is_main:
-        from prime_rl.monitor import MetricsLogger, forget_steps_from
+        log.info("sft: %d examples, %d steps of %d", len(samples), config.max_steps, config.batch_size)
 
-        forget_steps_from(output_dir / "sft" / "metrics.jsonl", start)  # steps trained again
-        metrics_log = MetricsLogger(output_dir / "sft" / "metrics.jsonl", config.wandb)
-    log.info("sft: %d examples, %d steps of %d", len(samples), config.max_steps, config.batch_size)
-    step = start
-    try:
-        for step in range(start, config.max_steps):
-            t0 = time.perf_counter()
-            batch = [next(stream) for _ in range(config.batch_size)]
-            mbs = pack(batch, config.seq_len, world.dp, "sft", step)[world.dp_rank]  # cp ranks share them
-            metrics = trainer.train_step(mbs)
-            if metrics_log is not None:  # before the checkpoint, the step's commit point (as in the trainer)
-                metrics_log.log(step, metrics)
-                log.info(
-                    "step %d | loss %.4f | grad_norm %.3f | %.1fs",
-                    step,
-                    metrics["loss"],
-                    metrics["grad_norm"],
-                    time.perf_counter() - t0,
-                )
-            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-                save_checkpoint(
-                    checkpoint_root(output_dir),
-                    step + 1,
-                    trainer.model,
-                    trainer.optimizer,
-                    trainer.scheduler,
-                    world,
-                    config.ckpt.keep,
-                )
-    except RuntimeError as e:
-        if not world.distributed or not collective_failure(e):
-            raise
-        raise collective_error(e, world, "dist_timeout_s", step) from None
+    def batches(step: int) -> list[MicroBatch]:
+        batch = [next(stream) for _ in range(config.batch_size)]
+        return pack(batch, config.seq_len, world.dp, "sft", step)[world.dp_rank]  # cp ranks share them
+
+    t0 = time.perf_counter()
+    for step, figures in train_steps(config, world, trainer, start, batches):
+        if metrics is not None:
+            metrics.log(step, figures)
+            log.info(
+                "step %d | loss %.4f | grad_norm %.3f | %.1fs",
+                step,
+                figures["loss"],
+                figures["grad_norm"],
+                time.perf_counter() - t0,
+            )
+        t0 = time.perf_counter()
     save_dir = Path(config.save_dir or output_dir / "model")
     publisher.save(trainer.model, save_dir)
     publisher.close()
-    if metrics_log is not None:
-        metrics_log.close()
+    if metrics is not None:
+        metrics.close()
         log.info("saved the fine-tuned model to %s", save_dir)
     return save_dir
 
