@@ -46,15 +46,13 @@ def completion(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reward_model_dir(built_once) -> str:
+def reward_model_dir(tmp_path_factory) -> str:
     """An untrained reward model (random head) on the reverse-text tiny model: scores differ by text."""
-
-    def build(out: Path) -> None:
-        rm = init_reward_model(BASE)
-        rm.model.save_pretrained(out)
-        rm.tokenizer.save_pretrained(out)
-
-    return str(built_once("reward-model", build))
+    out = tmp_path_factory.mktemp("rm")
+    rm = init_reward_model(BASE)
+    rm.model.save_pretrained(out)
+    rm.tokenizer.save_pretrained(out)
+    return str(out)
 
 
 @pytest.fixture
@@ -292,7 +290,6 @@ def one_rank(tmp_path_factory) -> tuple[Path, RewardModelTrainConfig, list[tuple
     return tmp / "one" / "reward_model" / "model", config, figures(tmp / "one")
 
 
-@pytest.mark.xdist_group("reward_model")  # on one xdist worker, which trains `one_rank` once
 @pytest.mark.parametrize("flags", [(), ("--parallel.cp", "2")], ids=["dp=2", "cp=2"])
 def test_two_ranks_train_the_same_model_as_one(tmp_path, one_rank, flags):
     folder, config, one = one_rank
