@@ -3,18 +3,21 @@ when every server is healthy, and stops everything, with one line, when a server
 not healthy within `deployment.startup_timeout_s`. The children are small Python processes."""
 
 import asyncio
+import json
+import os
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from prime_rl.net import free_port
-from prime_rl.orchestrator.config import ClientConfig
-from prime_rl.orchestrator.loop.servers import InferenceUnavailable, ServerPool
-from prime_rl.rl.child import Child
+from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
+from prime_rl.orchestrator.envs_config import TeacherConfig
+from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.launcher import Launcher
 
@@ -87,30 +90,60 @@ def test_a_server_not_healthy_within_the_startup_timeout_stops_everything(tmp_pa
     assert server.proc.poll() is not None and worker.proc.poll() is not None
 
 
-class Healthy(BaseHTTPRequestHandler):
+class Models(BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200)
+        body = json.dumps({"data": [{"id": "teacher-model"}]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
 
 
-def test_the_orchestrator_waits_for_the_teacher_server_too():
-    """`rl` starts the orchestrator while the policy and teacher servers start: the orchestrator must
-    not ask a teacher that is not up yet."""
-    policy = ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
-    thread = threading.Thread(target=policy.serve_forever)
-    thread.start()
-    try:
-        pool = ServerPool(
-            ClientConfig(base_urls=[f"http://127.0.0.1:{policy.server_port}/v1"], health_timeout_s=1)
-        )
-        asyncio.run(pool.wait_healthy())  # the policy server alone answers
-        teacher = f"http://127.0.0.1:{free_port()}/v1"
-        with pytest.raises(InferenceUnavailable, match=teacher.removesuffix("/v1")):
-            asyncio.run(pool.wait_healthy(also=(teacher,)))
-    finally:
-        policy.shutdown()
-        policy.server_close()
-        thread.join()
+def test_the_teacher_check_waits_for_a_teacher_server_that_is_still_starting():
+    """`rl` starts the orchestrator while it starts the teacher's server: the check asks again until
+    the server answers (up to `wait_s`), and without time to wait it fails with the URL."""
+    port = free_port()
+    config = TeacherConfig(base_url=f"http://127.0.0.1:{port}/v1")
+    with pytest.raises(TeacherError, match=f"127.0.0.1:{port}/v1 does not answer /models"):
+        asyncio.run(Teacher(config).check())
+
+    async def started_later() -> str:
+        teacher = Teacher(config)
+        check = asyncio.create_task(teacher.check(wait_s=60))
+        await asyncio.sleep(0)  # the check has found nobody there
+        server = ThreadingHTTPServer(("127.0.0.1", port), Models)
+        thread = threading.Thread(target=server.serve_forever)
+        thread.start()
+        try:
+            await check
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join()
+        return teacher.model
+
+    assert asyncio.run(started_later()) == "teacher-model"
+
+
+def test_a_line_waiting_for_a_server_rl_starts_stays_in_the_log(tmp_path, capsys):
+    """`rl` says itself when its servers are up; a child's lines waiting for them are in its log only.
+    Waiting for another server (another machine's) still shows."""
+    lines = [
+        "orchestrator waiting for inference server http://127.0.0.1:8000 (ConnectError)",
+        "orchestrator waiting for inference server http://10.0.0.2:8000 (ConnectError)",
+        "orchestrator step 0 | done",
+    ]
+    code = "print(" + repr("\n".join(lines)) + ", flush=True)"
+    log = tmp_path / "orchestrator.log"
+    child = start_child("orchestrator", [sys.executable, "-c", code], dict(os.environ), None, log, True,
+                        quiet=("http://127.0.0.1:8000",))  # fmt: skip
+    child.proc.wait()
+    shown, deadline = "", time.monotonic() + 60
+    while "step 0 | done" not in shown:  # the pump thread writes the console after the log
+        assert time.monotonic() < deadline, shown
+        shown += capsys.readouterr().out
+        time.sleep(0.01)
+    assert log.read_text().splitlines() == lines
+    assert "127.0.0.1:8000" not in shown and "waiting for inference server http://10.0.0.2:8000" in shown

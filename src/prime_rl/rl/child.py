@@ -58,8 +58,11 @@ def start_child(
     console: bool,
     group: str = "",
     again: tuple[str, ...] = (),
+    quiet: tuple[str, ...] = (),
 ) -> Child:
-    """Start a child; `again`: arguments added when it is restarted (resume where it stopped)."""
+    """Start a child; `again`: arguments added when it is restarted (resume where it stopped);
+    `quiet`: the URLs of servers whose start `rl` reports itself, so the child's lines saying it
+    waits for one of them stay in its log."""
     with writing(log_path, "the logs"):
         log_path.parent.mkdir(parents=True, exist_ok=True)
     started = []
@@ -74,7 +77,9 @@ def start_child(
             start_new_session=True,  # its own process group: we stop it and everything it started
             preexec_fn=_affinity(cpus),
         )
-        threading.Thread(target=_pump, args=(name, proc.stdout, log_path, console), daemon=True).start()
+        threading.Thread(
+            target=_pump, args=(name, proc.stdout, log_path, console, quiet), daemon=True
+        ).start()
         started.append(proc.pid)
         return proc
 
@@ -87,7 +92,7 @@ def _affinity(cpus: list[int] | None):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-def _pump(name: str, stdout: IO[str], log_path: Path, console: bool) -> None:
+def _pump(name: str, stdout: IO[str], log_path: Path, console: bool, quiet: tuple[str, ...] = ()) -> None:
     """Copy a child's output to its log file and the interesting lines to the console. A log file
     that cannot be written (a full disk) is said once; the output is still drained, so the child
     never blocks on a full pipe, and its console lines (its own error line among them) still show."""
@@ -110,6 +115,7 @@ def _pump(name: str, stdout: IO[str], log_path: Path, console: bool) -> None:
             (console or ": error: " in line)
             and any(m in line for m in CONSOLE_MARKERS)
             and ROLLOUT_FAILED not in line
+            and not ("waiting for" in line and any(url in line for url in quiet))
         ):
             sys.stdout.write(f"[{name}] {line}" if not line.startswith(("[", " ")) else line)
             sys.stdout.flush()

@@ -215,9 +215,17 @@ class Launcher:
         # The trainer loads its model and the orchestrator its envs while the servers start (the
         # orchestrator waits for their health itself): on a CPU build the trainer's cores are idle
         # during a vLLM start, and the run's first step comes that much sooner.
+        quiet = tuple(s.url for s in p.servers)  # rl says when they are up
         workers = [
             self._start(
-                w.name, w.command, {**base_env, **w.env}, w.cpus, w.log_path, True, again=w.restart_args
+                w.name,
+                w.command,
+                {**base_env, **w.env},
+                w.cpus,
+                w.log_path,
+                True,
+                again=w.restart_args,
+                quiet=quiet,
             )
             for w in p.workers
         ]

@@ -69,7 +69,7 @@ class LocalEnvs:
                 self.teacher = Teacher(c.teacher)
                 log.info("checking the teacher at %s", c.teacher.base_url)
                 try:
-                    await self.teacher.check()
+                    await self.teacher.check(wait_s=c.client.health_timeout_s)
                 except TeacherError as e:
                     raise EnvError(str(e)) from None
         return envs

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
 from prime_rl.orchestrator.envs.http_retry import post_json
@@ -41,18 +42,32 @@ class Teacher:
         self._client = httpx.AsyncClient(timeout=config.timeout_s)
         self._slots = asyncio.Semaphore(config.concurrency)
 
-    async def check(self) -> None:
-        """Fail fast when the server does not serve `model`."""
+    async def check(self, wait_s: float = 0.0) -> None:
+        """Fail fast when the server does not serve `model`. A server that cannot be reached yet is
+        asked again for up to `wait_s` seconds: `rl` starts the orchestrator while it starts the
+        teacher's server."""
         import httpx
 
-        try:
-            response = await self._client.get(f"{self.base}/models", timeout=10)
-            response.raise_for_status()
-            served = [m["id"] for m in response.json().get("data", [])]
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            raise TeacherError(
-                f"teacher.base_url: {self.config.base_url} does not answer /models: {e}"
-            ) from None
+        deadline, waited = time.monotonic() + wait_s, False
+        while True:
+            try:
+                response = await self._client.get(f"{self.base}/models", timeout=10)
+                response.raise_for_status()
+                served = [m["id"] for m in response.json().get("data", [])]
+                break
+            except httpx.TransportError as e:
+                if not waited:
+                    log.info("waiting for the teacher server %s (%s)", self.base, type(e).__name__)
+                    waited = True
+                if time.monotonic() >= deadline:
+                    raise TeacherError(
+                        f"teacher.base_url: {self.config.base_url} does not answer /models: {e}"
+                    ) from None
+                await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                raise TeacherError(
+                    f"teacher.base_url: {self.config.base_url} does not answer /models: {e}"
+                ) from None
         if self.model and self.model not in served:
             raise TeacherError(
                 f"teacher.model: '{self.model}' is not served at {self.config.base_url} (it serves {served})"

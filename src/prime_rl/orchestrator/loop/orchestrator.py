@@ -103,10 +103,9 @@ class Orchestrator:
         }
         self.temperatures = {e.name: e.config.sampling.temperature for e in self.envs}
         self.pool = ServerPool(c.client)
-        teacher = (c.teacher.base_url,) if c.teacher else ()
-        log.info("checking inference at %s", ", ".join((*c.client.base_urls, *teacher)))
+        log.info("checking inference at %s", ", ".join(c.client.base_urls))
         activity.doing("waiting for the inference servers to answer", "inference")
-        await self.pool.wait_healthy(also=teacher)
+        await self.pool.wait_healthy()
         await check_weights_dirs(self.pool, self.output_dir, adapter=c.lora_adapter is not None)
         self.pipeline = PipelineConfig(
             c.seq_len,

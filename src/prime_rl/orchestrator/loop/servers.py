@@ -64,11 +64,8 @@ class ServerPool:
         server.up = False
         self.suspected.set()
 
-    async def wait_healthy(self, also: tuple[str, ...] = ()) -> None:
-        """Every server healthy, and the servers at the base URLs in `also` (a teacher's): `rl` starts
-        this process while they start."""
-        roots = [s.root_url for s in self.servers] + [Server(url).root_url for url in also]
-        await asyncio.gather(*(wait_healthy(root, self.config.health_timeout_s) for root in roots))
+    async def wait_healthy(self) -> None:
+        await asyncio.gather(*(wait_healthy(s.root_url, self.config.health_timeout_s) for s in self.servers))
 
 
 async def wait_healthy(
