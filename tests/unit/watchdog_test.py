@@ -26,9 +26,11 @@ SPEAKER = textwrap.dedent(
     from prime_rl import activity
     activity.start(sys.argv[2], sys.argv[3], sys.argv[1])
     activity.doing(sys.argv[4], sys.argv[5], int(sys.argv[6]))
-    print("ready", flush=True)
 
     def frozen_here():
+        # Said from in here: once the test reads it, this frame is on the stack (said before the
+        # call, a stack taken at once could still show the module's line).
+        print("ready", flush=True)
         while True:
             time.sleep(0.05)
 
