@@ -54,11 +54,25 @@ def child(launcher: Launcher, name: str, *args: str) -> Child:
     return c
 
 
-def launcher(tmp_path: Path, startup_timeout_s: float = 60.0) -> Launcher:
-    return Launcher(RLConfig(output_dir=tmp_path, deployment={"startup_timeout_s": startup_timeout_s}))
+@pytest.fixture
+def launcher():
+    """A launcher factory; every child a test started is stopped after it, even when it fails."""
+    made: list[Launcher] = []
+
+    def make(tmp_path: Path, startup_timeout_s: float = 60.0) -> Launcher:
+        made.append(
+            Launcher(RLConfig(output_dir=tmp_path, deployment={"startup_timeout_s": startup_timeout_s}))
+        )
+        return made[-1]
+
+    yield make
+    for rl in made:
+        rl.stop_all()
 
 
-def test_the_workers_run_while_the_server_starts_and_the_console_says_when_it_is_up(tmp_path, capsys):
+def test_the_workers_run_while_the_server_starts_and_the_console_says_when_it_is_up(
+    launcher, tmp_path, capsys
+):
     rl = launcher(tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -70,7 +84,7 @@ def test_the_workers_run_while_the_server_starts_and_the_console_says_when_it_is
     assert capsys.readouterr().out.count("rl: inference is up") == 1
 
 
-def test_a_server_that_exits_before_it_is_healthy_stops_everything_with_one_line(tmp_path, capsys):
+def test_a_server_that_exits_before_it_is_healthy_stops_everything_with_one_line(launcher, tmp_path, capsys):
     rl = launcher(tmp_path)
     server = child(rl, "inference", "import os; os._exit(3)")
     worker = child(rl, "trainer", "import time; time.sleep(600)")
@@ -80,7 +94,7 @@ def test_a_server_that_exits_before_it_is_healthy_stops_everything_with_one_line
     assert worker.proc.poll() is not None  # stopped with the run
 
 
-def test_a_server_not_healthy_within_the_startup_timeout_stops_everything(tmp_path, capsys):
+def test_a_server_not_healthy_within_the_startup_timeout_stops_everything(launcher, tmp_path, capsys):
     rl = launcher(tmp_path, startup_timeout_s=1.0)
     url = f"http://127.0.0.1:{free_port()}"
     server = child(rl, "inference", "import time; time.sleep(600)")
