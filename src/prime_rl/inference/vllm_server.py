@@ -202,6 +202,12 @@ def main() -> None:
 
     import vllm.entrypoints.launchers.api_server.entry as entry
 
+    from prime_rl.inference.forked_engine import fork_engine_processes
+    from prime_rl.inference.server import is_cpu_build
+
+    if is_cpu_build():
+        fork_engine_processes(entry)
+
     build_app = entry.build_app
 
     def build_app_with_reload(*args, **kwargs):
