@@ -91,3 +91,14 @@ def test_a_run_with_its_own_vllm_cache_and_a_long_path_still_gets_its_inference_
     env = server_env(InferenceConfig(output_dir=out), base={"VLLM_CACHE_ROOT": str(tmp_path / "cache")})
     assert not env["TMPDIR"].startswith(str(out)) and env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache")
     assert (out / "inference").is_dir()
+
+
+def test_runs_share_vllms_own_cache(tmp_path):
+    # A cache per run made every server start inspect the model's class in a subprocess that imports
+    # vLLM again (8 s of a 20 s start on 2 cores) and, on GPUs, compile its kernels again.
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.inference.server import server_env
+
+    env = server_env(InferenceConfig(output_dir=tmp_path / "run"), base={})
+    assert "VLLM_CACHE_ROOT" not in env  # vLLM's default: the user's cache folder
+    assert not (tmp_path / "run" / "inference" / "cache").exists()

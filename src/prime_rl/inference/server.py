@@ -12,6 +12,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from prime_rl import tls
 from prime_rl.inference.config import InferenceConfig
 
 
@@ -87,22 +88,19 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
     env = dict(os.environ if base is None else base)
     run_dir = Path(config.output_dir).resolve() / "inference"
     tmp = short_tmp_dir(run_dir / "tmp")
-    for d in (run_dir, tmp):  # run_dir holds stop.log, whether or not TMPDIR and the cache live in it
+    for d in (run_dir, tmp):  # run_dir holds stop.log, whether or not TMPDIR lives in it
         d.mkdir(parents=True, exist_ok=True)
     env.update(
         {
-            # vLLM leaves sockets and caches in TMPDIR and the user cache: keep them per run.
+            # vLLM leaves its IPC sockets in TMPDIR: keep them per run.
             "TMPDIR": str(tmp),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
     )
-    # Unless the caller chose a cache folder: vLLM inspects the model's class in a subprocess that
-    # imports vLLM (6-9 s of a 30 s start on 2 cores) unless its cache holds the answer; the tests
-    # share one cache across their ~30 server starts.
-    if "VLLM_CACHE_ROOT" not in env:
-        env["VLLM_CACHE_ROOT"] = str(run_dir / "cache")
-        (run_dir / "cache").mkdir(parents=True, exist_ok=True)
+    # vLLM's cache stays vLLM's own (VLLM_CACHE_ROOT, else the user's cache folder), shared by
+    # runs: a cache per run made every start inspect the model's class in a subprocess that imports
+    # vLLM (8 s of a 20 s start on 2 cores) and, on GPUs, compile its kernels again.
     # vLLM closes a keep-alive connection after 5 idle s, the same moment httpx's pool gives up on
     # it: a request sent on it just then failed with a connection error in a healthy run (the eval
     # and reload pauses leave connections idle). The server keeps them far longer than the client.
@@ -143,6 +141,6 @@ def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
     import httpx
 
     try:
-        return httpx.get(f"{base_url}/health", timeout=timeout_s).status_code == 200
+        return httpx.get(f"{base_url}/health", timeout=timeout_s, verify=tls.context()).status_code == 200
     except httpx.HTTPError:
         return False

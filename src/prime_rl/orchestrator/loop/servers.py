@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from prime_rl import tls
 from prime_rl.orchestrator.config import ClientConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ async def wait_healthy(
     deadline = time.monotonic() + timeout_s
     delay, last = first_delay_s, "no answer"
     warned = False
-    async with httpx.AsyncClient(timeout=5.0) as http:
+    async with httpx.AsyncClient(timeout=5.0, verify=tls.context()) as http:
         while True:
             try:
                 resp = await http.get(f"{root_url}/health")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import activity
+from prime_rl import activity, tls
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 
@@ -104,7 +104,7 @@ class WeightSync:
         """Claim the adapter's name on every server before the first request (no-op without one)."""
         if self.adapter is None:
             return
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        async with httpx.AsyncClient(timeout=self.timeout_s, verify=tls.context()) as http:
             await asyncio.gather(*(self._claim(http, s) for s in self.pool.servers))
 
     async def _claim(self, http: httpx.AsyncClient, server: Server) -> None:
@@ -125,7 +125,7 @@ class WeightSync:
         if self.adapter is None:
             return
         body = {"name": self.adapter.name, "owner": self.adapter.owner}
-        async with httpx.AsyncClient(timeout=10.0) as http:
+        async with httpx.AsyncClient(timeout=10.0, verify=tls.context()) as http:
             for server in self.pool.servers:
                 with contextlib.suppress(httpx.HTTPError):  # a server that is gone holds nothing
                     await http.post(f"{server.root_url}{UNLOAD_ADAPTER_ROUTE}", json=body)
@@ -194,7 +194,7 @@ class WeightSync:
         activity.doing(f"loading the weights of step {step} into {len(servers)} server(s)", "inference")
         unreachable: list[Server] = []
         broadcast = self.broadcast(step)
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        async with httpx.AsyncClient(timeout=self.timeout_s, verify=tls.context()) as http:
 
             async def check(server: Server) -> None:
                 served = await served_step(http, server, self.adapter)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prime_rl import tls
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.weight_transfer import (
     DTYPES,
@@ -89,7 +90,7 @@ class Broadcaster:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         c = self.config
-        with httpx.Client() as http:
+        with httpx.Client(verify=tls.context()) as http:
             found = {url.rstrip("/"): self._ask(http, url.rstrip("/")) for url in c.servers}
         live = {url: a[0] for url, a in found.items() if a}
         if not live:
@@ -117,7 +118,12 @@ class Broadcaster:
                 "timeout_s": c.timeout_s,
             }
             try:
-                reply = httpx.post(f"{url}/prime_rl/receive_weights", json=body, timeout=3 * c.timeout_s + 30)
+                reply = httpx.post(
+                    f"{url}/prime_rl/receive_weights",
+                    json=body,
+                    timeout=3 * c.timeout_s + 30,
+                    verify=tls.context(),
+                )
                 answers[url] = (
                     "ok" if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"
                 )
