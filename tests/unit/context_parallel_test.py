@@ -16,7 +16,7 @@ from prime_rl.trainer.parallel.context_parallel import shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, WorldError, init_world
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_grad_test import run_worker, run_workers
+from trainer_grad_test import ranks_cmd, run_worker, run_workers
 
 CPU = torch.device("cpu")
 
@@ -213,7 +213,6 @@ def test_cp2_checkpoints_and_resumes_like_an_uninterrupted_rank(tiny_model, tmp_
 
     from safetensors.torch import load_file
 
-    from prime_rl.net import free_port
     from prime_rl.transport.file_transport import FileSender
     from prime_rl.transport.packing import pack
 
@@ -235,8 +234,7 @@ def test_cp2_checkpoints_and_resumes_like_an_uninterrupted_rank(tiny_model, tmp_
         )
         cmd = [sys.executable, "-m", "prime_rl.trainer.main", "@", str(toml)]
         if ranks > 1:
-            cmd[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                        "127.0.0.1", "--master-port", str(free_port()), "-m", "prime_rl.trainer.main"]  # fmt: skip
+            cmd = ranks_cmd(ranks, "-m", "prime_rl.trainer.main", "@", str(toml))
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
         )

@@ -18,7 +18,7 @@ from prime_rl.trainer.parallel.dist import World, WorldError, init_world
 
 sys.path.insert(0, str(Path(__file__).parent))
 from context_parallel_test import assert_same_training
-from trainer_grad_test import run_worker
+from trainer_grad_test import ranks_cmd, run_worker
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +94,13 @@ def test_a_dense_model_given_by_hub_id_is_refused_at_load(tiny_model):
 
 
 def test_ep2_checkpoints_resume_under_ep1(tiny_moe_model, tmp_path):
-    """Trained 2 steps with ep = 2 on 2 ranks (the trainer as users run it: torchrun, the filesystem
-    transport), checkpointed, then resumed with ep = 1 for a third step: the published weights equal
+    """Trained 2 steps with ep = 2 on 2 ranks (the trainer's main, the filesystem transport),
+    checkpointed, then resumed with ep = 1 for a third step: the published weights equal
     those of 3 steps at ep = 1 straight. The checkpoint holds each expert tensor whole (DCP reshards
     on load), and the weights published under ep = 2 have every expert too."""
     from safetensors.torch import load_file
     from trainer_test import samples
 
-    from prime_rl.net import free_port
     from prime_rl.transport.file_transport import FileSender
     from prime_rl.transport.packing import pack
 
@@ -118,8 +117,7 @@ def test_ep2_checkpoints_resume_under_ep1(tiny_moe_model, tmp_path):
             f"[parallel]\nep = {ep}\n[optim]\nlr = 1e-3\neps = 1e-3\n[ckpt]\ninterval = 2\nresume_step = -1\n"
             f'[transport]\ntype = "filesystem"\ndir = "{data}"\nrun_id = "{name}"\ntimeout_s = 60\n'
         )
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), "-m", "prime_rl.trainer.main", "@", str(toml)]  # fmt: skip
+        cmd = ranks_cmd(2, "-m", "prime_rl.trainer.main", "@", str(toml))
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
         )

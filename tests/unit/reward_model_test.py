@@ -8,7 +8,6 @@ import copy
 import json
 import os
 import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,13 +17,13 @@ import torch
 from config_test import parse_error
 from orchestrator_test import make_config, rollouts, run
 from safetensors.torch import load_file
+from trainer_grad_test import ranks_cmd
 from transformers import AutoModel, AutoTokenizer
 
 from fake_server import FakeServer
 from prime_rl.inference.reward_server import RewardServerConfig, make_server
 from prime_rl.model.reward import RewardModelError, init_reward_model, load_reward_model
 from prime_rl.monitor import read_metrics
-from prime_rl.net import free_port
 from prime_rl.orchestrator.envs.reward_model import Batcher, RemoteScorer, reward_function
 from prime_rl.orchestrator.envs.rewards import REWARD_ERROR, RewardRunner
 from prime_rl.orchestrator.envs_config import RewardsConfig
@@ -267,9 +266,7 @@ def run_ranks(tmp_path: Path, config: RewardModelTrainConfig, run: str, *flags: 
     figures."""
     settings = {**SMALL, "model": {"name": BASE}, "output_dir": tmp_path / run,
                 "data": {"path": config.data.path, "eval_fraction": config.data.eval_fraction}}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "prime_rl.trainer.reward_model.main", *as_flags(settings),
-           *flags]  # fmt: skip
+    cmd = ranks_cmd(2, "-m", "prime_rl.trainer.reward_model.main", *as_flags(settings), *flags)
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )

@@ -10,23 +10,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from prime_rl.net import free_port
-
 WORKER = str(Path(__file__).parents[1] / "helpers" / "grad_worker.py")
+FORK_RANKS = str(Path(__file__).parents[1] / "helpers" / "fork_ranks.py")
+"""Starts the ranks as torchrun would, forked after the imports they share (its docstring)."""
+
+
+def ranks_cmd(ranks: int, *target: str) -> list[str]:
+    """The command that runs `target` (a script and its arguments, or "-m", a module and its
+    arguments) as `ranks` ranks of one job (`fork_ranks.py`)."""
+    return [sys.executable, FORK_RANKS, str(ranks), *target]
 
 
 def run_workers(model: Path, ranks: int, *runs: tuple) -> list[dict]:
     """The outputs of the grad worker's `runs`, each (out file, split, *options), run one after the
-    other in one launch of `ranks` processes (torchrun above one rank): a launch's interpreter starts
-    and process group cost more than a run on the tiny model."""
+    other in one launch of `ranks` processes (`fork_ranks.py` above one rank): a launch's interpreter
+    starts and process group cost more than a run on the tiny model."""
     args = [str(model)]
     for i, (out, split, *extra) in enumerate(runs):
         args += (["+"] if i else []) + [str(out), str(split), *extra]
-    if ranks == 1:
-        cmd = [sys.executable, WORKER, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER, *args]  # fmt: skip
+    cmd = (
+        [sys.executable, WORKER, *args]
+        if ranks == 1
+        else [sys.executable, FORK_RANKS, str(ranks), WORKER, *args]
+    )
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
