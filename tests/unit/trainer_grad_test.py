@@ -28,11 +28,7 @@ def run_workers(model: Path, ranks: int, *runs: tuple) -> list[dict]:
     args = [str(model)]
     for i, (out, split, *extra) in enumerate(runs):
         args += (["+"] if i else []) + [str(out), str(split), *extra]
-    cmd = (
-        [sys.executable, WORKER, *args]
-        if ranks == 1
-        else [sys.executable, FORK_RANKS, str(ranks), WORKER, *args]
-    )
+    cmd = [sys.executable, WORKER, *args] if ranks == 1 else ranks_cmd(ranks, WORKER, *args)
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
