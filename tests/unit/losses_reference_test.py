@@ -1,7 +1,10 @@
 """Every built-in loss against its paper's formula, written here token by token (scalar torch ops, so
 autograd gives the reference gradient), on random micro-batches: 1 to 8 samples of 1 to 9 tokens,
 loss masks with gaps (multi-turn), tied advantages, ratios of exactly 1 and ratios far outside every
-band. Values and gradients within 1e-5."""
+band. Values and gradients within 1e-5. Each formula is written against a base policy: the sampler
+(`old_policy = 'sampler'`), or pi_old (the decoupled objective, here a pi_old that differs from the
+trainer's policy, as on a step's later mini-batches); then the rollout correction reads pi_old / mu.
+Last, the minimal inputs on which the frame once disagreed with its own docstring."""
 
 import math
 import random
@@ -16,7 +19,8 @@ WIDE = {"mask_low": 0.0, "mask_high": 1e9}  # the frame's trust masks out of the
 
 
 def batch(seed: int):
-    """(sampling logprobs, trainer logprobs, advantages, loss mask, sample lengths) as Python lists."""
+    """(sampling logprobs, trainer logprobs, advantages, loss mask, sample lengths, old logprobs) as
+    Python lists; pi_old lies between the sampler and the trainer."""
     rng = random.Random(seed)
     lens = [rng.randint(1, 9) for _ in range(rng.randint(1, 8))]
     sampling, trainer, adv, mask = [], [], [], []
@@ -36,32 +40,42 @@ def batch(seed: int):
             trainer.append(min(t, -1e-3))
             adv.append(a)
             mask.append(not (n > 2 and gap <= i < gap + 2))
-    return sampling, trainer, adv, mask, lens
+    old = [t + rng.gauss(0, 0.2) * (rng.random() < 0.7) for t in trainer]
+    return sampling, trainer, adv, mask, lens, [min(o, -1e-3) for o in old]
 
 
-def run(config, data):
-    sampling, trainer, adv, mask, lens = data
-    lp = torch.tensor(trainer, dtype=torch.float64, requires_grad=True)
-    out = build_loss(config)(
-        LossInputs(
-            lp,
-            torch.tensor(sampling, dtype=torch.float64),
-            torch.tensor(adv, dtype=torch.float64),
-            torch.tensor(mask),
-            torch.ones(len(trainer), dtype=torch.float64),
-            lens,
-        )
+def base_of(data, old_policy: str) -> list[float]:
+    """The logprobs the loss's ratio divides by."""
+    return data[0] if old_policy == "sampler" else data[5]
+
+
+def inputs_of(data, old_policy: str, lp: torch.Tensor) -> LossInputs:
+    sampling, trainer, adv, mask, lens, old = data
+    return LossInputs(
+        lp,
+        torch.tensor(sampling, dtype=torch.float64),
+        torch.tensor(adv, dtype=torch.float64),
+        torch.tensor(mask),
+        torch.ones(len(trainer), dtype=torch.float64),
+        lens,
+        old_logprobs=torch.tensor(old, dtype=torch.float64) if old_policy == "trainer" else None,
     )
+
+
+def run(config, data, correction=None):
+    lp = torch.tensor(data[1], dtype=torch.float64, requires_grad=True)
+    out = build_loss(config, correction=correction)(inputs_of(data, config.old_policy, lp))
     out.token_loss.sum().backward()
     return out.token_loss.detach(), lp.grad
 
 
-def reference(formula, data):
-    """Per-token losses of `formula(trainer logprob (a 0-d tensor), sampling logprob, advantage)` on
-    the masked tokens (0 elsewhere), and the gradient of their sum."""
-    sampling, trainer, adv, mask, _ = data
+def reference(formula, data, old_policy: str = "sampler"):
+    """Per-token losses of `formula(trainer logprob (a 0-d tensor), base logprob, advantage)` on the
+    masked tokens (0 elsewhere), and the gradient of their sum."""
+    _, trainer, adv, mask, _, _ = data
+    base = base_of(data, old_policy)
     lp = torch.tensor(trainer, dtype=torch.float64, requires_grad=True)
-    losses = [formula(lp[i], sampling[i], adv[i]) if mask[i] else lp[i] * 0 for i in range(len(trainer))]
+    losses = [formula(lp[i], base[i], adv[i]) if mask[i] else lp[i] * 0 for i in range(len(trainer))]
     total = torch.stack(losses)
     total.sum().backward()
     return total.detach(), lp.grad
@@ -120,27 +134,34 @@ def cpgd_formula(lo, hi, drift):
 
 
 CASES = {
-    "ppo": (PPOLoss(**WIDE), ppo_formula(0.2, 0.28)),
-    "dual_clip": (DualClipLoss(**WIDE, clip_c=2.0), dual_clip_formula(0.2, 0.28, 2.0)),
-    "cispo": (CISPOLoss(**WIDE), cispo_formula(1.0, 4.0)),
-    "cispo_bounded": (CISPOLoss(**WIDE, clip_low=0.2, clip_high=0.28), cispo_formula(0.2, 0.28)),
-    "sapo": (SAPOLoss(**WIDE), sapo_formula(1.0, 1.05)),
-    "dppo": (DPPOLoss(**WIDE), dppo_formula(0.2, 0.2, 1e-3)),
+    "ppo": (PPOLoss, {}, ppo_formula(0.2, 0.28)),
+    "dual_clip": (DualClipLoss, {"clip_c": 2.0}, dual_clip_formula(0.2, 0.28, 2.0)),
+    "cispo": (CISPOLoss, {}, cispo_formula(1.0, 4.0)),
+    "cispo_bounded": (CISPOLoss, {"clip_low": 0.2, "clip_high": 0.28}, cispo_formula(0.2, 0.28)),
+    "sapo": (SAPOLoss, {}, sapo_formula(1.0, 1.05)),
+    "dppo": (DPPOLoss, {}, dppo_formula(0.2, 0.2, 1e-3)),
     "dppo_tight": (
-        DPPOLoss(**WIDE, delta_low=0.01, delta_high=0.02, kl_tau=0.5),
+        DPPOLoss,
+        {"delta_low": 0.01, "delta_high": 0.02, "kl_tau": 0.5},
         dppo_formula(0.01, 0.02, 0.5),
     ),
-    "cpgd": (CPGDLoss(**WIDE), cpgd_formula(0.2, 0.28, CPGDLoss().drift_coef)),
+    "cpgd": (CPGDLoss, {}, cpgd_formula(0.2, 0.28, CPGDLoss().drift_coef)),
 }
 
 
+def case(name: str, old_policy: str):
+    cls, kwargs, formula = CASES[name]
+    return cls(**WIDE, **kwargs, old_policy=old_policy), formula
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("seed", range(6))
-def test_each_loss_is_its_formula(name, seed):
-    config, formula = CASES[name]
+@pytest.mark.parametrize("old_policy", ["sampler", "trainer"])
+@pytest.mark.parametrize("seed", range(4))
+def test_each_loss_is_its_formula(name, old_policy, seed):
+    config, formula = case(name, old_policy)
     data = batch(seed)
     values, grad = run(config, data)
-    ref_values, ref_grad = reference(formula, data)
+    ref_values, ref_grad = reference(formula, data, old_policy)
     torch.testing.assert_close(values, ref_values, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
     assert grad.abs().sum() > 0  # the case trains something
@@ -148,63 +169,140 @@ def test_each_loss_is_its_formula(name, seed):
 
 def test_cispo_keeps_a_gradient_where_ppo_clips():
     """A token with A > 0 whose ratio is above PPO's band: PPO gives it no gradient, CISPO does."""
-    data = ([-1.0], [-1.0 + math.log(1.5)], [1.0], [True], [1])
-    assert run(PPOLoss(**WIDE), data)[1].item() == 0.0
-    assert run(CISPOLoss(**WIDE), data)[1].item() < 0.0  # the loss falls as log pi rises
+    data = ([-1.0], [-1.0 + math.log(1.5)], [1.0], [True], [1], [-1.0])
+    assert run(case("ppo", "sampler")[0], data)[1].item() == 0.0
+    assert run(case("cispo", "sampler")[0], data)[1].item() < 0.0  # the loss falls as log pi rises
 
 
-def corrected(formula, kind: str, data, cap=2.0, low=0.5, high=2.0):
-    """`formula` under a rollout correction, written out: TIS multiplies by min(r, cap) (a number,
-    its gradient stopped); IcePop zeroes tokens with r outside [low, high]; the sequence mask zeroes
-    the samples whose geometric-mean ratio over their loss tokens is outside it."""
-    sampling, trainer, _, mask, lens = data
-    ratio = [math.exp(t - s) for t, s in zip(trainer, sampling, strict=True)]
+def corrected(formula, kind: str, data, old_policy: str, cap=2.0, low=0.5, high=2.0):
+    """`formula` under a rollout correction, written out on the behaviour ratio beta = pi_old / mu
+    (pi_old: the trainer's policy at the step's start; the trainer's own without a separate one): TIS
+    multiplies by min(beta, cap) (a number, its gradient stopped); IcePop zeroes tokens with beta
+    outside [low, high]; the sequence mask zeroes the samples whose geometric-mean beta over their
+    loss tokens is outside it."""
+    sampling, trainer, _, mask, lens, old = data
+    start = old if old_policy == "trainer" else trainer
+    beta = [math.exp(o - s) for o, s in zip(start, sampling, strict=True)]
     sample_of = [i for i, n in enumerate(lens) for _ in range(n)]
     geo = []
     for i in range(len(lens)):
-        logs = [math.log(ratio[k]) for k in range(len(trainer)) if sample_of[k] == i and mask[k]]
+        logs = [math.log(beta[k]) for k in range(len(trainer)) if sample_of[k] == i and mask[k]]
         geo.append(math.exp(sum(logs) / len(logs)) if logs else 1.0)
     position = iter(range(len(trainer)))
 
-    def f(lp, s, a):
+    def f(lp, base, a):
         k = next(position)
         while not mask[k]:  # `reference` calls the formula on loss tokens only
             k = next(position)
         if kind == "tis":
-            return formula(lp, s, a) * min(ratio[k], cap)
-        if kind == "icepop" and not low <= ratio[k] <= high:
+            return formula(lp, base, a) * min(beta[k], cap)
+        if kind == "icepop" and not low <= beta[k] <= high:
             return lp * 0
         if kind == "seq_mask" and not low <= geo[sample_of[k]] <= high:
             return lp * 0
-        return formula(lp, s, a)
+        return formula(lp, base, a)
 
     return f
 
 
-@pytest.mark.parametrize("kind", ["tis", "icepop", "seq_mask"])
+@pytest.mark.parametrize(
+    "kind,old_policy",
+    [("tis", "trainer"), ("icepop", "trainer"), ("seq_mask", "trainer"), ("icepop", "sampler"), ("seq_mask", "sampler")],
+)
 @pytest.mark.parametrize("loss", ["ppo", "cispo"])
 @pytest.mark.parametrize("seed", range(4))
-def test_each_rollout_correction_composes_with_the_loss(kind, loss, seed):
+def test_each_rollout_correction_composes_with_the_loss(kind, old_policy, loss, seed):
     from prime_rl.trainer.losses.config import RolloutCorrectionConfig
 
-    config, formula = CASES[loss]
+    config, formula = case(loss, old_policy)
     data = batch(seed)
-    sampling, trainer, adv, mask, lens = data
+    values, grad = run(config, data, RolloutCorrectionConfig(type=kind))
+    ref_values, ref_grad = reference(corrected(formula, kind, data, old_policy), data, old_policy)
+    torch.testing.assert_close(values, ref_values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+
+
+def one_sample(trainer, sampling, adv, config, correction=None):
+    """(token losses, gradient, outputs) of `config` on one sample of loss tokens, in the step's first
+    mini-batch (pi_old is the trainer's own policy)."""
     lp = torch.tensor(trainer, dtype=torch.float64, requires_grad=True)
-    fn = build_loss(config, correction=RolloutCorrectionConfig(type=kind))
-    out = fn(LossInputs(lp, torch.tensor(sampling, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),
-                        torch.tensor(mask), torch.ones(len(trainer), dtype=torch.float64), lens))  # fmt: skip
-    out.token_loss.sum().backward()
-    ref_values, ref_grad = reference(corrected(formula, kind, data), data)
-    torch.testing.assert_close(out.token_loss.detach(), ref_values, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lp.grad, ref_grad, rtol=1e-5, atol=1e-5)
-    ratio = torch.exp(
-        torch.tensor(trainer, dtype=torch.float64) - torch.tensor(sampling, dtype=torch.float64)
+    n = len(trainer)
+    out = build_loss(config, correction=correction)(
+        LossInputs(lp, torch.tensor(sampling, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),
+                   torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.float64), [n])  # fmt: skip
     )
-    m = torch.tensor(mask)
-    torch.testing.assert_close(out.values["is_ratio"][m], ratio[m])
-    if kind != "tis":
-        assert out.masks["correction_dropped"].any() or seed  # the bounds bite on some batches
+    out.token_loss.sum().backward()
+    return out.token_loss.detach(), lp.grad, out
+
+
+@pytest.mark.parametrize("old_policy", ["trainer", "sampler"])
+def test_the_sequence_mask_averages_the_true_log_ratios(old_policy):
+    """One sample of 16 tokens, A = 1: one sampled at -100 where the trainer says -0.1 (log beta =
+    99.9), fifteen with log beta = -2. The geometric mean exp(69.9 / 16) = 79 is above high = 2, so the
+    whole sample is dropped. (Clamping each log-ratio to +-30 before the mean gave exactly 1, kept.)"""
+    from prime_rl.trainer.losses.config import RolloutCorrectionConfig
+
+    trainer, sampling = [-0.1] + [-2.5] * 15, [-100.0] + [-0.5] * 15
+    values, grad, out = one_sample(
+        trainer, sampling, [1.0] * 16, PPOLoss(old_policy=old_policy), RolloutCorrectionConfig(type="seq_mask")
+    )
+    assert out.masks["correction_dropped"].all()
+    assert values.abs().sum() == 0 and grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("ratio_type", ["token", "sequence"])
+def test_dppo_tests_each_tokens_own_probability_change(ratio_type):
+    """One sample, A = 1, sampler q = (0.3, 0.9), trainer p = (0.6, 0.45): token 1 rose by 0.3 >
+    delta_high, so its policy-gradient term is masked, whatever the ratio. (With the sequence ratio,
+    1 here, p was once taken as q * 1 and token 1 stayed trusted: loss -1 instead of its penalty.)"""
+    tau = DPPOLoss().kl_tau
+    values, _, out = one_sample(
+        [math.log(0.6), math.log(0.45)], [math.log(0.3), math.log(0.9)], [1.0, 1.0],
+        DPPOLoss(**WIDE, ratio_type=ratio_type, old_policy="sampler"),
+    )  # fmt: skip
+    assert out.masks["dppo_masked_high"].tolist() == [True, False]
+    assert values[0].item() == pytest.approx(tau * math.log(2.0) ** 2)  # the penalty alone
+
+
+@pytest.mark.parametrize("ratio,adv,want", [(1.2, 1.0, -1.2), (1.5, 1.0, -1.5), (0.6, -1.0, 0.6)])
+def test_tis_weights_the_decoupled_loss_once(ratio, adv, want):
+    """PPO + TIS, C = 2, beta = pi_old / mu = `ratio`: the token's loss is -min(beta, C) A with the
+    loss's own ratio pi / pi_old = 1, and so is its gradient. (With the ratio taken against the
+    sampler, r min(r, C) A: -1.44, and 0 where PPO clipped r = 1.5 and r = 0.6.)"""
+    from prime_rl.trainer.losses.config import RolloutCorrectionConfig
+
+    values, grad, out = one_sample(
+        [-0.5], [-0.5 - math.log(ratio)], [adv], PPOLoss(), RolloutCorrectionConfig(type="tis", tis_cap=2.0)
+    )
+    assert values.item() == pytest.approx(want)
+    assert grad.item() == pytest.approx(want)
+    assert out.values["is_ratio"].item() == pytest.approx(ratio)  # what the ESS is computed from
+
+
+def test_tis_with_the_sampler_as_old_policy_is_refused_naming_both_keys():
+    from pydantic import ValidationError
+
+    from prime_rl.trainer.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match=r"loss.old_policy = 'sampler'.*rollout_correction.type = 'tis'"):
+        TrainerConfig(loss={"old_policy": "sampler"}, rollout_correction={"type": "tis"})
+
+
+def test_cispo_under_its_preset_keeps_a_token_far_outside_the_trust_masks():
+    """Ratio 10 (above mask_high = 8), A = 1: CISPO's gradient is -clip(10) A = -5 under the shipped
+    preset; PPO's trust mask would drop the token."""
+    import tomllib
+    from pathlib import Path
+
+    from prime_rl.trainer.config import TrainerConfig
+
+    preset = tomllib.loads((Path(__file__).parents[2] / "configs/algorithms/cispo.toml").read_text())
+    config = TrainerConfig(loss=preset["trainer"]["loss"]).loss
+    assert config.mask_high < 10
+    _, grad, _ = one_sample([-0.5], [-0.5 - math.log(10.0)], [1.0], config)
+    assert grad.item() == pytest.approx(-(1 + config.clip_high))
+    _, grad, _ = one_sample([-0.5], [-0.5 - math.log(10.0)], [1.0], PPOLoss(old_policy="sampler"))
+    assert grad.item() == 0.0
 
 
 def test_the_effective_sample_size_is_logged_per_env():
@@ -222,7 +320,7 @@ def test_the_effective_sample_size_is_logged_per_env():
 
 
 def test_the_entropy_bonus_subtracts_coef_times_the_entropy_of_kept_tokens():
-    sampling, trainer, adv, mask, lens = batch(3)
+    sampling, trainer, adv, mask, lens, _ = batch(3)
     entropy = torch.rand(len(trainer), dtype=torch.float64, requires_grad=True)
     inputs = LossInputs(torch.tensor(trainer, dtype=torch.float64), torch.tensor(sampling, dtype=torch.float64),
                         torch.tensor(adv, dtype=torch.float64), torch.tensor(mask), entropy, lens)  # fmt: skip

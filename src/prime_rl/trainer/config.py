@@ -355,6 +355,13 @@ class TrainerConfig(TrainingConfig):
                 f"'{kind}' reweights or drops its tokens one by one: use rollout_correction.type = 'seq_mask' "
                 "(or 'none') with a sequence ratio"
             )
+        if getattr(self.loss, "old_policy", "trainer") == "sampler" and kind == "tis":
+            raise ValueError(
+                "loss.old_policy = 'sampler' already divides the loss's ratio by the sampler's "
+                "probability, and rollout_correction.type = 'tis' would weight each token by that "
+                "mismatch a second time: use old_policy = 'trainer' with tis (the decoupled objective), "
+                "or no tis with old_policy = 'sampler'"
+            )
         return self
 
 

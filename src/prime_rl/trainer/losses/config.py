@@ -21,8 +21,9 @@ class RolloutCorrectionConfig(BaseConfig):
     """How the trainer corrects for the sampler's probabilities differing from its own."""
 
     type: Literal["none", "tis", "icepop", "seq_mask"] = "none"
-    """'none', 'tis' (truncated importance weight on each token's loss), 'icepop' (drop tokens whose
-    ratio leaves [low, high]) or 'seq_mask' (drop samples whose geometric-mean ratio leaves it)."""
+    """On the behaviour ratio beta = pi_old / mu (the trainer's policy at the step's start over the
+    sampler's): 'none', 'tis' (each token's loss times min(beta, tis_cap)), 'icepop' (drop tokens whose
+    beta leaves [low, high]) or 'seq_mask' (drop samples whose geometric-mean beta leaves it)."""
 
     tis_cap: float = Field(default=2.0, gt=0)
     """'tis': the largest weight a token's loss gets."""
@@ -42,14 +43,25 @@ class LossBase(BaseConfig):
         "custom_kwargs": "your loss's keyword arguments are 'kwargs'",
     }
 
+    frame_masks: ClassVar[bool] = True
+    """Whether the frame's trust masks (`mask_low`, `mask_high`) drop this loss's tokens; a loss whose
+    own clip is its trust region (CISPO) keeps every token."""
+
+    old_policy: Literal["trainer", "sampler"] = "trainer"
+    """What the loss's ratio divides by. 'trainer': pi_old, the trainer's policy at the step's start
+    (decoupled PPO, verl's decoupled mode, AReaL): the sampler's mismatch is the rollout correction's
+    alone. 'sampler': mu, the sampler's logprobs (verl's bypass mode, and every loss's ratio before this key existed): the loss's
+    own clip then also bounds the mismatch, and a 'tis' correction would weight it twice."""
+
     ratio_type: Literal["token", "sequence"] = "token"
     """Importance ratio per token, or one per sample (geometric mean of its token ratios, GSPO-style)."""
 
     mask_low: float = Field(default=0.125, ge=0)
-    """Tokens whose ratio is below this are masked out of the loss (trainer and sampler disagree)."""
+    """Tokens whose behaviour ratio pi_old / mu (per sample with `ratio_type = 'sequence'`) is below
+    this are dropped from the loss: trainer and sampler disagree too much to trust the sample."""
 
     mask_high: float = Field(default=8.0, gt=0)
-    """Tokens whose ratio is above this are masked out of the loss."""
+    """Tokens whose behaviour ratio is above this are dropped from the loss."""
 
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0 disables it and the reference model)."""
@@ -116,7 +128,10 @@ class CPGDLoss(LossBase):
 
 
 class CISPOLoss(LossBase):
-    """A clipped, stop-gradient importance weight on the policy gradient."""
+    """A clipped, stop-gradient importance weight on the policy gradient, on every token (the frame's
+    trust masks do not apply: the clip is its trust region)."""
+
+    frame_masks: ClassVar[bool] = False
 
     type: Literal["cispo"] = "cispo"
     """Selects this loss."""
