@@ -1,5 +1,5 @@
-"""The policy losses against hand computations (their ratio to the sampler): PPO's clipped ratio and CPGD's clipped log-ratio with
-its policy-drift penalty."""
+"""The policy losses against hand computations, their ratio to the sampler: PPO's clipped ratio and
+CPGD's clipped log-ratio with its policy-drift penalty."""
 
 import math
 
@@ -28,7 +28,9 @@ def inputs() -> LossInputs:
 
 def test_ppo_by_hand():
     x = inputs()
-    out = build_loss(PPOLoss(clip_low=0.2, clip_high=0.28, mask_low=0.0, mask_high=100.0, old_policy="sampler"))(x)
+    out = build_loss(
+        PPOLoss(clip_low=0.2, clip_high=0.28, mask_low=0.0, mask_high=100.0, old_policy="sampler")
+    )(x)
     # min(r A, clip(r) A): 1.28 * 1, 0.8 * -1 (the pessimistic side), 1 * 2
     torch.testing.assert_close(out.token_loss, torch.tensor([-1.28, 0.8, -2.0]))
     out.token_loss.sum().backward()
@@ -40,7 +42,9 @@ def test_ppo_by_hand():
 
 def test_cpgd_by_hand():
     x = inputs()
-    config = CPGDLoss(clip_low=0.2, clip_high=0.28, drift_coef=0.1, mask_low=0.0, mask_high=100.0, old_policy="sampler")
+    config = CPGDLoss(
+        clip_low=0.2, clip_high=0.28, drift_coef=0.1, mask_low=0.0, mask_high=100.0, old_policy="sampler"
+    )
     out = build_loss(config)(x)
     drift = [r - 1 - math.log(r) for r in RATIOS]
     want = [

@@ -207,7 +207,13 @@ def corrected(formula, kind: str, data, old_policy: str, cap=2.0, low=0.5, high=
 
 @pytest.mark.parametrize(
     "kind,old_policy",
-    [("tis", "trainer"), ("icepop", "trainer"), ("seq_mask", "trainer"), ("icepop", "sampler"), ("seq_mask", "sampler")],
+    [
+        ("tis", "trainer"),
+        ("icepop", "trainer"),
+        ("seq_mask", "trainer"),
+        ("icepop", "sampler"),
+        ("seq_mask", "sampler"),
+    ],
 )
 @pytest.mark.parametrize("loss", ["ppo", "cispo"])
 @pytest.mark.parametrize("seed", range(4))
@@ -228,8 +234,14 @@ def one_sample(trainer, sampling, adv, config, correction=None):
     lp = torch.tensor(trainer, dtype=torch.float64, requires_grad=True)
     n = len(trainer)
     out = build_loss(config, correction=correction)(
-        LossInputs(lp, torch.tensor(sampling, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),
-                   torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.float64), [n])  # fmt: skip
+        LossInputs(
+            lp,
+            torch.tensor(sampling, dtype=torch.float64),
+            torch.tensor(adv, dtype=torch.float64),
+            torch.ones(n, dtype=torch.bool),
+            torch.ones(n, dtype=torch.float64),
+            [n],
+        )
     )
     out.token_loss.sum().backward()
     return out.token_loss.detach(), lp.grad, out
@@ -244,7 +256,11 @@ def test_the_sequence_mask_averages_the_true_log_ratios(old_policy):
 
     trainer, sampling = [-0.1] + [-2.5] * 15, [-100.0] + [-0.5] * 15
     values, grad, out = one_sample(
-        trainer, sampling, [1.0] * 16, PPOLoss(old_policy=old_policy), RolloutCorrectionConfig(type="seq_mask")
+        trainer,
+        sampling,
+        [1.0] * 16,
+        PPOLoss(old_policy=old_policy),
+        RolloutCorrectionConfig(type="seq_mask"),
     )
     assert out.masks["correction_dropped"].all()
     assert values.abs().sum() == 0 and grad.abs().sum() == 0
@@ -272,7 +288,11 @@ def test_tis_weights_the_decoupled_loss_once(ratio, adv, want):
     from prime_rl.trainer.losses.config import RolloutCorrectionConfig
 
     values, grad, out = one_sample(
-        [-0.5], [-0.5 - math.log(ratio)], [adv], PPOLoss(), RolloutCorrectionConfig(type="tis", tis_cap=2.0)
+        [-0.5],
+        [-0.5 - math.log(ratio)],
+        [adv],
+        PPOLoss(old_policy="trainer"),
+        RolloutCorrectionConfig(type="tis", tis_cap=2.0),
     )
     assert values.item() == pytest.approx(want)
     assert grad.item() == pytest.approx(want)
@@ -284,7 +304,9 @@ def test_tis_with_the_sampler_as_old_policy_is_refused_naming_both_keys():
 
     from prime_rl.trainer.config import TrainerConfig
 
-    with pytest.raises(ValidationError, match=r"loss.old_policy = 'sampler'.*rollout_correction.type = 'tis'"):
+    with pytest.raises(
+        ValidationError, match=r"loss.old_policy = 'sampler'.*rollout_correction.type = 'tis'"
+    ):
         TrainerConfig(loss={"old_policy": "sampler"}, rollout_correction={"type": "tis"})
 
 

@@ -314,7 +314,13 @@ class TrainerConfig(TrainingConfig):
 
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Correction for the sampler's probabilities differing from the trainer's (truncated IS,
-    IcePop token masking, sequence masking), whatever the loss."""
+    IcePop token masking, sequence masking) on the behaviour ratio pi_old / mu, whatever the loss."""
+
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per batch: the step's micro-batches in this many contiguous groups, each
+    normalized by its own global token count and followed by an update. With more than one, pi_old
+    (the policy at the step's start) comes from a first forward without gradients, and the loss's
+    clip acts from the second group on; with one, pi_old is the trainer's own logprobs, detached."""
 
     advantage: EstimatorConfig = Reinforce()
     """Token-level advantage estimator."""

@@ -169,18 +169,40 @@ def accumulate(
     trains = list(trains) if trains is not None else [True] * len(parts)
     moe_step = MoEStep.start(parts[0].module, moe[0], moe[1], world)
     ctx = Context(totals(batches, world), world, trains, TokenStats(world.device), moe_step)
+    records = backward(objective, items, parts, ctx)
+    return Accumulated(finish(objective, metrics, records, ctx), records, ctx.totals)
+
+
+def backward(objective: Objective, items: Sequence[Any], parts: Sequence[Part], ctx: Context) -> list[Any]:
+    """Forward and backward of each item's loss (gradients summed into the parts), then FSDP's
+    average undone: the records."""
     records = []
     for item in items:
         loss, record = objective.loss(item, ctx)
         if loss.requires_grad:
             loss.backward()
         records.append(record)
-    undo_fsdp_average(parts, world)
-    metrics.update(ctx.stats.reduce(world))
+    undo_fsdp_average(parts, ctx.world)
+    return records
+
+
+def finish(
+    objective: Objective, metrics: dict[str, float], records: list[Any], ctx: Context
+) -> dict[str, float]:
+    """The step's metrics: the first pass's, the per-token ones (reduced over the ranks), the MoE
+    loads and the objective's own."""
+    metrics = {**metrics, **ctx.stats.reduce(ctx.world)}
     if ctx.moe is not None:
         metrics.update(ctx.moe.metrics())
     metrics.update(objective.metrics(records, ctx))
-    return Accumulated(metrics, records, ctx.totals)
+    return metrics
+
+
+def splits(n: int, k: int) -> list[range]:
+    """`n` micro-batches in `k` contiguous mini-batches as even as can be (none empty; fewer than `k`
+    when n < k). Every rank holds as many micro-batches, so every rank splits alike."""
+    k = max(1, min(k, n))
+    return [range(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def train_step(
@@ -192,29 +214,40 @@ def train_step(
     *,
     trains: Sequence[bool] | None = None,
     moe: tuple[bool, float] = (False, 0.0),
+    mini_batches: int = 1,
 ) -> tuple[dict[str, float], list[Any]]:
-    """(metrics, records) of one optimizer step on this rank's `batches` (`accumulate`, then the
-    update). `scheduler` is the policy's; `trains`: which parts update this step (default: all)."""
+    """(metrics, records) of one step on this rank's `batches`: the first pass, then per mini-batch
+    (`mini_batches` contiguous groups of micro-batches, each normalized by its own global counts)
+    the forward and backward and an optimizer update. `scheduler` is the policy's and moves once per
+    step; `trains`: which parts update this step (default: all)."""
     t0 = time.perf_counter()
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trains = list(trains) if trains is not None else [True] * len(parts)
     lr = scheduler.get_last_lr()[0]
-    acc = accumulate(objective, batches, parts, world, trains, moe)
-    metrics, n = acc.metrics, acc.totals
-    if n.loss_tokens == 0 or not math.isfinite(metrics["loss"]):
-        # No sample to learn from (every one filtered or failed), or a broken loss: the parameters
-        # stay as they are (an AdamW step on zero gradients would still move them).
-        for part in parts:
-            part.optimizer.zero_grad(set_to_none=True)
-        if n.loss_tokens > 0:
-            metrics["grad_norm"] = float("nan")
-        elif trains[0]:
-            scheduler.step()  # nothing to learn from is no reason to stop the schedule
+    if mini_batches == 1:
+        acc = accumulate(objective, batches, parts, world, trains, moe)
+        metrics, records, n = acc.metrics, acc.records, acc.totals
+        outcomes = [settle(parts, trains, world, n, metrics["loss"])]
     else:
-        metrics.update(update(parts, trains, world))
-        if trains[0]:
-            scheduler.step()
+        items, first = objective.prepare(batches)
+        moe_step = MoEStep.start(parts[0].module, moe[0], moe[1], world)
+        stats = TokenStats(world.device)
+        records, outcomes = [], []
+        for group in splits(len(batches), mini_batches):
+            ctx = Context(totals([batches[i] for i in group], world), world, trains, stats, moe_step)
+            done = backward(objective, [items[i] for i in group], parts, ctx)
+            records.extend(done)
+            # The group's own loss decides its update, as the whole step's does with one mini-batch.
+            outcomes.append(settle(parts, trains, world, ctx.totals, objective.metrics(done, ctx)["loss"]))
+        n = totals(batches, world)
+        metrics = finish(objective, first, records, Context(n, world, trains, stats, moe_step))
+        metrics["optimizer_steps"] = float(sum(bool(o.metrics) and o.schedule for o in outcomes))
+    for key in {k for o in outcomes for k in o.metrics}:
+        values = [o.metrics[key] for o in outcomes if key in o.metrics]
+        metrics[key] = sum(values) / len(values)  # one mini-batch: its value; several: their mean
+    if trains[0] and all(o.schedule for o in outcomes):
+        scheduler.step()  # once per step: the schedule counts steps, not mini-batches
     elapsed = time.perf_counter() - t0
     metrics.update(
         {
@@ -226,4 +259,24 @@ def train_step(
             "peak_memory_gb": peak_memory_gb(world),
         }
     )
-    return metrics, acc.records
+    return metrics, records
+
+
+@dataclass(frozen=True)
+class Settled:
+    metrics: dict[str, float]
+    """The update's (grad norms); a non-finite loss's grad_norm is NaN; none without loss tokens."""
+    schedule: bool
+    """Whether the learning-rate schedule moves on (not after a non-finite loss)."""
+
+
+def settle(parts: Sequence[Part], trains: Sequence[bool], world: World, n: Totals, loss: float) -> Settled:
+    """Update the parts from their gradients, or, with no loss token to learn from (every sample
+    filtered or failed) or a non-finite loss, drop the gradients and leave the parameters as they
+    are (an AdamW step on zero gradients would still move them)."""
+    if n.loss_tokens == 0 or not math.isfinite(loss):
+        for part in parts:
+            part.optimizer.zero_grad(set_to_none=True)
+        # Nothing to learn from is no reason to stop the schedule; a broken loss is.
+        return Settled({"grad_norm": float("nan")} if n.loss_tokens > 0 else {}, n.loss_tokens == 0)
+    return Settled(update(parts, trains, world), True)

@@ -47,11 +47,14 @@ class LossBase(BaseConfig):
     """Whether the frame's trust masks (`mask_low`, `mask_high`) drop this loss's tokens; a loss whose
     own clip is its trust region (CISPO) keeps every token."""
 
-    old_policy: Literal["trainer", "sampler"] = "trainer"
-    """What the loss's ratio divides by. 'trainer': pi_old, the trainer's policy at the step's start
-    (decoupled PPO, verl's decoupled mode, AReaL): the sampler's mismatch is the rollout correction's
-    alone. 'sampler': mu, the sampler's logprobs (verl's bypass mode, and every loss's ratio before this key existed): the loss's
-    own clip then also bounds the mismatch, and a 'tis' correction would weight it twice."""
+    old_policy: Literal["sampler", "trainer"] = "sampler"
+    """What the loss's ratio divides by. 'sampler' (the default; verl's bypass mode, prime-rl's
+    default): mu, the sampler's logprobs, so the loss's own clip also bounds the sampler's mismatch
+    and staleness, and a 'tis' correction would weight that mismatch twice (refused). 'trainer': pi_old,
+    the trainer's policy at the step's start (decoupled PPO: verl's decoupled mode, AReaL), so the
+    mismatch is the rollout correction's alone; with one mini-batch the ratio is then 1 and only the
+    correction and the trust masks act (measured on the main job: 20 steps reached a held-out reward of
+    0.60 with it, without or with tis, against 0.66 with 'sampler')."""
 
     ratio_type: Literal["token", "sequence"] = "token"
     """Importance ratio per token, or one per sample (geometric mean of its token ratios, GSPO-style)."""

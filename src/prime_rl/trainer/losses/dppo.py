@@ -34,4 +34,6 @@ def dppo(inputs: LossInputs, delta_low: float, delta_high: float, kl_tau: float)
     trusted = ~(masked_high | masked_low)
     loss = -torch.where(trusted, ratio * adv, torch.zeros_like(ratio))
     penalty = kl_tau * token_log_ratio**2
-    return LossOutputs(loss, {"dppo_masked_high": masked_high, "dppo_masked_low": masked_low}, every_token=penalty)
+    return LossOutputs(
+        loss, {"dppo_masked_high": masked_high, "dppo_masked_low": masked_low}, every_token=penalty
+    )

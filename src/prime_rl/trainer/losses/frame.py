@@ -6,16 +6,17 @@ Three policies meet in a step: pi_theta (the trainer's, differentiated), pi_old 
 the step's start, without gradient) and mu (the sampler's, whose logprobs came with the rollouts).
 The frame splits their mismatch in two, as decoupled PPO does:
 
-    rho_t  = pi_theta(y_t) / pi_base(y_t)   the loss's ratio: pi_base = pi_old (`old_policy =
-                                            'trainer'`) or mu (`old_policy = 'sampler'`)
+    rho_t  = pi_theta(y_t) / pi_base(y_t)   the loss's ratio: pi_base = mu (`old_policy =
+                                            'sampler'`, the default) or pi_old ('trainer')
     beta_t = pi_old(y_t) / mu(y_t)          the behaviour ratio: what the trust masks and the
                                             rollout correction w(beta) look at
 
     loss_t = w(beta_t) * loss(rho_t, A_t)   on the tokens the masks keep
 
-With one optimizer step per batch pi_old = sg(pi_theta): rho is 1 in value and grad log pi in
-gradient, with no extra forward; several mini-batches (`[trainer] mini_batches`) hand the frame
-pi_old from the step's first pass.
+With one optimizer step per batch pi_old = sg(pi_theta), with no extra forward: the behaviour ratio
+is the trainer's over the sampler's, and under 'trainer' rho is 1 in value and grad log pi in
+gradient. Several mini-batches (`[trainer] mini_batches`) hand the frame pi_old from the step's
+first pass.
 
 Invariant: a loss returns the per-token loss *before* normalization; the trainer sums it over the
 loss tokens and divides by the global loss-token count (all ranks, all micro-batches of the step),
@@ -88,7 +89,9 @@ class LossOutputs:
 def per_sample_mean(log_ratio: torch.Tensor, mask: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
     """[T]: the mean of `log_ratio` over each sample's `mask` tokens, on each of its tokens."""
     sums = torch.zeros(n, dtype=log_ratio.dtype, device=mask.device).index_add(0, ids, log_ratio * mask)
-    counts = torch.zeros(n, dtype=log_ratio.dtype, device=mask.device).index_add(0, ids, mask.to(log_ratio.dtype))
+    counts = torch.zeros(n, dtype=log_ratio.dtype, device=mask.device).index_add(
+        0, ids, mask.to(log_ratio.dtype)
+    )
     return (sums / counts.clamp(min=1))[ids]
 
 
@@ -100,7 +103,9 @@ def importance_log_ratio(
     log_ratio = (trainer - base) * inputs.loss_mask
     if ratio_type == "token":
         return log_ratio
-    seq = per_sample_mean(log_ratio.detach(), inputs.loss_mask, inputs.sample_of_token, len(inputs.sample_lens))
+    seq = per_sample_mean(
+        log_ratio.detach(), inputs.loss_mask, inputs.sample_of_token, len(inputs.sample_lens)
+    )
     return seq + log_ratio - log_ratio.detach()
 
 
@@ -149,7 +154,13 @@ def frame(
     beta = torch.exp(trust.clamp(-LIMIT, LIMIT))
     masked_low = mask & (beta < config.mask_low)
     masked_high = mask & (beta > config.mask_high)
-    fix = correct(behaviour, mask, inputs.sample_of_token, len(inputs.sample_lens), correction or RolloutCorrectionConfig())
+    fix = correct(
+        behaviour,
+        mask,
+        inputs.sample_of_token,
+        len(inputs.sample_lens),
+        correction or RolloutCorrectionConfig(),
+    )
     trusted = mask & ~fix.dropped
     if type(config).frame_masks:
         trusted = trusted & ~masked_low & ~masked_high
@@ -158,7 +169,9 @@ def frame(
     # trainer's probability (log-ratio > 88.7 in float32) would make exp(log_ratio) inf, and its
     # zeroed loss 0 * inf = NaN in value and gradient, costing the whole step.
     log_ratio = torch.where(keep, log_ratio, torch.zeros_like(log_ratio))
-    out = loss(replace(inputs, loss_mask=keep, log_ratio=log_ratio, token_log_ratio=token_log_ratio), **kwargs)
+    out = loss(
+        replace(inputs, loss_mask=keep, log_ratio=log_ratio, token_log_ratio=token_log_ratio), **kwargs
+    )
     token_loss = out.token_loss
     if fix.weight is not None:
         token_loss = token_loss * torch.where(keep, fix.weight, torch.ones_like(fix.weight))

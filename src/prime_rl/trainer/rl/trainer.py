@@ -59,6 +59,8 @@ class Prepared:
     advantages: torch.Tensor
     """What the loss sees (`rl/credit.py`)."""
     ref_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    """pi_old, with several mini-batches (`mini_batches`); None: the loss's own logprobs, detached."""
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
@@ -126,8 +128,11 @@ class Trainer:
         firsts, credits, kl_sum, samples = [], [], self.world.scalars(0.0)[0], 0
         lead = self.world.cp_rank == 0
         kl_in_reward = self.config.kl_reward.beta > 0
+        several = self.config.mini_batches > 1
         for b in batches:
             ref = self._reference_logprobs(b) if self.needs_reference else None
+            # pi_old before any of the step's updates: the later mini-batches' ratio divides by it.
+            old = self._logprobs(self.model, b)[0] if several else None
             values = self._values(b) * b.loss_mask if self.critic is not None else None
             kl_reward = torch.zeros_like(b.sampling_logprobs)
             if kl_in_reward:
@@ -151,11 +156,11 @@ class Trainer:
             if self.critic is not None and est.returns is None:
                 raise TokenAdvantageError(f"estimator '{self.estimator.name}' gave no returns for the critic")
             credits.append(Credit(b, est.advantages))
-            firsts.append((ref, values, est.returns))
+            firsts.append((ref, old, values, est.returns))
         advantages = compose(credits, self.config.advantage.batch_normalize, self.world)
         out = [
-            Prepared(b, a, ref, values, returns)
-            for b, a, (ref, values, returns) in zip(batches, advantages, firsts, strict=True)
+            Prepared(b, a, ref, old, values, returns)
+            for b, a, (ref, old, values, returns) in zip(batches, advantages, firsts, strict=True)
         ]
         metrics: dict[str, float] = {}
         if kl_in_reward:
@@ -205,6 +210,7 @@ class Trainer:
                     entropy=entropy,
                     sample_lens=b.sample_lens,
                     ref_logprobs=p.ref_logprobs,
+                    old_logprobs=p.old_logprobs,
                     sample_of_token=b.sample_of_token,
                 )
             )
@@ -249,7 +255,14 @@ class Trainer:
     ) -> tuple[dict[str, float], list[MicroBatchResult]]:
         batches = self.batches(micro_batches)
         metrics, results = train_step(
-            self, batches, self.parts, self.scheduler, self.world, trains=self.trains(step), moe=self._moe()
+            self,
+            batches,
+            self.parts,
+            self.scheduler,
+            self.world,
+            trains=self.trains(step),
+            moe=self._moe(),
+            mini_batches=self.config.mini_batches,
         )
         if "kl_reward/samples" in metrics:
             self.kl = self.kl.update(metrics["kl_reward/kl_per_sample"], int(metrics["kl_reward/samples"]))

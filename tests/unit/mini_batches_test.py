@@ -1,0 +1,79 @@
+"""Several optimizer steps per batch (`[trainer] mini_batches`): each mini-batch is an update of its
+own on its micro-batches, normalized by its own counts, and its loss's ratio divides by pi_old, the
+policy at the step's start (from a first pass without gradients)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.rl.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_test import micro_batches
+
+
+def trainer(tiny_model, tmp_path, mini_batches: int, lr: float = 1e-2, **loss) -> Trainer:
+    config = TrainerConfig(model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path,
+                           mini_batches=mini_batches, optim={"lr": lr}, loss=loss)  # fmt: skip
+    return Trainer(config, World())
+
+
+def params(t: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in t.model.named_parameters()}
+
+
+@pytest.fixture
+def batch():
+    mbs = micro_batches(0, "m", seq_len=64)
+    assert len(mbs) >= 2
+    return mbs
+
+
+def test_two_mini_batches_are_two_updates_each_on_its_half(tiny_model, tmp_path, batch):
+    """With the ratio to the sampler (it does not read pi_old), a step of two mini-batches is, to the
+    bit, two steps of one on each half: the same updates, each normalized by its own tokens."""
+    half = len(batch) // 2
+    split = trainer(tiny_model, tmp_path / "a", 2, old_policy="sampler")
+    metrics, _ = split.train_step(batch)
+    one = trainer(tiny_model, tmp_path / "b", 1, old_policy="sampler")
+    one.train_step(batch[:half])
+    one.train_step(batch[half:])
+    a, b = params(split), params(one)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics["optimizer_steps"] == 2
+    whole = trainer(tiny_model, tmp_path / "c", 1, old_policy="sampler")
+    whole.train_step(batch)
+    assert not all(torch.equal(a[k], v) for k, v in params(whole).items())  # one update differs
+
+
+def test_later_mini_batches_clip_against_the_policy_at_the_steps_start(tiny_model, tmp_path, batch):
+    """Decoupled PPO: with one mini-batch the ratio pi / pi_old is 1 on every token, so PPO never
+    clips; with four, the updates before a mini-batch move pi away from pi_old and the clip acts."""
+    clipped = {}
+    for k in (1, 4):
+        metrics, _ = trainer(tiny_model, tmp_path / str(k), k, lr=0.05, old_policy="trainer").train_step(
+            batch
+        )
+        clipped[k] = metrics["clipped_high/all/mean"] + metrics["clipped_low/all/mean"]
+        assert metrics["loss_tokens"] > 0
+    assert clipped[1] == 0.0
+    assert clipped[4] > 0.0
+
+
+def test_one_mini_batch_runs_no_extra_forward(tiny_model, tmp_path, batch, monkeypatch):
+    """pi_old is the loss's own logprobs, detached, with one mini-batch: the first pass does not
+    compute it."""
+    t = trainer(tiny_model, tmp_path, 1)
+    calls = []
+    real = t._logprobs
+    monkeypatch.setattr(t, "_logprobs", lambda model, b: calls.append(1) or real(model, b))
+    t.train_step(batch)
+    assert len(calls) == len(batch)  # one forward per micro-batch: the loss's
+    calls.clear()
+    t.config = t.config.model_copy(update={"mini_batches": 2})
+    t.train_step(batch)
+    assert len(calls) == 2 * len(batch)
