@@ -1,7 +1,7 @@
 """Run under torchrun (or plain python for 1 rank): accumulate one global batch's gradients.
 
 argv: model_path RUN [+ RUN]..., each RUN being out_file split [gae] [lora] [cp=N] [ep=N] [steps=N]
-[agg=MODE] [norm=MODE] [filtered]. The runs go one after the other in the same processes, each with a
+[agg=MODE] [norm=MODE] [filtered] [halves]. The runs go one after the other in the same processes, each with a
 fresh trainer: one interpreter start and one process group for all of them (so cp and ep are the same
 in every run).
 
@@ -16,6 +16,9 @@ parameters before and after, and each step's metrics. With "lora", the policy (a
 train rank-4 adapters: only trained parameters are saved. norm=MODE: the advantages'
 batch_normalize. With "filtered", every rollout of the step was filtered: each rank gets one filler
 micro-batch, trains one step, and rank 0 saves its metrics and whether any parameter changed.
+With "halves", one step of two mini-batches (`mini_batches = 2`, the loss's ratio to the sampler)
+against a fresh trainer's two steps on each rank's first and second half of its micro-batches: rank
+0 saves whether the parameters are equal to the bit, and both steps' metrics.
 """
 
 import random
@@ -88,7 +91,7 @@ def run(world: World, model_path: str, out_file: str, split: int, options: list[
     steps = next((int(o[6:]) for o in options if o.startswith("steps=")), 0)
     aggregation = next((o[4:] for o in options if o.startswith("agg=")), "token-mean")
     normalize = next((o[5:] for o in options if o.startswith("norm=")), None)
-    filtered = "filtered" in options
+    filtered, halves = "filtered" in options, "halves" in options
     config = TrainerConfig(
         model={"name": model_path, "logprob_chunk_tokens": 48},
         parallel={"cp": cp, "ep": ep},
@@ -141,6 +144,19 @@ def run(world: World, model_path: str, out_file: str, split: int, options: list[
             publisher.close()
         if world.is_main:
             torch.save({"before": before, "after": after, "metrics": history}, out_file)
+        return
+    if halves:
+        mbs = rank_micro_batches(world, split, 0)
+        assert len(mbs) >= 2, "two mini-batches need two micro-batches on every rank"
+        torch.manual_seed(0)
+        two = Trainer(config.model_copy(update={"mini_batches": 2}), world)
+        metrics, _ = two.train_step(mbs)
+        trainer.train_step(mbs[: len(mbs) // 2])
+        trainer.train_step(mbs[len(mbs) // 2 :])
+        pairs = zip(two.model.parameters(), trainer.model.parameters(), strict=True)
+        same = all(torch.equal(full(a), full(b)) for a, b in pairs)
+        if world.is_main:
+            torch.save({"same": same, "metrics": metrics, "local_mbs": len(mbs)}, out_file)
         return
     if filtered:
         before = [full(p) for p in trainer.model.parameters()]

@@ -123,10 +123,15 @@ def one_rank_steps(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp2_by_cp2(tiny_model, tmp_path_factory) -> dict[str, dict]:
     """4 ranks (2 replicas of 2 cp ranks), from one launch: 3 steps with 5 and 7 samples per replica
-    ("steps"), and GAE with a critic's gradients with 7 and 5 ("gae")."""
+    ("steps"), GAE with a critic's gradients with 7 and 5 ("gae"), and a step of two mini-batches
+    against two steps on each replica's halves ("halves")."""
     folder = tmp_path_factory.mktemp("dp2cp2")
-    runs = [(folder / "steps.pt", 5, "steps=3", "cp=2"), (folder / "gae.pt", 7, "gae", "cp=2")]
-    return dict(zip(["steps", "gae"], run_workers(tiny_model, 4, *runs), strict=True))
+    runs = [
+        (folder / "steps.pt", 5, "steps=3", "cp=2"),
+        (folder / "gae.pt", 7, "gae", "cp=2"),
+        (folder / "halves.pt", 5, "halves", "cp=2"),
+    ]
+    return dict(zip(["steps", "gae", "halves"], run_workers(tiny_model, 4, *runs), strict=True))
 
 
 def assert_same_training(one: dict, other: dict) -> None:
@@ -150,6 +155,15 @@ def test_cp2_trains_like_one_rank(tiny_model, tmp_path, one_rank_steps):
 @SHARES_FIXTURES
 def test_dp2_by_cp2_trains_like_one_rank(one_rank_steps, dp2_by_cp2):
     assert_same_training(one_rank_steps, dp2_by_cp2["steps"])
+
+
+@SHARES_FIXTURES
+def test_two_mini_batches_under_dp2_by_cp2_are_two_steps_on_each_replicas_halves(dp2_by_cp2):
+    """`mini_batches = 2`: each mini-batch normalized by its own global count over the 4 ranks, then
+    an update; to the bit what two steps on the halves give (a replica's filler micro-batch included)."""
+    halves = dp2_by_cp2["halves"]
+    assert halves["local_mbs"] >= 2 and halves["metrics"]["optimizer_steps"] == 2
+    assert halves["same"]
 
 
 @SHARES_FIXTURES
