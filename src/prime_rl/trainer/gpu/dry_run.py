@@ -307,6 +307,7 @@ def _each_loss(trainer, mb, config, loss_fn) -> list[str]:
     ppo = LOSSES.builtins["ppo"].config
     variants["ppo (gspo: sequence ratio)"] = ppo(ratio_type="sequence")
     variants["ppo + kl penalty, top-entropy mask"] = ppo(kl_coef=0.1, top_entropy_fraction=0.5)
+    variants["ppo (decoupled: the ratio to pi_old)"] = ppo(old_policy="trainer")
     done = []
     for name, loss_config in variants.items():
         build_loss(loss_config)(inputs).token_loss.sum().backward()

@@ -184,7 +184,8 @@ def frame(
     token_loss = token_loss * keep
     if out.every_token is not None:
         token_loss = token_loss + out.every_token * mask
-    masks = {"masked_low": masked_low, "masked_high": masked_high, **out.masks}
+    masks = {"masked_low": masked_low, "masked_high": masked_high} if type(config).frame_masks else {}
+    masks.update(out.masks)
     # The behaviour ratio of every loss token, always: its ESS says how off-policy a step is.
     values = {"is_ratio": torch.exp(behaviour.clamp(-LIMIT, LIMIT)), **out.values}
     if correction is not None and correction.type in ("icepop", "seq_mask"):
