@@ -320,7 +320,9 @@ class TrainerConfig(TrainingConfig):
     """Optimizer steps per batch: the step's micro-batches in this many contiguous groups, each
     normalized by its own global token count and followed by an update. With more than one, pi_old
     (the policy at the step's start) comes from a first forward without gradients, and the loss's
-    clip acts from the second group on; with one, pi_old is the trainer's own logprobs, detached."""
+    clip acts from the second group on; with one, pi_old is the trainer's own logprobs, detached.
+    Each update moves the weights by about the learning rate (Adam): divide it by this to move as far
+    per batch (sum-digits: 4 mini-batches at lr / 4 train as one does, at lr they overshoot)."""
 
     advantage: EstimatorConfig = Reinforce()
     """Token-level advantage estimator."""
