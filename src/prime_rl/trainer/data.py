@@ -15,6 +15,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 
 from prime_rl.contract import ContractError, OrchestratorSide, TrainerSide, problems
@@ -24,6 +25,11 @@ from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import Hello, MicroBatch, decode, encode
 
 log = logging.getLogger("prime_rl.trainer")
+
+
+MAX_STEPS_AHEAD = 64
+"""Micro-batches of later steps are kept until their step; one further ahead than this is refused, so
+a sender cannot fill the trainer's memory with steps it will never reach."""
 
 
 class BadMicroBatch(TransportError):
@@ -47,6 +53,35 @@ def check_sample_lengths(mb: MicroBatch, context: int | None, model: str) -> Non
         f"{context} positions of trainer.model.name = '{model}' (max_position_embeddings); shorten the "
         "env's prompts or max_tokens, or train a model with a longer context"
     )
+
+
+class OutsideTheModel(BadMicroBatch):
+    """A token id outside the model's vocabulary, or a position outside its context: on a GPU an
+    index out of range is a device assert that loses the process; here it is one line (a restart
+    would meet the same micro-batch, so it needs the user)."""
+
+
+def check_token_ids(mb: MicroBatch, vocab_size: int | None, context: int | None, model: str) -> None:
+    """OutsideTheModel when a token id of `mb` is not in [0, vocab_size) or a position is not in
+    [0, context), naming the micro-batch, the sample's env and the value."""
+    arrays = mb.arrays()
+    where = f"micro-batch {mb.index} of step {mb.header.step} (rank {mb.header.rank})"
+    for name, values, bound, what in (
+        ("input_ids", arrays["input_ids"], vocab_size, "vocabulary"),
+        ("position_ids", arrays["position_ids"], context, "positions (max_position_embeddings)"),
+    ):
+        if bound is None or not len(values):
+            continue
+        bad = np.flatnonzero((values < 0) | (values >= bound))
+        if len(bad):
+            token = int(bad[0])
+            sample = int(np.searchsorted(np.cumsum(mb.sample_lens), token, side="right"))
+            env = mb.env_names[sample] if sample < len(mb.env_names) else "?"
+            raise OutsideTheModel(
+                f"{where}: {name}[{token}] = {int(values[token])} (a sample of env '{env}') is outside the "
+                f"{bound} {what} of trainer.model.name = '{model}'; the sampler's model and tokenizer must "
+                "be the trainer's"
+            )
 
 
 class StepReceiver:
@@ -97,6 +132,12 @@ class StepReceiver:
             except ValueError as e:
                 raise BadMicroBatch(str(e)) from None
             if s > step:
+                if s > step + MAX_STEPS_AHEAD:
+                    raise BadMicroBatch(
+                        f"a micro-batch of step {s} arrived while the trainer is at step {step}: more than "
+                        f"{MAX_STEPS_AHEAD} steps ahead, which no orchestrator sends (max_async_level is far "
+                        "smaller); refused rather than kept in memory"
+                    )
                 self._ahead.setdefault(s, {})[mb.index] = mb
                 continue
             count = mb.count

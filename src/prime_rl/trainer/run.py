@@ -16,7 +16,7 @@ from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
 from prime_rl.plugins import PluginError
 from prime_rl.trainer.config import TrainingConfig
-from prime_rl.trainer.data import SampleTooLong
+from prime_rl.trainer.data import OutsideTheModel, SampleTooLong
 from prime_rl.trainer.estimators.base import TokenAdvantageError
 from prime_rl.trainer.memory import OutOfMemory
 from prime_rl.trainer.model import ModelLoadError
@@ -54,6 +54,7 @@ def resume_step(config: TrainingConfig, world: World) -> int:
 NEEDS_USER = (
     ContractError,
     SampleTooLong,
+    OutsideTheModel,
     OutOfMemory,
     ModelLoadError,
     NaNLossError,

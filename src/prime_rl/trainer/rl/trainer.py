@@ -21,7 +21,7 @@ import torch
 
 from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.data import check_sample_lengths
+from prime_rl.trainer.data import check_sample_lengths, check_token_ids
 from prime_rl.trainer.estimators import TokenAdvantageError, TokenAdvantageInputs, build_estimator
 from prime_rl.trainer.logprobs import align_to_tokens, batch_logprobs
 from prime_rl.trainer.lora import adapters_off
@@ -189,9 +189,11 @@ class Trainer:
 
     def batches(self, micro_batches: list[MicroBatch]) -> list[PackedBatch]:
         context = getattr(self.model.config, "max_position_embeddings", None)
+        vocab = getattr(self.model.config, "vocab_size", None)
         for mb in micro_batches:
             mb.validate(seq_len=self.config.seq_len)
             check_sample_lengths(mb, context, self.config.model.name)
+            check_token_ids(mb, vocab, context, self.config.model.name)
         return [PackedBatch.of(mb, self.world) for mb in micro_batches]
 
     def loss(self, p: Prepared, ctx: Context) -> tuple[torch.Tensor, MicroBatchResult]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from prime_rl.disk import writing
 from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
 from prime_rl.trainer.parallel.dist import FILE_WORK_TIMEOUT_S, World, patient
+from prime_rl.trainer.weights.no_pickle import NOT_STATE, SafePlanner, SafeReader
 
 __all__ = ["checkpoint_root", "choose_checkpoint", "complete_steps", "load_checkpoint", "save_checkpoint"]
 
@@ -128,6 +130,16 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
+def _planted(e: BaseException) -> str | None:
+    """What a payload that is not checkpoint state names (`no_pickle.py`, torch's weights-only load),
+    also when DCP wrapped the refusal of one rank into its own error; None for any other failure."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = " ".join(str(e).split())
+    named = re.search(r"it names (\S+), " + NOT_STATE, text) or re.search(r"unsupported GLOBAL (\S+)", text)
+    return f"it names {named.group(1)}" if named else None
+
+
 def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World, critic=None) -> dict:
     """Restore everything `save_checkpoint` wrote; returns its `extra`."""
     path = root / f"step_{step}"
@@ -135,7 +147,7 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
         raise CheckpointError(f"no complete checkpoint at {path} (complete ones: {complete_steps(root)})")
     state = _sharded_state(model, optimizer, critic)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
         set_state_dict(
             model,
             optimizer,
@@ -150,16 +162,23 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
                 optim_state_dict=state["critic_optim"],
                 options=LOAD_TRAINED,
             )
-        saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=False)
+        saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=True)
     except torch.OutOfMemoryError:
         raise
+    except (pickle.UnpicklingError, CheckpointException, AssertionError) as e:
+        if _planted(e) is None:
+            raise CheckpointError(
+                f"the checkpoint {path} does not load into this trainer: {_reason(e)}"
+            ) from None
+        raise CheckpointError(
+            f"the checkpoint {path} holds a pickled object that is not checkpoint state ({_planted(e)}); "
+            "refused: loading it could run the code of whoever wrote it"
+        ) from None
     except (
         RuntimeError,
         KeyError,
         ValueError,
         EOFError,
-        pickle.UnpicklingError,
-        CheckpointException,  # dcp's, for a key of this trainer that the checkpoint lacks
     ) as e:  # another model's, say, or full weights against adapters
         raise CheckpointError(
             f"the checkpoint {path} does not load into this trainer: {_reason(e)}"
