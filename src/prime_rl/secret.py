@@ -1,0 +1,122 @@
+"""The run secret: what lets the processes of one run (and the servers they use) tell each other
+apart from anyone else on the cluster's network.
+
+Where it comes from, in this order: `PRIME_RL_SECRET` (the value), `PRIME_RL_SECRET_FILE` (a file
+holding it, readable by its owner only). `rl` makes one per run, a file under its output folder, and
+hands it to the processes it starts through `PRIME_RL_SECRET_FILE`, so that it is never in a config
+file, a command line, the console or W&B. Processes started by hand read the same variables; with
+neither set there is no secret, and every check below lets everything through (the loopback-only
+defaults are then the only protection, and a server refuses a non-loopback bind: `require_for_bind`).
+
+Invariant: the secret's value leaves this module only as an `Authorization` header, through
+`headers()`, and everything else derives its own key from it (`key(label)`), so no two uses share
+bytes and none of them can give the secret away.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+import stat
+from pathlib import Path
+
+ENV = "PRIME_RL_SECRET"
+FILE_ENV = "PRIME_RL_SECRET_FILE"
+FILE_NAME = ".secret"
+"""The file `rl` keeps the run's secret in, under its output folder (0600): a resumed run finds the
+same secret, so checkpoint manifests keyed by it still verify."""
+HEADER = "authorization"
+OPT_OUT_FLAG = "--prime-rl-allow-unauthenticated"
+
+
+class SecretError(ValueError):
+    """The secret file is missing, empty or readable by others: one line naming it."""
+
+
+@functools.cache
+def value() -> str | None:
+    """This process's secret, None when none is configured. (Read once: the environment does not
+    change under a running process.)"""
+    direct = os.environ.get(ENV, "").strip()
+    if direct:
+        return direct
+    path = os.environ.get(FILE_ENV, "").strip()
+    return read(Path(path)) if path else None
+
+
+def read(path: Path) -> str:
+    """The secret in `path`, refused (one line) when others than its owner may read it, as ssh does
+    for a private key."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text().strip()
+    except OSError as e:
+        raise SecretError(f"{FILE_ENV}={path}: cannot read the secret file ({e.strerror})") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretError(f"{FILE_ENV}={path}: the secret file is readable by others; run `chmod 600 {path}`")
+    if not text:
+        raise SecretError(f"{FILE_ENV}={path}: the secret file is empty")
+    return text
+
+
+def create(folder: Path) -> Path:
+    """The run's secret file under `folder`: kept when it exists (a resumed run), otherwise made with
+    a fresh random secret, readable by its owner only from its first byte."""
+    path = Path(folder) / FILE_NAME
+    if path.exists():
+        read(path)  # checks its permissions
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def key(label: str) -> bytes | None:
+    """A 32-byte key for one use of the secret (`label` names the use), None without a secret."""
+    s = value()
+    if s is None:
+        return None
+    return hmac.new(s.encode(), label.encode(), hashlib.sha256).digest()
+
+
+def headers() -> dict[str, str]:
+    """The header that authenticates a request to the run's servers (empty without a secret)."""
+    s = value()
+    return {"Authorization": f"Bearer {s}"} if s else {}
+
+
+def accepts(authorization: str | None) -> bool:
+    """Whether a request's `Authorization` header carries this process's secret (in constant time).
+    Without a secret every request is accepted."""
+    s = value()
+    if s is None:
+        return True
+    given = (authorization or "").removeprefix("Bearer ").strip()
+    return hmac.compare_digest(given.encode(), s.encode())
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_for_bind(host: str, what: str, allow_unauthenticated: bool = False) -> None:
+    """Refuse to listen beyond loopback without a secret: anyone on the network could then change
+    what the server serves. One line naming the variables, and the opt-out."""
+    if is_loopback(host) or value() is not None or allow_unauthenticated:
+        return
+    raise SecretError(
+        f"{what} would listen on {host} without a run secret, so anyone who reaches it could change "
+        f"the model it serves: set {ENV} or {FILE_ENV} (`rl` does this for you), bind 127.0.0.1, "
+        f"or pass {OPT_OUT_FLAG} to accept that"
+    )
