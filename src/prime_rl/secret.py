@@ -31,6 +31,8 @@ FILE_NAME = ".secret"
 same secret, so checkpoint manifests keyed by it still verify."""
 HEADER = "authorization"
 OPT_OUT_FLAG = "--prime-rl-allow-unauthenticated"
+OWNER_HEADER = "X-Prime-RL-Owner"
+"""Names the caller of `GET /prime_rl/adapters`: its owner token."""
 
 
 class SecretError(ValueError):
@@ -64,16 +66,23 @@ def read(path: Path) -> str:
 
 
 def create(folder: Path) -> Path:
-    """The run's secret file under `folder`: kept when it exists (a resumed run), otherwise made with
-    a fresh random secret, readable by its owner only from its first byte."""
+    """The run's secret file under `folder`: kept when it exists (a resumed run, or another node of
+    the run that made it first), otherwise made with a fresh random secret, readable by its owner
+    only from its first byte and complete when it appears (written aside, then linked in place)."""
     path = Path(folder) / FILE_NAME
-    if path.exists():
-        read(path)  # checks its permissions
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        aside = path.with_name(f"{FILE_NAME}.{os.getpid()}")
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass  # another node of the run made it first: use theirs
+        finally:
+            aside.unlink()
+    read(path)  # checks its permissions
     return path
 
 
@@ -83,6 +92,14 @@ def key(label: str) -> bytes | None:
     if s is None:
         return None
     return hmac.new(s.encode(), label.encode(), hashlib.sha256).digest()
+
+
+def owner_token(run_dir: str) -> str:
+    """The token that names a run as a LoRA adapter's owner on a shared server: keyed by the secret,
+    so that nobody without it can name (and so unload, replace or list) the run's adapters. (Without
+    a secret it is only a digest of the run folder: servers on loopback, where callers are trusted.)"""
+    k = key("adapter-owner") or b"prime-rl-unkeyed"
+    return hmac.new(k, str(run_dir).encode(), hashlib.sha256).hexdigest()
 
 
 def headers() -> dict[str, str]:

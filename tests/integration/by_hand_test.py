@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from helpers.cores import server_env
+from prime_rl import secret
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
@@ -43,8 +44,11 @@ class Process:
     """One terminal: a command from the repo root, in a session of its own (a terminal's Ctrl-C
     reaches the foreground job's process group), its output in a file."""
 
-    def __init__(self, name: str, args: list[str], folder: Path):
+    def __init__(self, name: str, args: list[str], folder: Path, secret_file: Path | None = None):
         self.name, self.log = name, folder / f"{name}.log"
+        env = server_env()  # a server's threads on this worker's cores
+        if secret_file is not None:  # as docs/by-hand.md shows: the three read the same file
+            env[secret.FILE_ENV] = str(secret_file)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 [str(BIN / name), *args],
@@ -52,7 +56,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
                 start_new_session=True,
-                env=server_env(),  # a server's threads on this worker's cores
+                env=env,
             )
 
     def output(self) -> str:
@@ -94,6 +98,8 @@ class Server(NamedTuple):
     port: int
     run: Path
     """The output dir the server was started with: its weights load from <run>/weights."""
+    secret: Path
+    """The run secret's file, which all three processes are given."""
 
     @property
     def url(self) -> str:
@@ -113,10 +119,10 @@ def server(tmp_path_factory):
         "--server.port",
         str(port),
     ]
-    process = Process("inference", args, folder)
+    process = Process("inference", args, folder, secret.create(folder))
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=600, process=process.proc)
-        yield Server(process, port, folder / "run")
+        yield Server(process, port, folder / "run", folder / secret.FILE_NAME)
     finally:
         if process.proc.poll() is None:
             os.killpg(process.proc.pid, signal.SIGTERM)
@@ -124,6 +130,27 @@ def server(tmp_path_factory):
                 process.proc.wait(timeout=60)
             finally:
                 process.kill()
+
+
+def intrude(server: Server) -> bool:
+    """A neighbour without the run's secret calls every route that changes what the server serves:
+    each is refused (401), and the run must not notice."""
+    weights = server.run / "weights"
+    step = max(int(p.name.removeprefix("step_")) for p in weights.glob("step_*") if (p / "READY").exists())
+    calls = {
+        "/prime_rl/load_weights": {"path": str(weights / f"step_{step}"), "step": step + 100},
+        "/prime_rl/receive_weights": {"step": step + 100, "host": "10.255.255.1", "port": 1, "prefix": "x/",
+                                      "first_rank": 1, "world_size": 2, "plan": [], "timeout_s": 600},
+        "/prime_rl/load_adapter": {"name": "x", "owner": "x"},
+        "/prime_rl/unload_adapter": {"name": "x", "owner": "x"},
+        "/v1/chat/completions": {"model": "x", "messages": [{"role": "user", "content": "x"}]},
+        "/v1/load_lora_adapter": {"lora_name": "x", "lora_path": str(weights)},
+    }  # fmt: skip
+    for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
+        for route, body in calls.items():
+            answer = httpx.post(f"{server.url}{route}", json=body, headers=headers, timeout=30)
+            assert answer.status_code == 401, (route, answer.status_code, answer.text[:300])
+    return True
 
 
 def orchestrator_args(run: Path, server: Server, transport_port: int) -> list[str]:
@@ -136,7 +163,7 @@ def orchestrator_args(run: Path, server: Server, transport_port: int) -> list[st
 def test_an_orchestrator_the_server_would_refuse_stops_at_start_up(server, tmp_path):
     # As in the issue: trainer and orchestrator given an output dir, the server left at another.
     elsewhere = tmp_path / "manual"
-    orch = Process("orchestrator", orchestrator_args(elsewhere, server, free_port()), tmp_path)
+    orch = Process("orchestrator", orchestrator_args(elsewhere, server, free_port()), tmp_path, server.secret)
     try:
         orch.proc.wait(timeout=300)
     finally:
@@ -155,13 +182,16 @@ def test_the_shipped_configs_run_three_processes_by_hand(server, tmp_path):
     transport = free_port()
     trainer_args = ["@", str(CONFIGS / "trainer.toml"), "--output-dir", str(server.run),
                     "--max-steps", str(STEPS), "--transport.port", str(transport)]  # fmt: skip
-    trainer = Process("trainer", trainer_args, tmp_path)
-    orch = Process("orchestrator", orchestrator_args(server.run, server, transport), tmp_path)
+    trainer = Process("trainer", trainer_args, tmp_path, server.secret)
+    orch = Process("orchestrator", orchestrator_args(server.run, server, transport), tmp_path, server.secret)
+    intruded = False
     try:
         deadline = time.monotonic() + 900
         while (trainer.proc.poll() is None or orch.proc.poll() is None) and time.monotonic() < deadline:
             failed = [p for p in (trainer, orch) if p.proc.poll() not in (None, 0)]
             assert not failed, "\n".join(f"{p.name}:\n{p.output()[-3000:]}" for p in failed)
+            if not intruded and (server.run / "weights" / "step_1" / "READY").exists():
+                intruded = intrude(server)  # mid-run, once the server took the run's weights
             time.sleep(0.5)
     finally:
         trainer.kill()
@@ -201,7 +231,13 @@ def test_the_shipped_configs_run_three_processes_by_hand(server, tmp_path):
     # The server took the trainer's weights (the reload the issue saw refused), and generation kept
     # within max_async_level of them.
     assert all((run / "weights" / f"step_{s}" / "READY").exists() for s in range(1, STEPS + 1))
-    assert httpx.get(f"{server.url}/prime_rl/weights", timeout=10).json()["step"] >= 1
+    assert intruded
+    served = httpx.get(
+        f"{server.url}/prime_rl/weights",
+        timeout=10,
+        headers={"Authorization": f"Bearer {secret.read(server.secret)}"},
+    )
+    assert served.json()["step"] >= 1
     versions = [m["policy_version"] for m in steps]
     assert versions[-1] >= 1 and all(s - v <= 1 for s, v in enumerate(versions))
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from prime_rl import secret
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import Adapter, AdapterRefused, WeightSync, request_model
@@ -91,10 +92,13 @@ def test_the_served_adapter_gives_the_trainers_logprobs(lora_server, tiny_model,
     export_lora(["--adapter", str(out / "weights" / "step_2"), "--output", str(runs / "merged")])
     with start_vllm(runs / "merged", runs / "merged-inference", 256) as merged:
         assert mismatch_kl(trainer.model, sample(merged.base, merged.model)) < 1e-3
-    state = httpx.get(f"{served.base}/prime_rl/adapters").json()
-    assert state["adapters"]["run-a"] == {"owner": str(out), "step": 2}
+    mine = {secret.OWNER_HEADER: str(out)}  # the run's owner token (here the test's own string)
+    assert httpx.get(f"{served.base}/prime_rl/adapters", headers=mine).json()["adapters"] == {
+        "run-a": {"step": 2}
+    }
+    assert httpx.get(f"{served.base}/prime_rl/adapters").json()["adapters"] == {}  # others see nothing
     asyncio.run(sync.release())
-    assert "run-a" not in httpx.get(f"{served.base}/prime_rl/adapters").json()["adapters"]
+    assert "run-a" not in httpx.get(f"{served.base}/prime_rl/adapters", headers=mine).json()["adapters"]
 
 
 def test_a_name_belongs_to_one_run_and_paths_are_checked(lora_server):
@@ -105,12 +109,10 @@ def test_a_name_belongs_to_one_run_and_paths_are_checked(lora_server):
 
     assert load(name="shared", owner="/runs/x").status_code == 200
     taken = load(name="shared", owner="/runs/y")
-    assert taken.status_code == 409 and "/runs/x" in taken.json()["error"]
+    assert taken.status_code == 409 and "/runs/x" not in taken.json()["error"]  # the owner stays private
     pool = ServerPool(ClientConfig(base_urls=[f"{served.base}/v1"]))
     sync = WeightSync(runs / "y" / "weights", pool, adapter=Adapter("shared", "/runs/y"))
-    with pytest.raises(
-        AdapterRefused, match=r"orchestrator.lora_adapter = 'shared'.*used by the run at /runs/x"
-    ):
+    with pytest.raises(AdapterRefused, match=r"orchestrator.lora_adapter = 'shared'.*used by another run"):
         asyncio.run(sync.claim())
     assert load(name="shared", owner="/runs/x", path="/tmp", step=1).status_code == 403
     folder = runs / "x" / "weights" / "step_1"

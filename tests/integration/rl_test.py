@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from helpers.cores import deployment_keys
+from prime_rl import secret
 from prime_rl.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -119,6 +120,14 @@ def test_rl_trains_reloads_weights_and_reward_rises(tiny_model, tmp_path):
     for name in ("inference", "orchestrator", "trainer"):
         assert (run / "logs" / f"{name}.log").stat().st_size > 0
         assert (run / "configs" / f"{name}.toml").exists()
+    # The run's secret: readable by its owner only, and in no config, log or console line.
+    secret_file = run / secret.FILE_NAME
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    value = secret.read(secret_file)
+    written = [
+        f.read_text(errors="replace") for f in (*run.glob("configs/*"), *run.glob("logs/*")) if f.is_file()
+    ]
+    assert all(value not in text for text in (*written, proc.stdout, proc.stderr))
 
 
 def test_a_failing_process_stops_everything(tiny_model, tmp_path):

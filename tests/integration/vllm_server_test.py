@@ -80,10 +80,9 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     for f in Path(model).glob("tokenizer*"):
         shutil.copy(f, step_dir)
 
-    def route(path, step=1):
-        return httpx.post(
-            f"{base}/prime_rl/load_weights", json={"path": str(path), "step": step}, timeout=120
-        )
+    def route(path, step=1, rewind=False):
+        body = {"path": str(path), "step": step, "rewind": rewind}
+        return httpx.post(f"{base}/prime_rl/load_weights", json=body, timeout=120)
 
     assert route(step_dir).status_code == 404  # no READY marker yet
     (step_dir / "READY").touch()
@@ -122,10 +121,12 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     for f in Path(model).glob("tokenizer*"):
         shutil.copy(f, route_step0)
     (route_step0 / "READY").touch()
-    assert route(route_step0, step=0).status_code == 200
+    assert route(route_step0, step=0).status_code == 409  # older than the served step 1
+    assert route(step_dir, step=0, rewind=True).status_code == 400  # step 1's folder is not step 0's
+    assert route(route_step0, step=0, rewind=True).status_code == 200
     served, expected = served_and_expected(long, salt="prime-rl-policy-0")  # cached under step 0
     assert (served - expected).abs().max() < 1e-3
-    assert route(step_dir).json()["step"] == 1  # reloading again is fine
+    assert route(step_dir).json()["step"] == 1
     m = m_new
     served, expected = served_and_expected(long, salt="prime-rl-policy-1")
     assert (served - expected).abs().max() < 1e-3
@@ -135,7 +136,7 @@ def test_weights_reload_in_place_through_the_narrow_route(server, tmp_path):
     for f in Path(model).glob("tokenizer*"):
         shutil.copy(f, weights_dir / "step_0")
     (weights_dir / "step_0" / "READY").touch()
-    assert route(weights_dir / "step_0", step=0).status_code == 200
+    assert route(weights_dir / "step_0", step=0, rewind=True).status_code == 200
 
 
 def test_the_engine_processes_are_forked_keep_off_the_port_and_the_worker_keeps_its_cores(server):

@@ -1,16 +1,19 @@
 """Routes that serve runs' LoRA adapters by name: several runs share one vLLM server, each training
 its own adapter of the one base model.
 
-- `POST /prime_rl/load_adapter {"name", "owner", "path"?, "step"?}`: claim `name` for `owner` (the
-  run's output dir) and, with `path`, load that published step's adapter under it, in place of the
-  previous step's. 409 when another run holds the name or the server was started without LoRA,
-  403 for a path outside the adapters root, 404 for a folder without `READY`, 400 for a bad body.
+- `POST /prime_rl/load_adapter {"name", "owner", "path"?, "step"?}`: claim `name` for `owner` (a
+  token only the run knows, derived from its secret: `secret.owner_token`) and, with `path`, load that
+  published step's adapter under it, in place of the previous step's. 409 when another run holds the
+  name or the server was started without LoRA, 403 for a path outside the adapters root, 404 for a
+  folder without `READY`, 400 for a bad body.
 - `POST /prime_rl/unload_adapter {"name", "owner"}`: release the name (a finished run).
-- `GET /prime_rl/adapters`: `{"enabled": bool, "max_rank": R, "root": DIR, "adapters": {name: {"owner",
-  "step"}}}` (`root`: the adapters root, resolved).
+- `GET /prime_rl/adapters` (the owner token in the `X-Prime-RL-Owner` header): `{"enabled": bool,
+  "max_rank": R, "root": DIR, "adapters": {name: {"step"}}}`, the caller's own adapters only
+  (`root`: the adapters root, resolved).
 
 Invariants: a name belongs to one owner from its claim to its release, so no run ever samples from
-another's adapter. Loading happens between two engine steps (an engine utility call), so it never
+another's adapter; the server keeps only a hash of each owner's token, and never shows a run another
+run's adapters, names included. Loading happens between two engine steps (an engine utility call), so it never
 pauses generation: the other runs' requests go on, and this run's requests in flight continue with
 the new adapter, as with a full-weight reload. Requests name the adapter, and the vLLM request that
 serves them never asks for a reload: only this route loads from disk.
@@ -19,6 +22,8 @@ serves them never asks for a reload: only this route loads from disk.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +31,18 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from prime_rl import secret
 from prime_rl.layout import READY
+
+
+def _digest(owner: str) -> str:
+    return hashlib.sha256(owner.encode()).hexdigest()
 
 
 @dataclass
 class Served:
     owner: str
+    """The SHA-256 of the owner's token (the token itself is never kept)."""
     step: int = 0
     """0: claimed, nothing loaded (requests go to the base model, which an untrained adapter equals)."""
 
@@ -55,7 +66,7 @@ def make_adapter_router(root: Path) -> APIRouter:
     async def load_adapter(request: Request):
         try:
             body = await request.json()
-            name, owner = str(body["name"]), str(body["owner"])
+            name, owner = str(body["name"]), _digest(str(body["owner"]))
             path = Path(str(body["path"])) if body.get("path") is not None else None
             step = int(body.get("step", 0))
             if not name or not owner:
@@ -68,8 +79,8 @@ def make_adapter_router(root: Path) -> APIRouter:
             return refuse(409, f"'{name}' is the served base model's name, not an adapter's")
         async with locks.setdefault(name, asyncio.Lock()):
             held = served.get(name)
-            if held is not None and held.owner != owner:
-                return refuse(409, f"adapter name '{name}' is used by the run at {held.owner}")
+            if held is not None and not hmac.compare_digest(held.owner, owner):
+                return refuse(409, f"adapter name '{name}' is used by another run")
             if path is None:
                 served.setdefault(name, Served(owner))
                 return {"name": name, "step": served[name].step}
@@ -90,15 +101,15 @@ def make_adapter_router(root: Path) -> APIRouter:
     async def unload_adapter(request: Request):
         try:
             body = await request.json()
-            name, owner = str(body["name"]), str(body["owner"])
+            name, owner = str(body["name"]), _digest(str(body["owner"]))
         except Exception:
             return refuse(400, 'expected JSON {"name": str, "owner": str}')
         async with locks.setdefault(name, asyncio.Lock()):
             held = served.get(name)
             if held is None:
                 return {"name": name, "released": False}
-            if held.owner != owner:
-                return refuse(409, f"adapter name '{name}' is used by the run at {held.owner}")
+            if not hmac.compare_digest(held.owner, owner):
+                return refuse(409, f"adapter name '{name}' is used by another run")
             await _unload(request.app.state, name)
             del served[name]
         return {"name": name, "released": True}
@@ -106,12 +117,9 @@ def make_adapter_router(root: Path) -> APIRouter:
     @router.get("/prime_rl/adapters")
     async def adapters(request: Request):
         rank = enabled(request)
-        return {
-            "enabled": bool(rank),
-            "max_rank": rank,
-            "root": str(root),
-            "adapters": {n: {"owner": s.owner, "step": s.step} for n, s in served.items()},
-        }
+        caller = _digest(request.headers.get(secret.OWNER_HEADER, ""))
+        mine = {n: {"step": s.step} for n, s in served.items() if hmac.compare_digest(s.owner, caller)}
+        return {"enabled": bool(rank), "max_rank": rank, "root": str(root), "adapters": mine}
 
     return router
 

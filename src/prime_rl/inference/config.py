@@ -46,6 +46,14 @@ class ServerConfig(BaseConfig):
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port of the OpenAI-compatible API."""
 
+    allow_unauthenticated: bool = False
+    """Listen beyond loopback without a run secret (`PRIME_RL_SECRET` or `PRIME_RL_SECRET_FILE`,
+    which `rl` sets): anyone who reaches the port can then change or stop the served model. Off: such
+    a server refuses to start."""
+
+    max_update_s: float = Field(default=600.0, gt=0)
+    """Longest a weight update from the trainer may keep generation paused, whatever the trainer asks."""
+
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The maximum ranks vLLM accepts."""

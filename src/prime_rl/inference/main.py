@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prime_rl.config import parse_config, raise_problems
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.preflight import inference_problems
+from prime_rl.inference.preflight import bind_problems, inference_problems
 from prime_rl.inference.server import server_command, server_env
 from prime_rl.inference.supervise import run_server
 from prime_rl.logging_setup import setup_logging
@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     take_signals()
     try:
         config = parse_config(
-            InferenceConfig, argv, prog="inference", check=lambda c: raise_problems(inference_problems(c))
+            InferenceConfig,
+            argv,
+            prog="inference",
+            check=lambda c: raise_problems(inference_problems(c) + bind_problems(c)),
         )
         env = server_env(config)  # creates <output_dir>/inference
         code = run_server(server_command(config), env, Path(config.output_dir) / "inference")

@@ -39,3 +39,21 @@ def inference_problems(
             "replay, or serve the model with vLLM's CUDA build"
         )
     return problems
+
+
+def bind_problems(config: InferenceConfig) -> list[str]:
+    """A server started by hand beyond loopback needs the run secret (`rl` always gives its own)."""
+    from prime_rl import secret
+
+    problems = []
+    host = config.server.host
+    try:
+        if not (secret.is_loopback(host) or config.server.allow_unauthenticated or secret.value()):
+            problems.append(
+                f"'server.host' = '{host}' listens beyond loopback without a run secret, so anyone who "
+                f"reaches it could change the model it serves: set {secret.FILE_ENV} or {secret.ENV} (`rl` "
+                f"does it for you), bind 127.0.0.1, or set server.allow_unauthenticated = true"
+            )
+    except secret.SecretError as e:
+        problems.append(str(e))
+    return problems

@@ -12,7 +12,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from prime_rl import tls
+from prime_rl import secret, tls
 from prime_rl.inference.config import InferenceConfig
 
 
@@ -37,6 +37,7 @@ def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> li
         "--served-model-name", m.name,
         "--host", config.server.host,
         "--port", str(config.server.port),
+        "--prime-rl-max-update-s", str(config.server.max_update_s),
         "--dtype", m.dtype,
         "--max-model-len", str(m.max_model_len),
         "--seed", str(config.seed),
@@ -63,6 +64,8 @@ def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> li
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.return_routes:
         cmd.append("--enable-return-routed-experts")
+    if config.server.allow_unauthenticated:
+        cmd.append(secret.OPT_OUT_FLAG)
     return cmd + list(config.extra_args)
 
 

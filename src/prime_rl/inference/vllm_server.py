@@ -17,6 +17,14 @@ Routes added (nothing else: vLLM's development endpoints stay off):
   the weights being served (0 = as started), the workers that join a broadcast group, the dtype they
   compute in (a broadcast sends floating-point weights in it), and the folder weights load from
   (resolved), which the orchestrator checks against its own at start-up.
+
+With a run secret (`secret.py`), every route but `/health` needs it (`Authorization: Bearer`): a
+request without it, or with another, gets 401 and one line in the log, and changes nothing. A weight
+update is taken only from the run's trainer: `load_weights` only for a folder `step_<step>` newer
+than the weights served (or with `"rewind": true`, which the orchestrator sends when it brings a
+returning server back to its own older step), `receive_weights` only from a store holding the
+secret's proof for the update's prefix, for at most `--prime-rl-max-update-s` seconds and a plan no
+bigger than a few times the served model.
 """
 
 from __future__ import annotations
@@ -30,18 +38,33 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from prime_rl import activity
+from prime_rl import activity, secret
 from prime_rl.inference.adapters import make_adapter_router
 from prime_rl.layout import READY
+from prime_rl.weight_transfer import DTYPES, chunk_bytes, plan_from_json, store_proof
 
 BROKEN = -2
 """The served step after a broadcast failed midway: part of the weights may be new."""
 
+PLAN_SLACK = 4
+"""A broadcast plan may be at most this many times the served weights' bytes: the trainer's names
+differ from vLLM's (fused projections), and floating-point weights travel in the server's dtype."""
 
-def make_router(weights_dir: Path) -> APIRouter:
+DEFAULT_MAX_UPDATE_S = 600.0
+
+
+def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -> APIRouter:
     router = APIRouter()
     root = weights_dir.resolve()
     lock = asyncio.Lock()
+
+    async def model_bytes(request: Request) -> int:
+        """The bytes of the weights every worker holds, summed (asked once)."""
+        state = request.app.state
+        if getattr(state, "prime_rl_model_bytes", None) is None:
+            sizes = await state.engine_client.collective_rpc("prime_rl_weight_bytes")
+            state.prime_rl_model_bytes = int(sum(sizes))
+        return state.prime_rl_model_bytes
 
     @router.post("/prime_rl/load_weights")
     async def load_weights(request: Request):
@@ -49,15 +72,26 @@ def make_router(weights_dir: Path) -> APIRouter:
             body = await request.json()
             path, step = Path(str(body["path"])), int(body["step"])
             clear_cache = bool(body.get("clear_cache", False))
+            rewind = bool(body.get("rewind", False))
         except Exception:
             return JSONResponse({"error": 'expected JSON {"path": str, "step": int}'}, status_code=400)
         resolved = path.resolve()
         if resolved != root and root not in resolved.parents:
             return JSONResponse({"error": f"{path} is not under the weights dir {root}"}, status_code=403)
+        if resolved.name != f"step_{step}" or step < 0:
+            # The step labels every rollout generated with these weights: it must be the folder's.
+            return JSONResponse(
+                {"error": f"{path} is not the folder of step {step} (step_{step})"}, status_code=400
+            )
         if not (resolved / READY).exists():
             return JSONResponse({"error": f"{path} has no {READY} marker"}, status_code=404)
         engine = request.app.state.engine_client
         async with lock:
+            served = getattr(request.app.state, "prime_rl_step", 0)
+            if step <= served and not rewind:
+                return JSONResponse(
+                    {"error": f"step {step} is not newer than the served step {served}"}, status_code=409
+                )
             t0 = time.perf_counter()
             activity.doing(f"loading the weights of step {step}", "", step)
             # Between two engine steps: running requests stay, with their KV cache, and go on with
@@ -68,10 +102,14 @@ def make_router(weights_dir: Path) -> APIRouter:
             await engine.pause_generation(mode="keep", clear_cache=clear_cache)
             try:
                 await engine.collective_rpc("prime_rl_reload", args=(str(resolved),))
+                request.app.state.prime_rl_step = step
+            except Exception as e:  # a worker failed midway: as for a broken broadcast
+                request.app.state.prime_rl_step = BROKEN
+                await engine.pause_generation(mode="abort", clear_cache=True)
+                return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
             finally:
                 await engine.resume_generation()
                 Requests.say()
-            request.app.state.prime_rl_step = step
         return {"step": step, "seconds": time.perf_counter() - t0}
 
     @router.post("/prime_rl/receive_weights")
@@ -79,18 +117,33 @@ def make_router(weights_dir: Path) -> APIRouter:
         try:
             body = await request.json()
             step = int(body["step"])
-            args = (
-                str(body["host"]),
-                int(body["port"]),
-                str(body["prefix"]),
-                int(body["first_rank"]),
-                int(body["world_size"]),
-                list(body["plan"]),
-                float(body["timeout_s"]),
-            )
+            host, port, prefix = str(body["host"]), int(body["port"]), str(body["prefix"])
+            first_rank, world_size = int(body["first_rank"]), int(body["world_size"])
+            plan = plan_from_json(list(body["plan"]))
+            timeout_s = min(float(body["timeout_s"]), max_update_s)  # the server's bound, not the caller's
+            if not (timeout_s > 0 and 1 <= first_rank < world_size and step >= 1):
+                raise ValueError
+            if any(e.dtype not in DTYPES or min(e.shape, default=0) < 0 for chunk in plan for e in chunk):
+                raise ValueError
         except Exception:
             expected = '{"step", "host", "port", "prefix", "first_rank", "world_size", "plan", "timeout_s"}'
             return JSONResponse({"error": f"expected JSON {expected}"}, status_code=400)
+        limit = PLAN_SLACK * await model_bytes(request)
+        planned = sum(chunk_bytes(chunk) for chunk in plan)
+        if planned > limit:
+            return JSONResponse(
+                {"error": f"the plan holds {planned} bytes, more than {PLAN_SLACK}x the served weights"},
+                status_code=413,
+            )
+        proof = secret.key(f"weights-store/{prefix}")
+        if proof is not None and not await asyncio.to_thread(
+            store_proof, host, port, prefix, proof, timeout_s
+        ):
+            log_refusal(f"receive_weights: the store at {host}:{port} is not this run's trainer's")
+            return JSONResponse(
+                {"error": f"the store at {host}:{port} is not this run's trainer's"}, status_code=403
+            )
+        args = (host, port, prefix, first_rank, world_size, list(body["plan"]), timeout_s)
         engine = request.app.state.engine_client
         async with lock:
             t0 = time.perf_counter()
@@ -120,6 +173,60 @@ def make_router(weights_dir: Path) -> APIRouter:
         return {"step": step, "workers": workers, "dtype": dtype, "weights_dir": str(root)}
 
     return router
+
+
+OPEN_PATHS = frozenset({"/health"})
+"""The one route open without the secret: it says only whether the server is up."""
+
+REFUSAL_LOG_EVERY_S = 10.0
+_refusals: dict = {"unsaid": 0, "last": None}
+
+
+def log_refusal(what: str) -> None:
+    """One line per refusal, and at most one per `REFUSAL_LOG_EVERY_S` (with a count of the others),
+    so that a flood of bad requests cannot flood the log."""
+    _refusals["unsaid"] += 1
+    now = time.monotonic()
+    if _refusals["last"] is not None and now - _refusals["last"] < REFUSAL_LOG_EVERY_S:
+        return
+    more = _refusals["unsaid"] - 1
+    also = f" (and {more} more since the last line)" if more else ""
+    print(f"prime_rl: refused {what}{also}", file=sys.stderr, flush=True)
+    _refusals.update(unsaid=0, last=now)
+
+
+class Authenticated:
+    """ASGI middleware: with a run secret, every request but `OPEN_PATHS` must carry it, or gets 401
+    before any route sees it. (Outermost, so vLLM's own routes are covered too.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if secret.accepts(given):
+            return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("?", 0))[0]
+        log_refusal(
+            f"{scope.get('method', 'WS')} {scope['path']} from {client}: {'wrong' if given else 'no'} run secret"
+        )
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        body = b'{"error": "this server needs the run secret (Authorization: Bearer ...)"}'
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
 
 
 class Requests:
@@ -184,19 +291,34 @@ class Requests:
             activity.doing("idle, waiting for requests", "orchestrator")
 
 
+def _take(argv: list[str], flag: str, default: str | None = None) -> str | None:
+    """Remove `flag VALUE` from argv; its value (or `default`)."""
+    if flag not in argv:
+        return default
+    i = argv.index(flag)
+    value = argv[i + 1]
+    del argv[i : i + 2]
+    return value
+
+
 def main() -> None:
     argv = sys.argv[1:]
-    if "--prime-rl-weights-dir" not in argv:
+    weights_dir = _take(argv, "--prime-rl-weights-dir")
+    if weights_dir is None:
         raise SystemExit("vllm_server: --prime-rl-weights-dir DIR is required")
-    i = argv.index("--prime-rl-weights-dir")
-    weights_dir = Path(argv[i + 1])
-    del argv[i : i + 2]
-    adapters_root = weights_dir
-    if "--prime-rl-adapters-root" in argv:
-        i = argv.index("--prime-rl-adapters-root")
-        adapters_root = Path(argv[i + 1])
-        del argv[i : i + 2]
-    routers = [make_router(weights_dir), make_adapter_router(adapters_root)]
+    weights_dir = Path(weights_dir)
+    adapters_root = Path(_take(argv, "--prime-rl-adapters-root", str(weights_dir)))
+    max_update_s = float(_take(argv, "--prime-rl-max-update-s", str(DEFAULT_MAX_UPDATE_S)))
+    allow_open = secret.OPT_OUT_FLAG in argv
+    if allow_open:
+        argv.remove(secret.OPT_OUT_FLAG)
+    host = _take(list(argv), "--host", "0.0.0.0")  # vLLM's default: every interface
+    try:
+        secret.value()
+        secret.require_for_bind(host, "the inference server", allow_open)
+    except secret.SecretError as e:
+        raise SystemExit(f"vllm_server: {e}") from None
+    routers = [make_router(weights_dir, max_update_s), make_adapter_router(adapters_root)]
     label = os.environ.get(activity.ENV_LABEL, "inference")
     activity.start(label, "inference", weights_dir.parent, doing="starting vLLM")
 
@@ -217,8 +339,9 @@ def main() -> None:
         Requests.app = app
         if app.middleware_stack is None:
             app.add_middleware(Requests)
+            app.add_middleware(Authenticated)  # added last: the outermost
         else:  # vLLM built the stack already (its own middleware): wrap it
-            app.middleware_stack = Requests(app.middleware_stack)
+            app.middleware_stack = Authenticated(Requests(app.middleware_stack))
         Requests.say()
         return app
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 
 class WeightReloadExtension:
+    def prime_rl_weight_bytes(self) -> int:
+        """The bytes of this worker's weights (bounds what a broadcast may send it)."""
+        model = self.model_runner.get_model()
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
     def prime_rl_reload(self, path: str) -> None:
         self.reload_weights(weights_path=path)
         self._prime_rl_after_reload()

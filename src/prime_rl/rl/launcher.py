@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from prime_rl import activity
+from prime_rl import activity, secret
 from prime_rl.config.cli import to_toml
 from prime_rl.disk import DiskFull, writing
 from prime_rl.inference.server import is_healthy, server_env
@@ -203,6 +203,7 @@ class Launcher:
         # One folder for every record of the run (a teacher server's output dir is another).
         base_env = {
             **os.environ,
+            **run_secret(self.out),
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
             activity.ENV_DIR: str(activity.folder(self.out)),
@@ -343,12 +344,25 @@ def install_signal_handlers(launcher: Launcher) -> None:
     signal.signal(signal.SIGTERM, on_signal)
 
 
+def run_secret(out: Path) -> dict[str, str]:
+    """The environment that gives the run's processes its secret: the one this process was given, or
+    a file made under the output folder (kept for a resumed run). Never the value itself: a file's
+    name in the environment, so that no command line, config file or log holds the secret."""
+    if os.environ.get(secret.ENV) or os.environ.get(secret.FILE_ENV):
+        secret.value()  # a bad file is one line now, not a failure in every child
+        return {}
+    path = secret.create(out)
+    os.environ[secret.FILE_ENV] = str(path)  # this process's own clients too
+    secret.value.cache_clear()
+    return {secret.FILE_ENV: str(path)}
+
+
 def launch(config: RLConfig) -> int:
     launcher = Launcher(config)
     install_signal_handlers(launcher)
     try:
         return launcher.run()
-    except DiskFull as e:
+    except (DiskFull, secret.SecretError) as e:
         print(f"rl: error: {e}", file=sys.stderr, flush=True)
         return NEEDS_USER
     finally:

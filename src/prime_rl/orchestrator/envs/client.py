@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import httpx2
 import msgspec
 
+from prime_rl import secret
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs import speedups
 from prime_rl.orchestrator.envs.coalesce import CHAT_PATH, CoalescingTransport, merged_post
@@ -38,7 +39,7 @@ def make_vf_client(base_url: str, config: ClientConfig):
         transport = CoalescingTransport(transport)
     openai = AsyncOpenAI(
         base_url=base_url,
-        api_key="prime-rl",
+        api_key=secret.value() or "prime-rl",  # sent as `Authorization: Bearer`
         max_retries=config.max_retries,
         timeout=config.timeout_s,
         http_client=DefaultAsyncHttpxClient(transport=transport),

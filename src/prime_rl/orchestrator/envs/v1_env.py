@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prime_rl import secret
 from prime_rl.environments import exports_v1_taskset
 from prime_rl.orchestrator.envs.verifiers_v1_adapter import from_v1_trace
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
@@ -80,7 +81,7 @@ def _prepare() -> None:
         stock(config) if isinstance(config, TrainClientConfig) else TokenClient(config)
     )
     sys.modules[HARNESS_ID] = _harness_module(v1)
-    os.environ.setdefault(API_KEY_VAR, "local")
+    os.environ[API_KEY_VAR] = secret.value() or "local"  # verifiers' client sends it to our servers
 
 
 def _harness_module(v1) -> types.ModuleType:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import httpx
 
-from prime_rl import tls
+from prime_rl import secret, tls
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable, Server, ServerPool
 from prime_rl.orchestrator.loop.weights import UNKNOWN, WeightSync, served_step
 
@@ -66,7 +66,9 @@ class ServerHealth:
             self.error = e
 
     async def _watch(self) -> None:
-        async with httpx.AsyncClient(timeout=self.request_timeout_s, verify=tls.context()) as http:
+        async with httpx.AsyncClient(
+            timeout=self.request_timeout_s, verify=tls.context(), headers=secret.headers()
+        ) as http:
             while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.pool.suspected.wait(), self.interval_s)

@@ -20,7 +20,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from prime_rl import activity, shutdown
+from prime_rl import activity, secret, shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.layout import (
@@ -123,7 +123,11 @@ class Orchestrator:
         self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty, cursors)
         self.prev_skipped: Counter = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
-        adapter = Adapter(c.lora_adapter, str(self.output_dir.resolve())) if c.lora_adapter else None
+        adapter = (
+            Adapter(c.lora_adapter, secret.owner_token(str(self.output_dir.resolve())))
+            if c.lora_adapter
+            else None
+        )
         self.weights = WeightSync(
             weights_root(self.output_dir), self.pool, timeout_s=c.client.timeout_s, adapter=adapter
         )

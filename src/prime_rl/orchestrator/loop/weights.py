@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import activity, tls
+from prime_rl import activity, secret, tls
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 
@@ -49,7 +49,7 @@ class Adapter:
 
     name: str
     owner: str
-    """The run's output dir: who holds the name on a server."""
+    """The run's owner token (`secret.owner_token`): who holds the name on a server."""
 
 
 def request_model(base: str, adapter: str | None, version: int) -> str:
@@ -62,10 +62,15 @@ async def served_step(http: httpx.AsyncClient, server: Server, adapter: Adapter 
     """The step of the weights (or of this run's adapter) `server` serves, UNKNOWN if it cannot say,
     None if it does not answer."""
     try:
-        resp = await http.get(f"{server.root_url}{ADAPTERS_ROUTE if adapter else WEIGHTS_ROUTE}")
+        if adapter is not None:
+            resp = await http.get(
+                f"{server.root_url}{ADAPTERS_ROUTE}", headers={secret.OWNER_HEADER: adapter.owner}
+            )
+        else:
+            resp = await http.get(f"{server.root_url}{WEIGHTS_ROUTE}")
         if resp.status_code == 200 and adapter is not None:
-            held = resp.json()["adapters"].get(adapter.name)
-            return int(held["step"]) if held is not None and held["owner"] == adapter.owner else 0
+            held = resp.json()["adapters"].get(adapter.name)  # only this run's adapters are listed
+            return int(held["step"]) if held is not None else 0
         if resp.status_code == 200:
             return int(resp.json()["step"])
         if resp.status_code == 404 and (await http.get(f"{server.root_url}/health")).status_code == 200:
@@ -104,7 +109,9 @@ class WeightSync:
         """Claim the adapter's name on every server before the first request (no-op without one)."""
         if self.adapter is None:
             return
-        async with httpx.AsyncClient(timeout=self.timeout_s, verify=tls.context()) as http:
+        async with httpx.AsyncClient(
+            timeout=self.timeout_s, verify=tls.context(), headers=secret.headers()
+        ) as http:
             await asyncio.gather(*(self._claim(http, s) for s in self.pool.servers))
 
     async def _claim(self, http: httpx.AsyncClient, server: Server) -> None:
@@ -125,7 +132,7 @@ class WeightSync:
         if self.adapter is None:
             return
         body = {"name": self.adapter.name, "owner": self.adapter.owner}
-        async with httpx.AsyncClient(timeout=10.0, verify=tls.context()) as http:
+        async with httpx.AsyncClient(timeout=10.0, verify=tls.context(), headers=secret.headers()) as http:
             for server in self.pool.servers:
                 with contextlib.suppress(httpx.HTTPError):  # a server that is gone holds nothing
                     await http.post(f"{server.root_url}{UNLOAD_ADAPTER_ROUTE}", json=body)
@@ -158,8 +165,8 @@ class WeightSync:
             # No files to load it from: the trainer's next broadcast (all the weights) brings it back.
             # (Said without suspecting it anew, which would wake the health monitor in a loop.)
             return False
-        if self.version > 0:  # behind, or a broadcast broke midway: load the current version's files
-            return server not in await self.load([server], self.version)
+        if self.version > 0:  # behind, ahead, or a broadcast broke midway: load the current version's files
+            return server not in await self.load([server], self.version, rewind=True)
         if served is not None and served < 0:
             return False  # the first broadcast broke midway on it: the next one brings it back
         if served not in (None, 0):
@@ -187,14 +194,17 @@ class WeightSync:
         """Whether a server serving `served` may get work tagged with version `step`."""
         return served == step or (served > step and self.broadcast(served))
 
-    async def load(self, servers: list[Server], step: int) -> list[Server]:
+    async def load(self, servers: list[Server], step: int, rewind: bool = False) -> list[Server]:
         """Make `servers` serve the weights of `step`; return those that could not be reached or,
-        for a broadcast step, that do not serve it (now suspected, see `ServerPool.suspect`)."""
+        for a broadcast step, that do not serve it (now suspected, see `ServerPool.suspect`).
+        `rewind`: a server serving a newer step may go back to `step` (it refuses otherwise)."""
         path = str(step_dir(self.root, step).resolve())
         activity.doing(f"loading the weights of step {step} into {len(servers)} server(s)", "inference")
         unreachable: list[Server] = []
         broadcast = self.broadcast(step)
-        async with httpx.AsyncClient(timeout=self.timeout_s, verify=tls.context()) as http:
+        async with httpx.AsyncClient(
+            timeout=self.timeout_s, verify=tls.context(), headers=secret.headers()
+        ) as http:
 
             async def check(server: Server) -> None:
                 served = await served_step(http, server, self.adapter)
@@ -221,7 +231,7 @@ class WeightSync:
                         "step": step,
                     }
                 else:
-                    route, body = LOAD_ROUTE, {"path": path, "step": step}
+                    route, body = LOAD_ROUTE, {"path": path, "step": step, "rewind": rewind}
                 try:
                     resp = await http.post(f"{server.root_url}{route}", json=body)
                 except httpx.HTTPError as e:

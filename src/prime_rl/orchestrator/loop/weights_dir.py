@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import tls
+from prime_rl import secret, tls
 from prime_rl.layout import weights_root
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import ADAPTERS_ROUTE, WEIGHTS_ROUTE, WeightSyncError
@@ -31,7 +31,7 @@ async def check_weights_dirs(
 ) -> None:
     """Raise `WeightsDirMismatch` for the first server that would refuse `<output_dir>/weights`."""
     published = weights_root(output_dir).resolve()
-    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context()) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
         roots = await asyncio.gather(*(_accepted_root(http, s, adapter) for s in pool.servers))
     for server, root in zip(pool.servers, roots, strict=True):
         if root is None or published == root or root in published.parents:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 import torch
 
-from prime_rl import tls
+from prime_rl import secret, tls
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.weight_transfer import (
     DTYPES,
@@ -28,6 +28,7 @@ from prime_rl.weight_transfer import (
     make_plan,
     open_store,
     plan_to_json,
+    put_proof,
     send,
 )
 
@@ -90,7 +91,7 @@ class Broadcaster:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         c = self.config
-        with httpx.Client(verify=tls.context()) as http:
+        with httpx.Client(verify=tls.context(), headers=secret.headers()) as http:
             found = {url.rstrip("/"): self._ask(http, url.rstrip("/")) for url in c.servers}
         live = {url: a[0] for url, a in found.items() if a}
         if not live:
@@ -102,7 +103,11 @@ class Broadcaster:
             self._store = open_store(self.host, c.port, is_master=True, timeout_s=c.timeout_s)
         plan = make_plan(state, int(c.chunk_mb * 2**20), cast)
         world = 1 + sum(live.values())
-        prefix = f"prime_rl/step_{step}/{uuid.uuid4().hex[:8]}/"
+        # Random and sent only in authenticated requests: nobody else can name this update's keys.
+        prefix = f"prime_rl/step_{step}/{secrets.token_hex(16)}/"
+        proof = secret.key(f"weights-store/{prefix}")
+        if proof is not None:
+            put_proof(self._store, prefix, proof)
         answers: dict[str, str] = {}
         phases["ask"] = time.perf_counter() - t0
 
@@ -123,6 +128,7 @@ class Broadcaster:
                     json=body,
                     timeout=3 * c.timeout_s + 30,
                     verify=tls.context(),
+                    headers=secret.headers(),
                 )
                 answers[url] = (
                     "ok" if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"

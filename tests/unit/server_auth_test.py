@@ -1,0 +1,220 @@
+"""The inference server's routes under a run secret, with vLLM's engine replaced by a recorder: who
+may call them, and which weight updates they take (the real server runs them in
+tests/integration/rl_test.py and vllm_server_test.py)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from prime_rl import secret
+from prime_rl.inference import adapters, vllm_server
+from prime_rl.net import free_port
+from prime_rl.weight_transfer import put_proof
+
+SECRET = "the-run-secret"
+
+
+class Engine:
+    """Records the calls the routes make; `fail` names an rpc that raises."""
+
+    def __init__(self, fail: str | None = None):
+        self.calls: list[tuple] = []
+        self.fail = fail
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause", mode))
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume",))
+
+    async def collective_rpc(self, method: str, args: tuple = ()):
+        self.calls.append((method, args))
+        if method == self.fail:
+            raise RuntimeError("a worker died")
+        return [1000] if method == "prime_rl_weight_bytes" else [None]
+
+
+@pytest.fixture
+def with_secret(monkeypatch):
+    monkeypatch.setenv(secret.ENV, SECRET)
+    monkeypatch.delenv(secret.FILE_ENV, raising=False)
+    secret.value.cache_clear()
+    yield SECRET
+    secret.value.cache_clear()
+
+
+def make_app(weights_dir, engine: Engine, max_update_s: float = 60.0, lora: bool = False) -> FastAPI:
+    app = FastAPI()
+    app.include_router(vllm_server.make_router(weights_dir, max_update_s))
+    app.include_router(adapters.make_adapter_router(weights_dir))
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        engine.calls.append(("generate",))
+        return {}
+
+    app.state.engine_client = engine
+    if lora:
+        app.state.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8))
+        app.state.openai_serving_models = SimpleNamespace(is_base_model=lambda name: name == "base")
+    app.add_middleware(vllm_server.Authenticated)
+    return app
+
+
+def published(weights_dir, step: int):
+    folder = weights_dir / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "READY").touch()
+    return folder
+
+
+def bearer(value: str) -> dict:
+    return {"Authorization": f"Bearer {value}"}
+
+
+ROUTES = [
+    ("post", "/prime_rl/load_weights"),
+    ("post", "/prime_rl/receive_weights"),
+    ("post", "/prime_rl/load_adapter"),
+    ("post", "/prime_rl/unload_adapter"),
+    ("get", "/prime_rl/adapters"),
+    ("get", "/prime_rl/weights"),
+    ("post", "/v1/chat/completions"),
+]
+
+
+@pytest.mark.parametrize("given", [None, "wrong"], ids=["no-secret", "wrong-secret"])
+def test_every_route_but_health_needs_the_secret_and_a_refusal_changes_nothing(
+    tmp_path, with_secret, given, capsys, monkeypatch
+):
+    monkeypatch.setattr(vllm_server, "_refusals", {"unsaid": 0, "last": None})
+    engine = Engine()
+    folder = published(tmp_path, 1)
+    client = TestClient(make_app(tmp_path, engine))
+    headers = bearer(given) if given else {}
+    body = {"path": str(folder), "step": 1, "name": "a", "owner": "x"}
+    for method, path in ROUTES:
+        answer = getattr(client, method)(
+            path, headers=headers, **({"json": body} if method == "post" else {})
+        )
+        assert answer.status_code == 401, (path, answer.text)
+    assert engine.calls == []  # nothing paused, loaded or generated
+    assert client.get("/health").status_code == 200
+    assert client.get("/prime_rl/weights", headers=bearer(SECRET)).json()["step"] == 0
+    log = capsys.readouterr().err
+    assert "refused POST /prime_rl/load_weights" in log and "run secret" in log
+    assert log.count("\n") == 1  # one line for the whole flood
+
+
+def test_without_a_secret_every_caller_is_accepted(tmp_path, monkeypatch):
+    monkeypatch.delenv(secret.ENV, raising=False)
+    monkeypatch.delenv(secret.FILE_ENV, raising=False)
+    secret.value.cache_clear()
+    client = TestClient(make_app(tmp_path, Engine()))
+    assert client.get("/prime_rl/weights").status_code == 200
+
+
+def test_load_weights_takes_only_a_newer_step_from_its_own_folder(tmp_path, with_secret):
+    engine = Engine()
+    client = TestClient(make_app(tmp_path, engine), headers=bearer(SECRET))
+    one, two = published(tmp_path, 1), published(tmp_path, 2)
+
+    def load(path, step, **extra):
+        return client.post("/prime_rl/load_weights", json={"path": str(path), "step": step, **extra})
+
+    assert load(one, 2).status_code == 400  # step 1's weights labelled as step 2
+    assert load(one, -2).status_code == 400  # would read as BROKEN
+    assert load(two, 2).json()["step"] == 2
+    assert load(one, 1).status_code == 409  # older than served
+    assert load(two, 2).status_code == 409
+    assert client.get("/prime_rl/weights").json()["step"] == 2
+    assert load(one, 1, rewind=True).json()["step"] == 1  # the orchestrator bringing a server back
+
+
+def test_a_failed_load_marks_the_server_broken(tmp_path, with_secret):
+    engine = Engine(fail="prime_rl_reload")
+    client = TestClient(make_app(tmp_path, engine), headers=bearer(SECRET))
+    answer = client.post("/prime_rl/load_weights", json={"path": str(published(tmp_path, 1)), "step": 1})
+    assert answer.status_code == 500
+    assert client.get("/prime_rl/weights").json()["step"] == vllm_server.BROKEN
+    assert ("pause", "abort") in engine.calls and engine.calls[-1] == ("resume",)
+
+
+@pytest.fixture
+def store():
+    port = free_port()
+    master = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )
+    yield master, port
+
+
+def receive_body(port: int, prefix: str, shape=(10,), timeout_s: float = 3600.0) -> dict:
+    return {
+        "step": 1, "host": "127.0.0.1", "port": port, "prefix": prefix, "first_rank": 1, "world_size": 2,
+        "plan": [[["w", "float32", list(shape)]]], "timeout_s": timeout_s,
+    }  # fmt: skip
+
+
+def test_receive_weights_joins_only_a_store_that_proves_the_secret(tmp_path, with_secret, store):
+    master, port = store
+    engine = Engine()
+    client = TestClient(make_app(tmp_path, engine, max_update_s=5.0), headers=bearer(SECRET))
+    prefix = "prime_rl/step_1/0123456789abcdef/"
+    # A store without the proof (a neighbour's, or a forged one) is refused before anything pauses.
+    master.set(prefix + "proof", b"00" * 32)
+    assert client.post("/prime_rl/receive_weights", json=receive_body(port, prefix)).status_code == 403
+    assert [c for c in engine.calls if c[0] != "prime_rl_weight_bytes"] == []
+    assert client.get("/prime_rl/weights").json()["step"] == 0  # not BROKEN
+    # The trainer's store: proven by the key only a holder of the secret can derive.
+    put_proof(master, prefix, secret.key(f"weights-store/{prefix}"))
+    assert client.post("/prime_rl/receive_weights", json=receive_body(port, prefix)).status_code == 200
+    (receive,) = [c[1] for c in engine.calls if c[0] == "prime_rl_receive"]
+    assert receive[-1] == 5.0  # the caller asked for an hour; the server's bound holds
+
+
+def test_receive_weights_refuses_a_plan_far_bigger_than_the_model(tmp_path, with_secret, store):
+    _, port = store
+    engine = Engine()
+    client = TestClient(make_app(tmp_path, engine), headers=bearer(SECRET))
+    answer = client.post("/prime_rl/receive_weights", json=receive_body(port, "p/", shape=(10**9,)))
+    assert answer.status_code == 413  # 4 GB asked of a server holding 1000 bytes
+    bad = receive_body(port, "p/")
+    bad["plan"] = [[["w", "complex-thing", [10]]]]
+    assert client.post("/prime_rl/receive_weights", json=bad).status_code == 400
+    assert all(name == "prime_rl_weight_bytes" for name, *_ in engine.calls)
+
+
+def test_a_neighbours_adapter_cannot_be_seen_unloaded_replaced_or_claimed(tmp_path, with_secret, monkeypatch):
+    async def noop(*args):
+        return None
+
+    monkeypatch.setattr(adapters, "_load", noop)
+    monkeypatch.setattr(adapters, "_unload", noop)
+    client = TestClient(make_app(tmp_path, Engine(), lora=True), headers=bearer(SECRET))
+    victim, neighbour = secret.owner_token("/runs/victim"), secret.owner_token("/runs/neighbour")
+    assert victim != neighbour and "/runs/victim" not in victim
+    folder = published(tmp_path, 1)
+
+    def post(route, owner, **body):
+        return client.post(f"/prime_rl/{route}", json={"name": "victim", "owner": owner, **body})
+
+    assert post("load_adapter", victim, path=str(folder), step=1).status_code == 200
+    assert post("unload_adapter", neighbour).status_code == 409
+    assert post("load_adapter", neighbour, path=str(folder), step=1).status_code == 409
+    assert post("load_adapter", "/runs/victim").status_code == 409  # the folder's name is no key
+    seen = client.get("/prime_rl/adapters", headers={secret.OWNER_HEADER: neighbour}).json()["adapters"]
+    assert seen == {}  # not even the name
+    mine = client.get("/prime_rl/adapters", headers={secret.OWNER_HEADER: victim}).json()["adapters"]
+    assert mine == {"victim": {"step": 1}}
+    assert post("unload_adapter", victim).json()["released"] is True
