@@ -2,6 +2,7 @@
 published weights, checkpoints and resume; plus packed-sequence correctness and bad input."""
 
 import json
+import logging
 import math
 import os
 import random
@@ -17,14 +18,20 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from prime_rl import secret
+from prime_rl.layout import checkpoint_root, write_manifest
 from prime_rl.net import free_port
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
 from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.loop import resume
 from prime_rl.trainer.main import train
 from prime_rl.trainer.memory import OutOfMemory, advice
 from prime_rl.trainer.model import ModelLoadError
+from prime_rl.trainer.parallel.dist import World
+from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.run import NaNLossError
+from prime_rl.trainer.weights.checkpoint import save_checkpoint
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
 from prime_rl.transport.packing import pack
@@ -238,6 +245,64 @@ def test_a_truncated_shard_in_the_newest_checkpoint_resumes_from_the_one_before(
     assert moved > 0
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("manifest_too", [False, True])
+def test_a_checkpoint_another_process_changed_resumes_from_the_one_before(
+    tiny_model, tmp_path, monkeypatch, caplog, manifest_too
+):
+    # With a run secret, someone who can write checkpoints/ changes the newest checkpoint's shard
+    # (and, `manifest_too`, writes it a fresh manifest, CRC-32s and all, as our own code does without
+    # a secret). Resume (the path `trainer`, `sft` and `train-reward-model` take) refuses it as
+    # damaged, warns naming the file that does not match, and loads the checkpoint before it.
+    def use_secret(value):
+        monkeypatch.delenv(secret.FILE_ENV, raising=False)
+        if value:
+            monkeypatch.setenv(secret.ENV, value)
+        else:
+            monkeypatch.delenv(secret.ENV)
+        secret.value.cache_clear()
+
+    use_secret("run-secret")
+    try:
+        world = World()
+        config = TrainerConfig(
+            model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path, ckpt={"resume_step": -1}
+        )
+        trainer = Trainer(config, world)
+        root = checkpoint_root(tmp_path)
+        save_checkpoint(root, 2, trainer.model, trainer.optimizer, trainer.scheduler, world, keep=3)
+        at_2 = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(1.0)
+        newest = save_checkpoint(root, 4, trainer.model, trainer.optimizer, trainer.scheduler, world, keep=3)
+        files = json.loads((newest / "MANIFEST.json").read_text())["files"]
+        shard = newest / max(files, key=lambda f: files[f]["size"])
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        if manifest_too:
+            use_secret(None)
+            write_manifest(newest)
+            use_secret("run-secret")
+
+        with caplog.at_level(logging.WARNING, logger="prime_rl"):
+            assert resume(config, world, trainer) == 2
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        named = (
+            f"{newest / 'MANIFEST.json'} is not keyed by the run secret"
+            if manifest_too
+            else f"{shard} does not"
+        )
+        assert len(warnings) == 1 and warnings[0].startswith(f"checkpoint step 4 is unreadable ({named}"), (
+            warnings
+        )
+        assert warnings[0].endswith("resuming from step 2 instead")
+        for key, value in trainer.model.state_dict().items():
+            torch.testing.assert_close(value, at_2[key], rtol=0, atol=0, msg=key)
+    finally:
+        secret.value.cache_clear()
 
 
 def test_a_step_with_no_samples_says_so_and_leaves_the_parameters_alone(tiny_model, tmp_path):

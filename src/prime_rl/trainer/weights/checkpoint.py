@@ -3,11 +3,14 @@ and the KL controller, when configured), to resume a killed trainer.
 
 Layout: `<output_dir>/checkpoints/step_<N>/` (the state after N optimizer steps) with the sharded
 model and optimizer state (torch.distributed.checkpoint, one shard per rank), `rank_<r>.pt` with the
-scheduler, step and RNG states, `MANIFEST.json` (every file's size and CRC-32) and `DONE`, written
-last. Invariants: only a folder with `DONE` is ever resumed from, so a trainer killed while saving
+scheduler, step and RNG states, `MANIFEST.json` (every file's size and hash, keyed by the run secret
+when there is one: `prime_rl.layout`) and `DONE`, written last, by rank 0 while the others wait.
+Invariants: only a folder with `DONE` is ever resumed from, so a trainer killed while saving
 resumes from the previous checkpoint; a resume verifies the checkpoint against its manifest first,
 and `choose_checkpoint` falls back from a damaged newest one to the newest intact one (an explicit
-step that is damaged is an error). The newest `ckpt.keep` complete checkpoints are kept.
+step that is damaged is an error), with a warning naming the file that does not match. A checkpoint
+that someone without the run secret changed is damaged in this sense: it takes the same path. The
+newest `ckpt.keep` complete checkpoints are kept.
 """
 
 from __future__ import annotations
