@@ -218,3 +218,37 @@ def test_a_neighbours_adapter_cannot_be_seen_unloaded_replaced_or_claimed(tmp_pa
     mine = client.get("/prime_rl/adapters", headers={secret.OWNER_HEADER: victim}).json()["adapters"]
     assert mine == {"victim": {"step": 1}}
     assert post("unload_adapter", victim).json()["released"] is True
+
+
+def test_a_server_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch):
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.inference.preflight import bind_problems
+
+    monkeypatch.delenv(secret.ENV, raising=False)
+    monkeypatch.delenv(secret.FILE_ENV, raising=False)
+    secret.value.cache_clear()
+    (problem,) = bind_problems(InferenceConfig(server={"host": "0.0.0.0"}))
+    assert "'server.host' = '0.0.0.0'" in problem and secret.FILE_ENV in problem
+    assert "server.allow_unauthenticated = true" in problem
+    assert bind_problems(InferenceConfig()) == []  # loopback
+    assert bind_problems(InferenceConfig(server={"host": "0.0.0.0", "allow_unauthenticated": True})) == []
+    monkeypatch.setenv(secret.ENV, SECRET)
+    secret.value.cache_clear()
+    assert bind_problems(InferenceConfig(server={"host": "0.0.0.0"})) == []
+    secret.value.cache_clear()
+
+
+def test_the_secret_file_is_the_owners_alone_and_kept_for_a_resumed_run(tmp_path, monkeypatch):
+    path = secret.create(tmp_path)
+    assert path.stat().st_mode & 0o777 == 0o600 and len(secret.read(path)) >= 32
+    first = secret.read(path)
+    assert secret.create(tmp_path) == path and secret.read(path) == first  # kept, not made again
+    path.chmod(0o644)
+    with pytest.raises(secret.SecretError, match="chmod 600"):
+        secret.read(path)
+    monkeypatch.setenv(secret.FILE_ENV, str(tmp_path / "missing"))
+    monkeypatch.delenv(secret.ENV, raising=False)
+    secret.value.cache_clear()
+    with pytest.raises(secret.SecretError, match="cannot read the secret file"):
+        secret.value()
+    secret.value.cache_clear()
