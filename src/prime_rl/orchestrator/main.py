@@ -19,9 +19,10 @@ from prime_rl.orchestrator.loop.progress import RunDirError
 from prime_rl.orchestrator.loop.samples import RoutesMissing
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 from prime_rl.orchestrator.loop.weights import AdapterRefused, WeightSyncError
-from prime_rl.orchestrator.loop.weights_dir import WeightsDirMismatch
+from prime_rl.orchestrator.loop.weights_dir import SecretRefused, WeightsDirMismatch
 from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing
 from prime_rl.orchestrator.preflight import check_orchestrator
+from prime_rl.secret import SecretError
 from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
 from prime_rl.transport import TransportError
 
@@ -37,6 +38,8 @@ NEEDS_USER = (
     DiskFull,
     AdapterRefused,
     WeightsDirMismatch,
+    SecretRefused,
+    SecretError,
     RoutesMissing,
 )
 USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncError, WorkersFailing)

@@ -15,6 +15,7 @@ import torch
 from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
 from prime_rl.plugins import PluginError
+from prime_rl.secret import SecretError
 from prime_rl.trainer.config import TrainingConfig
 from prime_rl.trainer.data import OutsideTheModel, SampleTooLong
 from prime_rl.trainer.estimators.base import TokenAdvantageError
@@ -62,5 +63,6 @@ NEEDS_USER = (
     PluginError,
     TokenAdvantageError,
     DiskFull,
+    SecretError,
 )
 USER_ERRORS = (*NEEDS_USER, TransportError)

@@ -26,6 +26,10 @@ class WeightsDirMismatch(WeightSyncError):
     """A server would refuse to load this run's weights: the processes' output dirs disagree."""
 
 
+class SecretRefused(WeightSyncError):
+    """A server wants another run secret than this run's (or one, where this run has none)."""
+
+
 async def check_weights_dirs(
     pool: ServerPool, output_dir: Path, adapter: bool, timeout_s: float = 30.0
 ) -> None:
@@ -34,6 +38,12 @@ async def check_weights_dirs(
     async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
         roots = await asyncio.gather(*(_accepted_root(http, s, adapter) for s in pool.servers))
     for server, root in zip(pool.servers, roots, strict=True):
+        if root == UNAUTHORIZED:
+            given = f"the secret in {secret.FILE_ENV}/{secret.ENV}" if secret.value() else "no secret"
+            raise SecretRefused(
+                f"the inference server at {server.root_url} refuses this run's requests (401: {given}): "
+                f"give the orchestrator and the trainer the server's secret, {secret.FILE_ENV}=<its file>"
+            )
         if root is None or published == root or root in published.parents:
             continue
         what = "adapters" if adapter else "weights"
@@ -50,12 +60,18 @@ async def check_weights_dirs(
         )
 
 
+UNAUTHORIZED = Path("/401")
+"""`_accepted_root`'s answer for a server that refused this run's secret."""
+
+
 async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool) -> Path | None:
     """Where `server` loads weights (or adapters) from, None if it does not say. (A server without
     LoRA says None for adapters: claiming the adapter's name reports that, in its own words.)"""
     route, key = (ADAPTERS_ROUTE, "root") if adapter else (WEIGHTS_ROUTE, "weights_dir")
     try:
         resp = await http.get(f"{server.root_url}{route}")
+        if resp.status_code == 401:
+            return UNAUTHORIZED
         if resp.status_code != 200 or (adapter and not resp.json().get("enabled")):
             return None
         return Path(resp.json()[key])
