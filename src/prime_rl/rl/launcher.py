@@ -31,7 +31,7 @@ from pathlib import Path
 from prime_rl import activity
 from prime_rl.config.cli import to_toml
 from prime_rl.disk import DiskFull, writing
-from prime_rl.inference.server import is_healthy, server_env
+from prime_rl.inference.server import UnsafeFolder, is_healthy, server_env
 from prime_rl.layout import restarts_path
 from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig
@@ -348,7 +348,7 @@ def launch(config: RLConfig) -> int:
     install_signal_handlers(launcher)
     try:
         return launcher.run()
-    except DiskFull as e:
+    except (DiskFull, UnsafeFolder) as e:
         print(f"rl: error: {e}", file=sys.stderr, flush=True)
         return NEEDS_USER
     finally:
