@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from prime_rl import activity
-from prime_rl.config.cli import to_toml
+from prime_rl.config.cli import write_config
 from prime_rl.disk import DiskFull, writing
 from prime_rl.inference.server import UnsafeFolder, is_healthy, server_env
 from prime_rl.layout import restarts_path
@@ -70,7 +70,7 @@ class Launcher:
         with writing(folder, "the process configs"):
             folder.mkdir(parents=True, exist_ok=True)
             for path, config in plan.config_files.items():
-                path.write_text(to_toml(config))
+                write_config(path, config)  # secrets beside it, private (`plan.config_files`)
 
     def _start(self, *args, **kwargs) -> Child:
         """`start_child`'s child, one of those this launcher stops."""

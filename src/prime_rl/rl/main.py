@@ -14,7 +14,7 @@ def _dry_run(config: RLConfig) -> str:
         from prime_rl.rl.slurm import dry_run
 
         return dry_run(config)
-    return to_toml(config)
+    return to_toml(config, redacted=True)
 
 
 def main(argv: list[str] | None = None) -> None:
