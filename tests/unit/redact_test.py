@@ -135,3 +135,10 @@ class Login(RootConfig):
 def test_an_error_about_a_secret_looking_value_does_not_show_it(capsys):
     err = parse_error(Login, ["--password", "hunter2-not-a-number"], capsys)
     assert "'password'" in err and "hunter2" not in err
+
+
+def test_a_preflight_problem_with_an_envs_args_does_not_show_its_key():
+    from prime_rl.orchestrator.preflight import env_problem
+
+    problem = env_problem("envs[0]", "reverse_text", {"api_key": KEY, "max_tokens": 7})
+    assert "does not accept them" in problem and KEY not in problem and PLACEHOLDER in problem
