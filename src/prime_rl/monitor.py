@@ -3,7 +3,8 @@
 Invariant: logging never fails a run, except a full disk: the local JSONL is the run's record, so a
 record that cannot be written stops the run with `DiskFull` (one line naming the file). W&B runs
 offline when no API key is set, so it never waits on the network; a W&B error is reported once and
-W&B is then skipped.
+W&B is then skipped. The config W&B gets has its secret-looking values hidden (`config/redact.py`):
+a judge's API key in an env's args must not end up on a shared dashboard.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.config import BaseConfig
+from prime_rl.config.redact import redact
 from prime_rl.disk import writing
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class MetricsLogger:
             return wandb.init(
                 project=wandb_config.project,
                 name=wandb_config.name or run_name,
-                config=config,
+                config=redact(config) if config is not None else None,
                 mode=mode,
                 dir=str(self.path.parent),
             )

@@ -3,7 +3,7 @@
 Sources, lowest to highest precedence: the model's defaults, then TOML files given as `@ a.toml`
 (several compose; later files win and tables deep-merge), then flags such as `--trainer.optim.lr 1e-5`,
 `--flag` and `--no-flag`. `--help` lists every field with its docstring; `--dry-run` prints the
-resolved config as TOML.
+resolved config as TOML, its secret-looking values hidden (`redact.py`).
 
 Invariant: a user mistake (missing or malformed file, unknown key, wrong type, or what a process's
 start-up `check` finds) never produces a traceback. It becomes a `ConfigError` whose message names the key and where it came from, printed
@@ -13,6 +13,7 @@ as one paragraph, and the process exits with status 2.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ import tomli_w
 from pydantic import BaseModel, ValidationError
 
 from prime_rl.config.help import format_help
+from prime_rl.config.redact import PLACEHOLDER, hidden_paths, is_secret_key, redact, secret_part
 from prime_rl.config.schema import (
     allows,
     fields_of,
@@ -303,7 +305,8 @@ def _validation_message(cls: type[BaseModel], err: ValidationError, sources: Sou
             if (msg, repr(value)) in seen:
                 continue
             seen.add((msg, repr(value)))
-            shown = f" = {value!r}" if not isinstance(value, dict) else ""
+            hide = isinstance(value, dict) or any(is_secret_key(p) for p in str_path)
+            shown = "" if hide else f" = {value!r}"
             lines.append(f"'{dotted}'{shown} (from {where}): {msg}.")
     return " ".join(lines)
 
@@ -311,19 +314,65 @@ def _validation_message(cls: type[BaseModel], err: ValidationError, sources: Sou
 def build_config(cls: type[C], sources: Sources) -> C:
     """Validate merged sources into `cls`, or raise a `ConfigError` that names the key."""
     _check_unknown_keys(cls, sources)
+    _check_redacted(sources)
     try:
         return cls(**sources.values)
     except ValidationError as e:
         raise ConfigError(_validation_message(cls, e, sources)) from None
 
 
+def _check_redacted(sources: Sources) -> None:
+    """Refuse a hidden value read back as if it were the real one (a written config, `write_config`,
+    read without the file that holds what it hides): it would fail far later, as a refused API key."""
+    paths = hidden_paths(sources.values)
+    if paths:
+        where = sources.where(tuple(p for p in paths[0] if isinstance(p, str)))
+        raise ConfigError(
+            f"'{_dotted(paths[0])}' (from {where}) is {PLACEHOLDER!r}, a value hidden when its config was "
+            f"written: add the file written beside it ('@ <name>{SECRETS_SUFFIX}'), or set the real value."
+        )
+
+
 # --------------------------------------------------------------------------------------------------
-# Output: --help and --dry-run.
+# Output: --help, --dry-run and the config files a process is started with.
+
+SECRETS_SUFFIX = ".secrets.toml"
+"""Beside a config written with `write_config`: what it hides, readable by its owner only."""
 
 
-def to_toml(config: BaseModel) -> str:
-    """The config as TOML that, read back with `@`, gives the same config."""
-    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+def to_toml(config: BaseModel, redacted: bool = False) -> str:
+    """The config as TOML that, read back with `@`, gives the same config; `redacted`: with its
+    secret-looking values hidden (`redact.py`), for people to read."""
+    data = config.model_dump(mode="json", exclude_none=True)
+    return tomli_w.dumps(redact(data) if redacted else data)
+
+
+def secrets_path(path: Path) -> Path:
+    return Path(path).with_suffix(SECRETS_SUFFIX)
+
+
+def config_args(path: Path, config: BaseModel) -> list[str]:
+    """The arguments that read back `config` as `write_config(path, config)` writes it: `@ path`, and
+    `@ <path>.secrets.toml` when the config has secret-looking values."""
+    hidden = secret_part(config.model_dump(mode="json", exclude_none=True)) is not None
+    return ["@", str(path), *(["@", str(secrets_path(path))] if hidden else [])]
+
+
+def write_config(path: Path, config: BaseModel) -> list[str]:
+    """Write `config` for a process to read back (`config_args`, returned): `path` with its secret-
+    looking values hidden, and what they are in `<path>.secrets.toml`, readable by its owner only, so
+    that the folder can be shared and looked at. (A stale secrets file of an earlier run goes.)"""
+    path, data = Path(path), config.model_dump(mode="json", exclude_none=True)
+    path.write_text(tomli_w.dumps(redact(data)))
+    private, hidden = secrets_path(path), secret_part(data)
+    if hidden is None:
+        private.unlink(missing_ok=True)
+    else:
+        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # (an existing file keeps its mode through os.open)
+        with os.fdopen(fd, "w") as f:
+            f.write(tomli_w.dumps(hidden))
+    return config_args(path, config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,8 +391,8 @@ def parse_config(
 
     `check` runs on the validated config (also for --dry-run); a `ConfigError` it raises is a user
     error like any other (the checks that import user code are each process's `preflight.py`).
-    `dry_run` says what --dry-run prints (default: the resolved config as TOML); `commands` adds
-    lines to --help about the program's own flags."""
+    `dry_run` says what --dry-run prints (default: the resolved config as TOML, secrets hidden);
+    `commands` adds lines to --help about the program's own flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or Path(sys.argv[0]).name
     try:
@@ -358,6 +407,6 @@ def parse_config(
         sys.stderr.write(f"{prog}: error: {e}\nRun '{prog} --help' to list the settings.\n")
         raise SystemExit(EXIT_USAGE) from None
     if sources.dry_run:
-        sys.stdout.write(dry_run(config) if dry_run is not None else to_toml(config))
+        sys.stdout.write(dry_run(config) if dry_run is not None else to_toml(config, redacted=True))
         raise SystemExit(0)
     return config

@@ -4,12 +4,13 @@ vLLM runs as this process's child (`supervise.py`): Ctrl-C or SIGTERM stops it w
 one line and no traceback, whether it is starting or serving.
 """
 
+import sys
 from pathlib import Path
 
 from prime_rl.config import parse_config, raise_problems
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.preflight import bind_problems, inference_problems
-from prime_rl.inference.server import server_command, server_env
+from prime_rl.inference.server import UnsafeFolder, server_command, server_env
 from prime_rl.inference.supervise import run_server
 from prime_rl.logging_setup import setup_logging
 from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         code = run_server(server_command(config), env, Path(config.output_dir) / "inference")
     except Stopped:
         exit_stopped()
+    except UnsafeFolder as e:
+        sys.stderr.write(f"inference: error: {e}\n")
+        raise SystemExit(2) from None
     if stopping() is not None:
         exit_stopped()
     raise SystemExit(code)

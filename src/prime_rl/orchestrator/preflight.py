@@ -5,8 +5,9 @@ launches vLLM.
 
 Invariant: every check is cheap, at most importing a module and reading a signature or a JSON
 file: no env is instantiated, no dataset, tokenizer or weights loaded, nothing of the env side or
-the loop imported. Every problem found is one sentence naming the config key and its value, and all
-of them together are one `ConfigError` (exit 2, no traceback).
+the loop imported. Every problem found is one sentence naming the config key and its value (secret-
+looking values hidden, `config/redact.py`), and all of them together are one `ConfigError` (exit 2,
+no traceback).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.config import raise_problems
+from prime_rl.config.redact import redact
 from prime_rl.environments import env_module_name, exports_v1_taskset
 from prime_rl.model.local import tokenizer_mismatch
 from prime_rl.model.reward import RewardModelError, check_reward_model_dir
@@ -58,7 +60,7 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
     try:
         inspect.signature(load).bind(**args)
     except TypeError as e:
-        return f"{key}.args = {args!r}: load_environment of env '{env_id}' does not accept them: {e}"
+        return f"{key}.args = {redact(args)!r}: load_environment of env '{env_id}' does not accept them: {e}"
     except ValueError:
         pass  # no signature to inspect (a builtin): the call itself will tell
     return None
@@ -93,7 +95,7 @@ def reward_problem(key: str, reward: Any) -> str | None:
         return problem
     unknown = unknown_kwargs(load_function(reward.type, f"{key}.type"), reward.kwargs)  # loads: checked above
     return (
-        f"{key}.kwargs = {reward.kwargs!r}: '{reward.type}' takes no argument(s) {unknown}"
+        f"{key}.kwargs = {redact(reward.kwargs)!r}: '{reward.type}' takes no argument(s) {unknown}"
         if unknown
         else None
     )

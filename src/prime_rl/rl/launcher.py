@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from prime_rl import activity, secret
-from prime_rl.config.cli import to_toml
+from prime_rl.config.cli import write_config
 from prime_rl.disk import DiskFull, writing
-from prime_rl.inference.server import is_healthy, server_env
+from prime_rl.inference.server import UnsafeFolder, is_healthy, server_env
 from prime_rl.layout import restarts_path
 from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig
@@ -70,7 +70,7 @@ class Launcher:
         with writing(folder, "the process configs"):
             folder.mkdir(parents=True, exist_ok=True)
             for path, config in plan.config_files.items():
-                path.write_text(to_toml(config))
+                write_config(path, config)  # secrets beside it, private (`plan.config_files`)
 
     def _start(self, *args, **kwargs) -> Child:
         """`start_child`'s child, one of those this launcher stops."""
@@ -362,7 +362,7 @@ def launch(config: RLConfig) -> int:
     install_signal_handlers(launcher)
     try:
         return launcher.run()
-    except (DiskFull, secret.SecretError) as e:
+    except (DiskFull, UnsafeFolder, secret.SecretError) as e:
         print(f"rl: error: {e}", file=sys.stderr, flush=True)
         return NEEDS_USER
     finally:

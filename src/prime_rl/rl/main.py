@@ -14,20 +14,20 @@ def _dry_run(config: RLConfig) -> str:
         from prime_rl.rl.slurm import dry_run
 
         return dry_run(config)
-    return to_toml(config)
+    return to_toml(config, redacted=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Every check that needs no process runs here, so a mistake costs seconds, not a vLLM start-up.
-    config = parse_config(RLConfig, argv, prog="rl", check=check_rl, dry_run=_dry_run)
-    if config.deployment.type == "slurm":
-        from prime_rl.rl.slurm import SlurmError, submit
+    from prime_rl.rl.slurm import SlurmError, submit
 
-        try:
+    try:
+        # Every check that needs no process runs here, so a mistake costs seconds, not a vLLM start-up.
+        config = parse_config(RLConfig, argv, prog="rl", check=check_rl, dry_run=_dry_run)
+        if config.deployment.type == "slurm":
             raise SystemExit(submit(config))
-        except SlurmError as e:
-            sys.stderr.write(f"rl: error: {e}\n")
-            raise SystemExit(1) from None
+    except SlurmError as e:  # (a job that cannot be rendered, with --dry-run too, or submitted)
+        sys.stderr.write(f"rl: error: {e}\n")
+        raise SystemExit(1) from None
     from prime_rl.rl.launcher import launch
 
     raise SystemExit(launch(config))

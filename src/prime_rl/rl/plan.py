@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_rl.config.cli import config_args
 from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
 from prime_rl.inference.server import server_command
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -121,7 +122,8 @@ class Plan:
     """Which cores of this machine each process gets."""
 
     config_files: dict[Path, InferenceConfig | OrchestratorConfig | TrainerConfig]
-    """The process configs the launcher writes (as TOML) before it starts anything."""
+    """The process configs the launcher writes (as TOML, `write_config`: secret-looking values in a
+    private file beside each, which the commands read too) before it starts anything."""
 
     log_dir: Path
     """This machine's log folder."""
@@ -193,12 +195,12 @@ def teacher_server(config: RLConfig) -> InferenceConfig | None:
     )
 
 
-def trainer_command(d: DeploymentConfig, config_path: Path, run_id: str, master_port: int) -> list[str]:
-    """The trainer's command on this machine: the plain trainer, torchrun on one machine, or one
-    torchrun agent of a multi-node world (c10d rendezvous on the first trainer node, which hosts its
-    store; ranks are handed out by the rendezvous, and any mapping works: each rank pulls its own
-    micro-batches)."""
-    module = ["-m", "prime_rl.trainer.main", "@", str(config_path)]
+def trainer_command(d: DeploymentConfig, config: list[str], run_id: str, master_port: int) -> list[str]:
+    """The trainer's command on this machine, reading its config with the arguments `config`
+    (`config_args`): the plain trainer, torchrun on one machine, or one torchrun agent of a
+    multi-node world (c10d rendezvous on the first trainer node, which hosts its store; ranks are
+    handed out by the rendezvous, and any mapping works: each rank pulls its own micro-batches)."""
+    module = ["-m", "prime_rl.trainer.main", *config]
     torchrun = [
         sys.executable,
         "-m",
@@ -221,7 +223,7 @@ def trainer_command(d: DeploymentConfig, config_path: Path, run_id: str, master_
         ]  # fmt: skip
     if d.trainer_ranks > 1:
         return [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(master_port), *module]
-    return [str(Path(sys.executable).parent / "trainer"), "@", str(config_path)]
+    return [str(Path(sys.executable).parent / "trainer"), *config]
 
 
 def _orchestrator(
@@ -325,15 +327,21 @@ def _servers(
 
 
 def _workers(
-    config: RLConfig, machine: Machine, place: Placement, paths: dict[str, Path], log_dir: Path, run_id: str
+    config: RLConfig,
+    machine: Machine,
+    place: Placement,
+    args: dict[str, list[str]],
+    log_dir: Path,
+    run_id: str,
 ) -> tuple[Worker, ...]:
-    """This machine's trainer and orchestrator, in the order they start."""
+    """This machine's trainer and orchestrator, in the order they start (`args`: how each reads its
+    config file)."""
     d, here, workers = config.deployment, roles(config.deployment), []
     if "trainer" in here:
         workers.append(
             Worker(
                 name="trainer",
-                command=trainer_command(d, paths["trainer"], run_id, machine.master_port),
+                command=trainer_command(d, args["trainer"], run_id, machine.master_port),
                 env={"OMP_NUM_THREADS": str(place.trainer_threads)},
                 cpus=place.trainer_cpus,
                 log_path=log_dir / "trainer.log",
@@ -345,7 +353,7 @@ def _workers(
         workers.append(
             Worker(
                 name="orchestrator",
-                command=[str(Path(sys.executable).parent / "orchestrator"), "@", str(paths["orchestrator"])],
+                command=[str(Path(sys.executable).parent / "orchestrator"), *args["orchestrator"]],
                 env={},
                 cpus=place.orchestrator_cpus,
                 log_path=log_dir / "orchestrator.log",
@@ -377,6 +385,8 @@ def plan(config: RLConfig, machine: Machine) -> Plan:
     out = Path(config.output_dir)
     config_dir, log_dir = out / "configs" / node_dir, out / "logs" / node_dir
     paths = {name: config_dir / f"{name}.toml" for name in ("inference", "orchestrator", "trainer")}
+    args = {"orchestrator": config_args(paths["orchestrator"], orchestrator)}
+    args["trainer"] = config_args(paths["trainer"], trainer)
     place = placement(d, list(machine.cpus), machine.cpu_build, config.max_async_level)
     here = roles(d)
     return Plan(
@@ -396,5 +406,5 @@ def plan(config: RLConfig, machine: Machine) -> Plan:
         },
         log_dir=log_dir,
         servers=_servers(config, machine, place, log_dir, teacher) if "inference" in here else (),
-        workers=_workers(config, machine, place, paths, log_dir, run_id),
+        workers=_workers(config, machine, place, args, log_dir, run_id),
     )

@@ -11,13 +11,14 @@ status.
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from prime_rl.config.cli import to_toml
+from prime_rl.config.cli import config_args, write_config
 from prime_rl.rl.config import RLConfig
 
 
@@ -35,36 +36,63 @@ def node_config(config: RLConfig) -> RLConfig:
     return config.model_copy(update={"deployment": deployment})
 
 
-def render(config: RLConfig, config_path: Path, workdir: Path) -> str:
+_UNSBATCHABLE = re.compile(r'[\x00-\x1f\x7f"\\]')
+"""What an `#SBATCH` line cannot carry as we write it: a line break or other control character
+(sbatch reads the script line by line), a double quote (our quotes) or a backslash (sbatch's escape,
+and in --output it turns off the %j that names the job's file)."""
+
+
+def sbatch_arg(option: str, what: str) -> str:
+    """`option` as one argument of an `#SBATCH` line: sbatch splits the line at whitespace outside
+    quotes, and an unquoted `#` starts a comment. Refused (one line naming `what`) when it holds a
+    character the line cannot carry."""
+    if _UNSBATCHABLE.search(option):
+        raise SlurmError(
+            f"{what}: {option!r} cannot go on an #SBATCH line (a control character, a '\"' or a '\\')"
+        )
+    return f'"{option}"' if re.search(r"[\s#']", option) else option
+
+
+def _path(path: Path, what: str) -> str:
+    """A folder of the job's, checked for what an #SBATCH line cannot carry, and for a '%': sbatch
+    reads %j and the like in --output as a pattern."""
+    text = str(path)
+    sbatch_arg(text, what)
+    if "%" in text:
+        raise SlurmError(f"{what}: {text!r} holds a '%', which SLURM reads as a pattern in a job's paths")
+    return text
+
+
+def render(config: RLConfig, config_args: list[str], workdir: Path) -> str:
+    """The job script; `config_args`: how the nodes' `rl` reads its config (`write_config`)."""
     d, s = config.deployment, config.deployment.slurm
-    out = job_dir(config)
+    out = _path(job_dir(config), "output_dir")
     rl = s.rl_command or shlex.quote(str(Path(sys.executable).parent / "rl"))
-    nodes = max(1, len(d.nodes))
+    key = "deployment.slurm."
     options = [
-        f"--job-name={s.job_name}",
-        f"--nodes={nodes}",
-        "--ntasks-per-node=1",
-        f"--chdir={workdir}",
-        f"--output={out}/%j.out",
+        (f"--job-name={s.job_name}", key + "job_name"),
+        (f"--nodes={max(1, len(d.nodes))}", ""),
+        ("--ntasks-per-node=1", ""),
+        (f"--chdir={_path(workdir, 'the working directory')}", ""),
+        (f"--output={out}/%j.out", ""),
     ]
-    options += [f"--partition={s.partition}"] * bool(s.partition) + [f"--account={s.account}"] * bool(
-        s.account
-    )
-    options += [f"--time={s.time_limit}"] * bool(s.time_limit)
-    options += [f"--cpus-per-task={s.cpus_per_node}"] * bool(s.cpus_per_node)
-    options += [f"--gpus-per-node={s.gpus_per_node}"] * bool(s.gpus_per_node)
-    options += list(s.sbatch_args)
+    options += [(f"--partition={s.partition}", key + "partition")] * bool(s.partition)
+    options += [(f"--account={s.account}", key + "account")] * bool(s.account)
+    options += [(f"--time={s.time_limit}", key + "time_limit")] * bool(s.time_limit)
+    options += [(f"--cpus-per-task={s.cpus_per_node}", "")] * bool(s.cpus_per_node)
+    options += [(f"--gpus-per-node={s.gpus_per_node}", "")] * bool(s.gpus_per_node)
+    options += [(a, f"{key}sbatch_args[{i}]") for i, a in enumerate(s.sbatch_args)]
     lines = [
         "#!/bin/bash",
-        *(f"#SBATCH {o}" for o in options),
+        *(f"#SBATCH {sbatch_arg(o, what)}" for o, what in options),
         "",
-        f"# Rendered by `rl` for the run in {config.output_dir}: one `rl` per node, all reading",
-        f"# {config_path}, each with its own --deployment.node.",
+        f"# Rendered by `rl` for the run in {Path(out).parent}: one `rl` per node, all reading",
+        f"# {config_args[1]}, each with its own --deployment.node.",
         "export PYTHONUNBUFFERED=1",
         *s.setup,
         "",
     ]
-    start = f"{rl} @ {shlex.quote(str(config_path))}"
+    start = " ".join([rl, *map(shlex.quote, config_args)])
     if not d.nodes:
         lines += [f"srun --nodes=1 --ntasks=1 {start}", "exit $?"]
         return "\n".join(lines) + "\n"
@@ -73,7 +101,7 @@ def render(config: RLConfig, config_path: Path, workdir: Path) -> str:
     lines += [
         'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         f"ROLES=({roles})",
-        f'NODES="{out}/nodes-$SLURM_JOB_ID.toml"',
+        f'NODES={shlex.quote(out)}/nodes-"$SLURM_JOB_ID".toml',
         ': > "$NODES"',
         'for i in "${!ROLES[@]}"; do',
         '  printf \'[[deployment.nodes]]\\nhost = "%s"\\nroles = %s\\n\' "${HOSTS[$i]}" "${ROLES[$i]}" >> "$NODES"',
@@ -103,12 +131,12 @@ def render(config: RLConfig, config_path: Path, workdir: Path) -> str:
 
 def prepare(config: RLConfig) -> Path:
     """Write the nodes' config and the job script under <output_dir>/slurm/; the script's path."""
-    folder = job_dir(config)
+    folder, node = job_dir(config), node_config(config)
+    text = render(config, config_args(folder / "rl.toml", node), Path.cwd())  # before writing anything
     folder.mkdir(parents=True, exist_ok=True)
-    config_path = folder / "rl.toml"
-    config_path.write_text(to_toml(node_config(config)))
+    write_config(folder / "rl.toml", node)
     script = folder / "job.sbatch"
-    script.write_text(render(config, config_path, Path.cwd()))
+    script.write_text(text)
     return script
 
 

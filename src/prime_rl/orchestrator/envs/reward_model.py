@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prime_rl import tls
+from prime_rl import secret, tls
 from prime_rl.model.reward import RewardModelError, load_reward_model
 from prime_rl.orchestrator.envs.http_retry import post_json
 from prime_rl.orchestrator.rewards import bind
@@ -104,7 +104,7 @@ class LocalScorer:
 
 
 class RemoteScorer:
-    """A reward server at a URL, asked with one POST per batch."""
+    """A reward server at a URL, asked with one POST per batch, with the run's secret (`secret.py`)."""
 
     def __init__(self, config: RewardModelReward, key: str):
         import httpx
@@ -112,7 +112,9 @@ class RemoteScorer:
         self.config = config
         self.key = key
         self.base = config.url.rstrip("/")
-        self._client = httpx.AsyncClient(timeout=config.timeout_s, verify=tls.context())
+        self._client = httpx.AsyncClient(
+            timeout=config.timeout_s, verify=tls.context(), headers=secret.headers()
+        )
 
     async def check(self) -> None:
         """Fail fast, naming the key, when the server does not answer its health route."""
