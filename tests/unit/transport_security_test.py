@@ -315,6 +315,14 @@ def test_the_size_bound_holds_the_largest_micro_batch_there_is():
     assert len(encode(mb)) < n * BYTES_PER_TOKEN_BOUND / 3
 
 
+def test_receivers_made_one_after_another_in_one_process_each_watch_their_own_socket():
+    # (Each has a monitor on an inproc name; a name taken from the socket's id() was reused by the
+    # next receiver while the last one's monitor still held it.)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    for _ in range(50):
+        ZmqReceiver(address, RUN).close()
+
+
 def test_without_a_secret_both_ends_are_plain_sockets_as_before(no_secret, context):
     assert run_keys() is None
     address = f"tcp://127.0.0.1:{free_port()}"

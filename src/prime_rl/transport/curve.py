@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -79,9 +80,13 @@ def make_client(sock: zmq.Socket, keys: RunKeys) -> None:
     sock.curve_secretkey = keys.client_secret
 
 
+_monitors = itertools.count()
+
+
 def watch(sock: zmq.Socket, events: int) -> zmq.Socket:
     """A blocking (never asyncio) PAIR socket that receives `sock`'s monitor `events`."""
-    address = f"inproc://prime-rl-monitor-{id(sock)}"
+    # (A name never used before: an earlier socket's monitor may still hold its name a while.)
+    address = f"inproc://prime-rl-monitor-{next(_monitors)}"
     sock.monitor(address, events)
     watcher = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
     watcher.linger = 0
