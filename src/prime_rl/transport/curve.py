@@ -98,7 +98,7 @@ def why(event: dict) -> str:
     """What a refused handshake's monitor event says about the peer."""
     kind, value = event["event"], event["value"]
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return "its client key is not this run's"
+        return "the server refused the client key"
     if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return "it does not use CURVE, or it does and this end does not"
     if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
