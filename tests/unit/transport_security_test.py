@@ -257,7 +257,7 @@ def test_a_micro_batch_without_the_orchestrators_contract_is_refused_in_one_line
 def test_a_message_over_the_trainers_limit_never_reaches_it(either, tmp_path):
     config = TransportConfig(port=free_port(), timeout_s=10)
     # A trainer of seq_len 1024 takes messages up to the floor (16 MiB); a sender that does not check
-    # (not the orchestrator) sends a larger one between two small ones.
+    # (not the orchestrator) sends a larger one after a small one.
     receiver = make_receiver(config, RUN, 0, tmp_path, seq_len=1024)
     sender = ZmqSender(receiver.address, timeout_s=10)
     big = micro_batch(1, n=1_100_000)
@@ -265,8 +265,7 @@ def test_a_message_over_the_trainers_limit_never_reaches_it(either, tmp_path):
     try:
         sender.send(micro_batch(0))
         assert receiver.recv().header.step == 0
-        sender.send(big)
-        sender.send(micro_batch(2))
+        sender.send(big)  # queued on the connection that carried step 0
         with pytest.raises(TransportTimeout):  # zmq dropped the connection at the big one's header
             receiver.recv(timeout_s=2)  # (loopback carries it in a fraction of that)
     finally:
@@ -282,7 +281,7 @@ def test_a_message_of_the_limit_itself_reaches_the_trainer(either):
     receiver = ZmqReceiver(address, RUN, timeout_s=10, max_message_bytes=limit)
     try:
         sender.send(mb)
-        assert_same(receiver.recv(timeout_s=2), mb)
+        assert_same(receiver.recv(), mb)
     finally:
         sender.close(linger_s=0)
         receiver.close()
