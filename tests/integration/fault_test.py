@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from helpers.cores import server_env
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
+from prime_rl.contract import OrchestratorSide
 from prime_rl.inference.server import wait_until_healthy
 from prime_rl.layout import checkpoint_root, complete_steps
 from prime_rl.monitor import read_metrics
@@ -82,7 +83,9 @@ def replay(run: Path, out: Path, steps: int, seq_len: int) -> Path:
     for step in range(steps):
         batch = load_batch(run, step)
         assert batch is not None, f"the run did not save the batch of step {step}"
-        for mb in pack(batch.samples, seq_len, 1, "replay", step)[0]:
+        for mb in pack(
+            batch.samples, seq_len, 1, "replay", step, orchestrator=OrchestratorSide("replay", seq_len, 1)
+        )[0]:
             sender.send(mb)
     cmd = [str(BIN / "trainer"), "@", str(run / "configs" / "trainer.toml"), "--output_dir", str(out),
            "--transport.type", "filesystem", "--transport.dir", str(transport), "--transport.run_id", "replay"]  # fmt: skip

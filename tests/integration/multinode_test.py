@@ -24,6 +24,7 @@ from rl_test import write_config
 from safetensors.torch import load_file
 
 from helpers.grad_worker import make_samples
+from prime_rl.contract import OrchestratorSide
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
 from prime_rl.transport.file_transport import FileSender
@@ -45,7 +46,8 @@ def write_run(tmp_path: Path, name: str, model: Path, trainer_nodes: int, ranks:
     run, data = tmp_path / name, tmp_path / f"{name}-data"
     sender = FileSender(data)
     for step in range(STEPS):
-        for rank_mbs in pack(make_samples(12, seed=step), SEQ_LEN, WORLD, RUN_ID, step):
+        side = OrchestratorSide("test", SEQ_LEN, WORLD)
+        for rank_mbs in pack(make_samples(12, seed=step), SEQ_LEN, WORLD, RUN_ID, step, orchestrator=side):
             for mb in rank_mbs:
                 sender.send(mb)
     toml = tmp_path / f"{name}.toml"

@@ -231,13 +231,13 @@ def test_cp2_checkpoints_and_resumes_like_an_uninterrupted_rank(tiny_model, tmp_
     from prime_rl.transport.packing import pack
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from trainer_test import samples
+    from trainer_test import contract, samples
 
     def run(name: str, ranks: int, cp: int, max_steps: int, feed: range) -> Path:
         data, out = tmp_path / f"{name}-data", tmp_path / name
         sender = FileSender(data)
         for step in feed:
-            for mb in pack(samples(step, n=12), 128, 1, name, step)[0]:
+            for mb in pack(samples(step, n=12), 128, 1, name, step, orchestrator=contract())[0]:
                 sender.send(mb)
         toml = tmp_path / f"{name}.toml"
         toml.write_text(

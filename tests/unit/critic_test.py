@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from prime_rl.contract import OrchestratorSide
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.main import train
 from prime_rl.trainer.model import ModelLoadError
@@ -117,7 +118,7 @@ def test_resume_restores_the_critic_and_the_kl_controller(tiny_model, tmp_path):
     data = tmp_path / "data"
     sender = FileSender(data)
     for step in range(4):
-        for mb in pack(samples(seed=step), 256, 1, "c", step)[0]:
+        for mb in pack(samples(seed=step), 256, 1, "c", step, orchestrator=OrchestratorSide("c", 256, 1))[0]:
             sender.send(mb)
 
     def run(name: str, max_steps: int, resume: bool) -> list[dict]:

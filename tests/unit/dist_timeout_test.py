@@ -20,6 +20,7 @@ import psutil
 import torch
 from server_health_test import wait_for
 
+from prime_rl.contract import OrchestratorSide
 from prime_rl.net import free_port
 from prime_rl.trainer.parallel.dist import (
     CollectiveFailed,
@@ -70,7 +71,8 @@ class TwoRanks:
             )
 
     def feed(self, step: int) -> None:
-        for rank_mbs in pack(samples(step), 128, self.dp, "hang", step):
+        side = OrchestratorSide("hang", 128, self.dp)
+        for rank_mbs in pack(samples(step), 128, self.dp, "hang", step, orchestrator=side):
             for mb in rank_mbs:
                 self.sender.send(mb)
 

@@ -99,7 +99,7 @@ def test_ep2_checkpoints_resume_under_ep1(tiny_moe_model, tmp_path):
     those of 3 steps at ep = 1 straight. The checkpoint holds each expert tensor whole (DCP reshards
     on load), and the weights published under ep = 2 have every expert too."""
     from safetensors.torch import load_file
-    from trainer_test import samples
+    from trainer_test import contract, samples
 
     from prime_rl.transport.file_transport import FileSender
     from prime_rl.transport.packing import pack
@@ -108,7 +108,7 @@ def test_ep2_checkpoints_resume_under_ep1(tiny_moe_model, tmp_path):
         data, out = tmp_path / f"{name}-data", tmp_path / name
         sender = FileSender(data)
         for step in feed:
-            for rank in pack(samples(step, n=12), 128, 2, name, step):
+            for rank in pack(samples(step, n=12), 128, 2, name, step, orchestrator=contract(ranks=2)):
                 for mb in rank:
                     sender.send(mb)
         toml = tmp_path / f"{name}.toml"

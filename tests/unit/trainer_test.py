@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl import secret
+from prime_rl.contract import OrchestratorSide, TrainerSide
 from prime_rl.layout import checkpoint_root, write_manifest
 from prime_rl.net import free_port
 from prime_rl.trainer.config import TrainerConfig
@@ -59,8 +60,14 @@ def samples(step: int, n: int = 8) -> list[TrainingSample]:
     return out
 
 
+def contract(seq_len: int = 128, ranks: int = 1) -> OrchestratorSide:
+    """The side of the run contract of an orchestrator that packs to `seq_len` for `ranks`
+    data-parallel trainer ranks (with nothing else for a trainer to refuse)."""
+    return OrchestratorSide("test", seq_len, ranks)
+
+
 def micro_batches(step: int, run_id: str, seq_len: int = 128) -> list[MicroBatch]:
-    return pack(samples(step), seq_len, 1, run_id, step)[0]
+    return pack(samples(step), seq_len, 1, run_id, step, orchestrator=contract(seq_len))[0]
 
 
 def test_packed_logprobs_equal_unpacked(tiny_model):
@@ -310,7 +317,9 @@ def test_a_step_with_no_samples_says_so_and_leaves_the_parameters_alone(tiny_mod
     data = tmp_path / "data"
     sender = FileSender(data)
     for step in range(3):
-        for mb in micro_batches(step, "e") if step != 1 else pack([], 128, 1, "e", 1)[0]:
+        for mb in (
+            micro_batches(step, "e") if step != 1 else pack([], 128, 1, "e", 1, orchestrator=contract())[0]
+        ):
             sender.send(mb)
     toml = tmp_path / "t.toml"
     toml.write_text(
@@ -336,11 +345,12 @@ def test_inconsistent_and_overlong_micro_batches_are_rejected(tmp_path):
     good = micro_batches(0, "b")[0]
     fields = {f: getattr(good, f) for f in good.__struct_fields__}
     sender.send(MicroBatch(**{**fields, "logprobs": good.logprobs[:-4]}))
+    side = TrainerSide(seq_len=128, dp=1)
     with pytest.raises(BadMicroBatch, match="per-token fields disagree"):
-        StepReceiver(FileReceiver(tmp_path, "b", timeout_s=2), seq_len=128).get(0)
+        StepReceiver(FileReceiver(tmp_path, "b", timeout_s=2), seq_len=128, side=side).get(0)
     with pytest.raises(BadMicroBatch, match="longer than seq_len = 8"):
-        sender.send(good)
-        StepReceiver(FileReceiver(tmp_path, "b", timeout_s=2), seq_len=8).get(0)
+        sender.send(good)  # (its contract promises seq_len 128: the receiver's own limit is the check)
+        StepReceiver(FileReceiver(tmp_path, "b", timeout_s=2), seq_len=8, side=side).get(0)
 
 
 def test_model_folder_that_does_not_load_is_a_clear_error(tmp_path):
@@ -416,7 +426,7 @@ def test_header_must_match_the_run(tmp_path):
         MicroBatch(**{**{f: getattr(mb, f) for f in mb.__struct_fields__}, "header": Header("other", 0, 0)})
     )
     with pytest.raises(ForeignRunError):
-        StepReceiver(FileReceiver(tmp_path, "mine", timeout_s=2), seq_len=128).get(0)
+        StepReceiver(FileReceiver(tmp_path, "mine", timeout_s=2), 128, TrainerSide(128, 1)).get(0)
 
 
 def test_two_ranks_train_checkpoint_publish_and_resume(tiny_model, tmp_path):
@@ -425,7 +435,7 @@ def test_two_ranks_train_checkpoint_publish_and_resume(tiny_model, tmp_path):
 
     def feed(steps):
         for step in steps:
-            for rank_mbs in pack(samples(step, n=12), 128, 2, "two", step):
+            for rank_mbs in pack(samples(step, n=12), 128, 2, "two", step, orchestrator=contract(ranks=2)):
                 for mb in rank_mbs:
                     sender.send(mb)
 

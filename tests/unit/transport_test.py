@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from prime_rl.contract import OrchestratorSide
 from prime_rl.net import free_port
 from prime_rl.transport import ForeignRunError, TransportConfig, TransportTimeout, make_receiver, make_sender
 from prime_rl.transport.config import resolve_run_id
@@ -14,6 +15,8 @@ from prime_rl.transport.messages import Header, MicroBatch, TrainingBatch, Train
 from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender
 
 RUN = "run-a"
+SIDE = OrchestratorSide("test", seq_len=1 << 20, trainer_ranks=1)
+"""The sender's side of the run contract, which every micro-batch carries."""
 
 
 def micro_batch(
@@ -32,6 +35,7 @@ def micro_batch(
         env_names=["reverse-text", "sum-digits"],
         advantages=rng.standard_normal(2).tolist(),
         token_advantages=rng.standard_normal(n),
+        orchestrator=SIDE,
     )
 
 

@@ -20,9 +20,9 @@ Routes added (nothing else: vLLM's development endpoints stay off):
 
 With a run secret (`secret.py`), every route but `/health` needs it (`Authorization: Bearer`): a
 request without it, or with another, gets 401 and one line in the log, and changes nothing. A weight
-update is taken only from the run's trainer: `load_weights` only for a folder `step_<step>` newer
-than the weights served (or with `"rewind": true`, which the orchestrator sends when it brings a
-returning server back to its own older step), `receive_weights` only from a store holding the
+update is taken only from the run's trainer: `load_weights` only for a folder `step_<step>`, and not
+older than the weights served unless `"rewind": true` says so (the orchestrator, which owns the
+run's version, does: a run restarted from an older checkpoint moves its servers back), `receive_weights` only from a store holding the
 secret's proof for the update's prefix, for at most `--prime-rl-max-update-s` seconds and a plan no
 bigger than a few times the served model.
 """
@@ -88,9 +88,9 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
         engine = request.app.state.engine_client
         async with lock:
             served = getattr(request.app.state, "prime_rl_step", 0)
-            if step <= served and not rewind:
+            if step < served and not rewind:
                 return JSONResponse(
-                    {"error": f"step {step} is not newer than the served step {served}"}, status_code=409
+                    {"error": f"step {step} is older than the served step {served}"}, status_code=409
                 )
             t0 = time.perf_counter()
             activity.doing(f"loading the weights of step {step}", "", step)
@@ -175,8 +175,9 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
     return router
 
 
-OPEN_PATHS = frozenset({"/health"})
-"""The one route open without the secret: it says only whether the server is up."""
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+"""Open without the secret: whether the server is up, its version and its Prometheus counters (what
+a cluster's monitoring scrapes); none serves a completion or changes anything."""
 
 REFUSAL_LOG_EVERY_S = 10.0
 _refusals: dict = {"unsaid": 0, "last": None}

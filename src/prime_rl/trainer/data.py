@@ -3,8 +3,10 @@
 Invariant: `get(step)` returns exactly the micro-batches of that step (all `count` of them, in
 index order, each validated), from an orchestrator whose side of the run contract agrees with this
 trainer's (`prime_rl.contract`): a `Hello` or a micro-batch whose side does not stops the trainer
-with `ContractError`, after writing the refusal that stops that orchestrator too. Messages of earlier steps are ones the orchestrator re-sent after a
-restart and are skipped; a repeated index is dropped, so no step is trained twice or on a mix.
+with `ContractError`, after writing the refusal that stops that orchestrator too, and a micro-batch
+without that side is refused by the receiver (`transport.base.NoContract`): none goes unchecked.
+Messages of earlier steps are ones the orchestrator re-sent after a restart and are skipped; a
+repeated index is dropped, so no step is trained twice or on a mix.
 With context parallelism only the group's cp rank 0 reads the transport (the orchestrator sends to
 data-parallel ranks); `share_with_cp_group` hands the same micro-batches to the group's other ranks.
 """
@@ -85,21 +87,19 @@ def check_token_ids(mb: MicroBatch, vocab_size: int | None, context: int | None,
 
 
 class StepReceiver:
-    def __init__(
-        self, receiver: Receiver, seq_len: int, side: TrainerSide | None = None, refusal: Path | None = None
-    ):
+    def __init__(self, receiver: Receiver, seq_len: int, side: TrainerSide, refusal: Path | None = None):
         self.receiver = receiver
         self.seq_len = seq_len
         self.side = side
-        """This trainer's side of the run contract (None: not checked)."""
+        """This trainer's side of the run contract."""
         self.refusal = refusal
         """Where a refusal goes, for the orchestrator to read."""
         self._ahead: dict[int, dict[int, MicroBatch]] = {}
         self._agreed: OrchestratorSide | None = None
 
-    def check(self, orchestrator: OrchestratorSide | None) -> None:
+    def check(self, orchestrator: OrchestratorSide) -> None:
         """Stop (ContractError) if this orchestrator's config cannot feed this trainer's."""
-        if self.side is None or orchestrator is None or orchestrator == self._agreed:
+        if orchestrator == self._agreed:
             return
         found = problems(orchestrator, self.side)
         if not found:

@@ -106,7 +106,9 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     receiver = None
     if world.cp_rank == 0:  # the orchestrator sends to data-parallel ranks; cp peers get a copy
         receiver = StepReceiver(
-            make_receiver(config.transport, run_id, world.dp_rank, output_dir, start_step=start),
+            make_receiver(
+                config.transport, run_id, world.dp_rank, output_dir, start_step=start, seq_len=config.seq_len
+            ),
             config.seq_len,
             contract_side(config, world.dp),
             refusal_path(output_dir),

@@ -266,6 +266,23 @@ class MicroBatch(msgspec.Struct, tag=True):
             raise ValueError(f"{where}: index must be in [0, count = {self.count})")
 
 
+BYTES_PER_TOKEN_BOUND = 8192
+"""More than a micro-batch ever encodes per token: 17 bytes of per-token arrays (ids, positions,
+logprobs and token advantages at 4 bytes, the loss mask at 1), MoE routes of at most ~2 KiB (2-byte
+expert ids x ~100 layers x top-10, beyond the largest models' shapes) and, as every sample has a
+token, one sample's entries (its length, advantage and reward, 9 bytes each, and its env's name).
+A dense model's micro-batch is ~18 bytes a token: this is 4x the worst case, 450x the usual one."""
+MESSAGE_BYTES_FLOOR = 16 * 2**20
+"""No limit below this (the Hello, tiny test runs)."""
+
+
+def max_message_bytes(seq_len: int) -> int:
+    """The most bytes a message to a trainer of `seq_len` may take: a bound on its receiving socket
+    (zmq drops a connection that sends more, before reading the message into memory) and a check
+    of the orchestrator's, whose seq_len is at most the trainer's."""
+    return max(MESSAGE_BYTES_FLOOR, seq_len * BYTES_PER_TOKEN_BOUND)
+
+
 class Hello(msgspec.Struct, tag=True):
     """The orchestrator's first message to each trainer rank, sent as it starts (before any
     rollout): its side of the run contract, so that a trainer whose config cannot work with it

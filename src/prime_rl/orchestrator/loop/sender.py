@@ -13,7 +13,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.transport import transport_dir
 from prime_rl.transport.config import resolve_run_id
 from prime_rl.transport.file_transport import FileSender
-from prime_rl.transport.messages import Header, Hello, MicroBatch
+from prime_rl.transport.messages import Header, Hello, MicroBatch, max_message_bytes
 from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address
 
 
@@ -25,7 +25,13 @@ class BatchSender:
         if t.type == "zmq":
             run_id = resolve_run_id(t, config.output_dir)
             self._zmq = [
-                AsyncZmqSender(rank_address(t, r, run_id), hwm=t.hwm, timeout_s=t.timeout_s)
+                AsyncZmqSender(
+                    rank_address(t, r, run_id),
+                    hwm=t.hwm,
+                    timeout_s=t.timeout_s,
+                    # (the trainer's limit is at least this: its seq_len is at least ours, by contract)
+                    max_message_bytes=max_message_bytes(config.seq_len),
+                )
                 for r in range(config.trainer_ranks)
             ]
             self._files = None

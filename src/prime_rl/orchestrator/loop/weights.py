@@ -166,7 +166,7 @@ class WeightSync:
             # (Said without suspecting it anew, which would wake the health monitor in a loop.)
             return False
         if self.version > 0:  # behind, ahead, or a broadcast broke midway: load the current version's files
-            return server not in await self.load([server], self.version, rewind=True)
+            return server not in await self.load([server], self.version)
         if served is not None and served < 0:
             return False  # the first broadcast broke midway on it: the next one brings it back
         if served not in (None, 0):
@@ -194,10 +194,12 @@ class WeightSync:
         """Whether a server serving `served` may get work tagged with version `step`."""
         return served == step or (served > step and self.broadcast(served))
 
-    async def load(self, servers: list[Server], step: int, rewind: bool = False) -> list[Server]:
+    async def load(self, servers: list[Server], step: int) -> list[Server]:
         """Make `servers` serve the weights of `step`; return those that could not be reached or,
-        for a broadcast step, that do not serve it (now suspected, see `ServerPool.suspect`).
-        `rewind`: a server serving a newer step may go back to `step` (it refuses otherwise)."""
+        for a broadcast step, that do not serve it (now suspected, see `ServerPool.suspect`). A
+        server serving a newer step goes back to `step` (`rewind`): this run's version is the
+        orchestrator's to set (a trainer restarted from an older checkpoint publishes older steps
+        again)."""
         path = str(step_dir(self.root, step).resolve())
         activity.doing(f"loading the weights of step {step} into {len(servers)} server(s)", "inference")
         unreachable: list[Server] = []
@@ -231,7 +233,7 @@ class WeightSync:
                         "step": step,
                     }
                 else:
-                    route, body = LOAD_ROUTE, {"path": path, "step": step, "rewind": rewind}
+                    route, body = LOAD_ROUTE, {"path": path, "step": step, "rewind": True}
                 try:
                     resp = await http.post(f"{server.root_url}{route}", json=body)
                 except httpx.HTTPError as e:
