@@ -21,6 +21,7 @@ steps/s as a ratio to TRL's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -94,7 +95,7 @@ def trl_worker(geometry: str, steps: int, out: Path) -> None:
     trainer.add_callback(Clock())
     trainer.train()
     logs = [m for m in trainer.state.log_history if "reward" in m]
-    step_s = [b - a for a, b in zip(ends, ends[1:])]
+    step_s = [b - a for a, b in itertools.pairwise(ends)]
     tokens = [m["completions/mean_length"] * PROMPTS * GROUP for m in logs]
     out.write_text(json.dumps(summary(step_s, tokens, [m["reward"] for m in logs])))
 
@@ -153,7 +154,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.trl_worker:
         return trl_worker(args.trl_worker, args.steps, args.out)
-    print(f"{len(os.sched_getaffinity(0))} cores, {args.steps} steps of {PROMPTS} x {GROUP} rollouts", flush=True)
+    print(
+        f"{len(os.sched_getaffinity(0))} cores, {args.steps} steps of {PROMPTS} x {GROUP} rollouts",
+        flush=True,
+    )
     header = f"{'geometry':>9}{'run':>16}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}{'vs TRL':>8}"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
