@@ -12,7 +12,8 @@ from config_test import parse_error
 from plan_test import MACHINE
 
 from prime_rl.config import RootConfig, parse_config
-from prime_rl.config.cli import deep_merge, secrets_path, write_config
+from prime_rl.config.cli import deep_merge
+from prime_rl.config.files import secrets_path, write_config
 from prime_rl.config.redact import PLACEHOLDER, is_secret_key, redact, secret_part
 from prime_rl.monitor import MetricsLogger, WandbConfig
 from prime_rl.orchestrator.config import OrchestratorConfig

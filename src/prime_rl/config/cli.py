@@ -13,7 +13,6 @@ as one paragraph, and the process exits with status 2.
 from __future__ import annotations
 
 import difflib
-import os
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -24,8 +23,9 @@ from typing import Any, TypeVar
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
+from prime_rl.config.files import SECRETS_SUFFIX
 from prime_rl.config.help import format_help
-from prime_rl.config.redact import PLACEHOLDER, hidden_paths, is_secret_key, redact, secret_part
+from prime_rl.config.redact import PLACEHOLDER, hidden_paths, is_secret_key, redact
 from prime_rl.config.schema import (
     allows,
     fields_of,
@@ -334,10 +334,7 @@ def _check_redacted(sources: Sources) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Output: --help, --dry-run and the config files a process is started with.
-
-SECRETS_SUFFIX = ".secrets.toml"
-"""Beside a config written with `write_config`: what it hides, readable by its owner only."""
+# Output: --help and --dry-run (the config files a process is started with: files.py).
 
 
 def to_toml(config: BaseModel, redacted: bool = False) -> str:
@@ -345,34 +342,6 @@ def to_toml(config: BaseModel, redacted: bool = False) -> str:
     secret-looking values hidden (`redact.py`), for people to read."""
     data = config.model_dump(mode="json", exclude_none=True)
     return tomli_w.dumps(redact(data) if redacted else data)
-
-
-def secrets_path(path: Path) -> Path:
-    return Path(path).with_suffix(SECRETS_SUFFIX)
-
-
-def config_args(path: Path, config: BaseModel) -> list[str]:
-    """The arguments that read back `config` as `write_config(path, config)` writes it: `@ path`, and
-    `@ <path>.secrets.toml` when the config has secret-looking values."""
-    hidden = secret_part(config.model_dump(mode="json", exclude_none=True)) is not None
-    return ["@", str(path), *(["@", str(secrets_path(path))] if hidden else [])]
-
-
-def write_config(path: Path, config: BaseModel) -> list[str]:
-    """Write `config` for a process to read back (`config_args`, returned): `path` with its secret-
-    looking values hidden, and what they are in `<path>.secrets.toml`, readable by its owner only, so
-    that the folder can be shared and looked at. (A stale secrets file of an earlier run goes.)"""
-    path, data = Path(path), config.model_dump(mode="json", exclude_none=True)
-    path.write_text(tomli_w.dumps(redact(data)))
-    private, hidden = secrets_path(path), secret_part(data)
-    if hidden is None:
-        private.unlink(missing_ok=True)
-    else:
-        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # (an existing file keeps its mode through os.open)
-        with os.fdopen(fd, "w") as f:
-            f.write(tomli_w.dumps(hidden))
-    return config_args(path, config)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from prime_rl import activity, secret
-from prime_rl.config.cli import write_config
+from prime_rl.config.files import write_config
 from prime_rl.disk import DiskFull, writing
 from prime_rl.inference.server import UnsafeFolder, is_healthy, server_env
 from prime_rl.layout import restarts_path

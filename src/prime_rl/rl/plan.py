@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_rl.config.cli import config_args
+from prime_rl.config.files import config_args
 from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
 from prime_rl.inference.server import server_command
 from prime_rl.orchestrator.config import OrchestratorConfig

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prime_rl.config.cli import config_args, write_config
+from prime_rl.config.files import config_args, write_config
 from prime_rl.rl.config import RLConfig
 
 
