@@ -18,7 +18,6 @@ from prime_rl.inference.reward_server import RewardServerConfig, make_server
 from prime_rl.orchestrator.envs.reward_model import RemoteScorer
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
 
-RUN_SECRET = "s3cret-of-this-run"
 CONVERSATION = [[{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "hello"}]]
 
 
@@ -27,23 +26,6 @@ class Model:
 
     def score(self, conversations):
         return [float(len(completion[0]["content"])) for _, completion in conversations]
-
-
-@pytest.fixture
-def run_secret(monkeypatch):
-    monkeypatch.setenv(secret.ENV, RUN_SECRET)
-    secret.value.cache_clear()
-    yield RUN_SECRET
-    secret.value.cache_clear()
-
-
-@pytest.fixture
-def no_secret(monkeypatch):
-    monkeypatch.delenv(secret.ENV, raising=False)
-    monkeypatch.delenv(secret.FILE_ENV, raising=False)
-    secret.value.cache_clear()
-    yield
-    secret.value.cache_clear()
 
 
 @pytest.fixture

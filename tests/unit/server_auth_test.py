@@ -12,12 +12,13 @@ import torch.distributed as dist
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from conftest import RUN_SECRET
 from prime_rl import secret
 from prime_rl.inference import adapters, vllm_server
 from prime_rl.net import free_port
 from prime_rl.weight_transfer import put_proof
 
-SECRET = "the-run-secret"
+SECRET = RUN_SECRET
 
 
 class Engine:
@@ -38,15 +39,6 @@ class Engine:
         if method == self.fail:
             raise RuntimeError("a worker died")
         return [1000] if method == "prime_rl_weight_bytes" else [None]
-
-
-@pytest.fixture
-def with_secret(monkeypatch):
-    monkeypatch.setenv(secret.ENV, SECRET)
-    monkeypatch.delenv(secret.FILE_ENV, raising=False)
-    secret.value.cache_clear()
-    yield SECRET
-    secret.value.cache_clear()
 
 
 def make_app(weights_dir, engine: Engine, max_update_s: float = 60.0, lora: bool = False) -> FastAPI:
@@ -95,7 +87,7 @@ ROUTES = [
 
 @pytest.mark.parametrize("given", [None, "wrong"], ids=["no-secret", "wrong-secret"])
 def test_every_route_but_health_needs_the_secret_and_a_refusal_changes_nothing(
-    tmp_path, with_secret, given, capsys, monkeypatch
+    tmp_path, run_secret, given, capsys, monkeypatch
 ):
     monkeypatch.setattr(vllm_server, "_refusals", {"unsaid": 0, "last": None})
     engine = Engine()
@@ -124,7 +116,7 @@ def test_without_a_secret_every_caller_is_accepted(tmp_path, monkeypatch):
     assert client.get("/prime_rl/weights").status_code == 200
 
 
-def test_load_weights_takes_only_a_newer_step_from_its_own_folder(tmp_path, with_secret):
+def test_load_weights_takes_only_a_newer_step_from_its_own_folder(tmp_path, run_secret):
     engine = Engine()
     client = TestClient(make_app(tmp_path, engine), headers=bearer(SECRET))
     one, two = published(tmp_path, 1), published(tmp_path, 2)
@@ -141,7 +133,7 @@ def test_load_weights_takes_only_a_newer_step_from_its_own_folder(tmp_path, with
     assert load(one, 1, rewind=True).json()["step"] == 1  # the orchestrator bringing a server back
 
 
-def test_a_failed_load_marks_the_server_broken(tmp_path, with_secret):
+def test_a_failed_load_marks_the_server_broken(tmp_path, run_secret):
     engine = Engine(fail="prime_rl_reload")
     client = TestClient(make_app(tmp_path, engine), headers=bearer(SECRET))
     answer = client.post("/prime_rl/load_weights", json={"path": str(published(tmp_path, 1)), "step": 1})
@@ -166,7 +158,7 @@ def receive_body(port: int, prefix: str, shape=(10,), timeout_s: float = 3600.0)
     }  # fmt: skip
 
 
-def test_receive_weights_joins_only_a_store_that_proves_the_secret(tmp_path, with_secret, store):
+def test_receive_weights_joins_only_a_store_that_proves_the_secret(tmp_path, run_secret, store):
     master, port = store
     engine = Engine()
     client = TestClient(make_app(tmp_path, engine, max_update_s=5.0), headers=bearer(SECRET))
@@ -183,7 +175,7 @@ def test_receive_weights_joins_only_a_store_that_proves_the_secret(tmp_path, wit
     assert receive[-1] == 5.0  # the caller asked for an hour; the server's bound holds
 
 
-def test_receive_weights_refuses_a_plan_far_bigger_than_the_model(tmp_path, with_secret, store):
+def test_receive_weights_refuses_a_plan_far_bigger_than_the_model(tmp_path, run_secret, store):
     _, port = store
     engine = Engine()
     client = TestClient(make_app(tmp_path, engine), headers=bearer(SECRET))
@@ -195,7 +187,7 @@ def test_receive_weights_refuses_a_plan_far_bigger_than_the_model(tmp_path, with
     assert all(name == "prime_rl_weight_bytes" for name, *_ in engine.calls)
 
 
-def test_a_neighbours_adapter_cannot_be_seen_unloaded_replaced_or_claimed(tmp_path, with_secret, monkeypatch):
+def test_a_neighbours_adapter_cannot_be_seen_unloaded_replaced_or_claimed(tmp_path, run_secret, monkeypatch):
     async def noop(*args):
         return None
 

@@ -26,24 +26,6 @@ from prime_rl.transport.zmq_transport import AsyncZmqSender, ZmqReceiver, ZmqSen
 N = 12
 
 
-@pytest.fixture
-def run_secret(monkeypatch):
-    monkeypatch.setenv(secret.ENV, "the-secret-of-this-run")
-    monkeypatch.delenv(secret.FILE_ENV, raising=False)
-    secret.value.cache_clear()
-    yield
-    secret.value.cache_clear()  # (before monkeypatch restores the environment: read again after it)
-
-
-@pytest.fixture
-def no_secret(monkeypatch):
-    monkeypatch.delenv(secret.ENV, raising=False)
-    monkeypatch.delenv(secret.FILE_ENV, raising=False)
-    secret.value.cache_clear()
-    yield
-    secret.value.cache_clear()
-
-
 @pytest.fixture(params=["no secret", "secret"])
 def either(request, monkeypatch):
     """Without a run secret, then with one (plain sockets, then CURVE)."""
