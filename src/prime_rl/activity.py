@@ -24,7 +24,9 @@ sync and no collective, so it may be called anywhere, often; a reader never take
 state for a whole one (the sequence number); without `start` every call here does nothing (tests
 that run a loop in a thread, processes outside a run). Each process also registers `faulthandler`
 for STACK_SIGNAL, writing every thread's stack to `<label>.<pid>.stack` beside its record: the
-watchdog's way to the stacks where `py-spy` cannot attach.
+watchdog's way to the stacks where `py-spy` cannot attach. And a process that dies of a fatal
+signal (a segfault, an abort from a heap check) first writes every thread's stack to its stderr (its
+log under `rl`), so that a native crash names where each thread was.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import os
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -171,6 +174,8 @@ def start(label: str, kind: str, output_dir: Path | str, doing: str = "starting"
         # signal handler.
         stacks = path.with_name(path.name + ".stack").open("a")
         faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
+        if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
     except OSError:  # an unwritable run folder is reported by whoever writes there next
         with contextlib.suppress(OSError):
             path.unlink()  # a record that would never beat would look frozen

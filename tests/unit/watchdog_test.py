@@ -351,3 +351,31 @@ def test_a_record_of_a_process_that_is_gone_is_not_taken_for_a_process_with_its_
     proc.kill()
     proc.wait()
     assert not s.running()
+
+
+def test_a_process_that_dies_of_a_fatal_signal_writes_every_threads_stack_to_its_stderr(tmp_path):
+    """A native crash (here an abort, as glibc's heap checks raise) names where each thread was: the
+    record's start enables faulthandler on the process's stderr (its log under `rl`)."""
+    code = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        from prime_rl import activity
+        activity.start("trainer-rank0", "trainer", sys.argv[1])
+
+        def writing_in_the_background():
+            time.sleep(60)
+
+        threading.Thread(target=writing_in_the_background, daemon=True).start()
+
+        def crashing_here():
+            os.abort()
+
+        crashing_here()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr
+    assert "in crashing_here" in proc.stderr and "in writing_in_the_background" in proc.stderr, proc.stderr
