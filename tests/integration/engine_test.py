@@ -1,0 +1,118 @@
+"""vLLM's engine in the caller's process (`inference/engine.py`), on the tiny model: it answers a chat
+body as the server's route does (token ids, logprobs, n choices; bad input as a status and a
+message), and after `load_weights` it serves the new weights. Run in a child process, as the
+orchestrator runs it: the engine's processes are that process's children and inherit its settings."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from openai.types.chat import ChatCompletion
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers.cores import server_env
+from prime_rl.trainer.logprobs import forward_logprobs
+
+pytestmark = pytest.mark.slow
+
+PROBE = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from pathlib import Path
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.inference.engine import LocalEngine
+
+    model, out, new_weights, report = sys.argv[1:5]
+
+    def body(content, **kw):
+        request = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 12,
+                   "logprobs": True, "return_token_ids": True, **kw}
+        return json.dumps(request).encode()
+
+    async def main():
+        config = InferenceConfig(model={"name": model, "max_model_len": 256}, output_dir=out)
+        engine = await LocalEngine.start(config)
+        answers = {
+            "chat": await engine.exchange(body("Reverse the text: hello", n=3, min_tokens=12)),
+            "overlong": await engine.exchange(body("word " * 400)),
+            "malformed": await engine.exchange(b"{not json"),
+        }
+        before = await engine.exchange(body("abc", max_tokens=8, temperature=2.0))
+        reload = await engine.load_weights(Path(new_weights), 1)
+        answers["after"] = await engine.exchange(body("abc", max_tokens=8, temperature=2.0))
+        answers["before"] = before
+        engine.close()
+        result = {k: [status, text.decode()] for k, (status, text) in answers.items()}
+        result["step"], result["reload_s"] = engine.step, reload.seconds
+        Path(report).write_text(json.dumps(result))
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def probed(tiny_model, tmp_path_factory) -> tuple[dict, Path]:
+    """The engine's answers before and after loading the tiny model with its lm_head scaled (step 1)."""
+    tmp = tmp_path_factory.mktemp("engine")
+    new = tmp / "step_1"
+    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(3.0)
+    m.save_pretrained(new)
+    for f in Path(tiny_model).glob("tokenizer*"):
+        shutil.copy(f, new)
+    report = tmp / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tiny_model), str(tmp / "out"), str(new), str(report)],
+        capture_output=True, text=True, timeout=600, env=server_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0 and report.exists(), proc.stderr[-4000:]
+    return json.loads(report.read_text()), new
+
+
+def logprobs_of(answer: str) -> tuple[list[int], list[int], torch.Tensor]:
+    resp = ChatCompletion.model_validate_json(answer)
+    choice = resp.choices[0]
+    served = torch.tensor([t.logprob for t in choice.logprobs.content])
+    return resp.model_extra["prompt_token_ids"], choice.model_extra["token_ids"], served
+
+
+def test_a_chat_body_gets_the_servers_answer_token_ids_logprobs_and_n_choices(probed, tiny_model):
+    answers, _ = probed
+    status, text = answers["chat"]
+    assert status == 200, text
+    resp = ChatCompletion.model_validate_json(text)
+    assert len(resp.choices) == 3
+    for choice in resp.choices:
+        assert len(choice.model_extra["token_ids"]) == len(choice.logprobs.content) == 12
+        assert all(t.logprob <= 0.0 for t in choice.logprobs.content)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    messages = [{"role": "user", "content": "Reverse the text: hello"}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert resp.model_extra["prompt_token_ids"] == list(expected)
+
+
+def test_bad_input_is_a_status_and_a_message_as_from_the_server(probed):
+    answers, _ = probed
+    status, text = answers["overlong"]
+    assert status == 400 and "256" in json.loads(text)["error"]["message"], text
+    status, text = answers["malformed"]
+    assert status == 400 and json.loads(text)["error"]["message"], text
+
+
+def test_after_load_weights_the_new_weights_are_served(probed, tiny_model):
+    answers, new = probed
+    assert answers["step"] == 1
+    for key, weights in (("before", tiny_model), ("after", new)):
+        prompt, completion, served = logprobs_of(answers[key][1])
+        m = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        ids = torch.tensor(prompt + completion)
+        with torch.no_grad():
+            expected, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 2.0)
+        assert (served - expected[len(prompt) :]).abs().max() < 1e-3, key
