@@ -12,8 +12,10 @@ Per workload, in one run:
    training rollouts) runs the 16 groups concurrently, as a synchronous step does: once with one
    request per rollout (`client.group_requests = false`, the path before group requests) and once
    with the group's requests merged into one `n = 8` request (the default).
-2. The server is stopped, and `vllm.LLM.generate` runs in this process on the same prompt token
-   ids (taken from the rollouts) with `n = 8` and the same sampling.
+2. The server is stopped, and the same group runner runs the groups on vLLM's engine in this process
+   (`inference/engine.py`: the orchestrator as vLLM's front end, no HTTP, no API server process).
+3. `vllm.LLM.generate` runs in this process on the same prompt token ids (taken from the rollouts)
+   with `n = 8` and the same sampling: the limit.
 Each timing is the median of `--rounds` rounds after one warm-up round; the ratios compare rows of
 this run. The process (and so the server it starts) keeps the cores it was given: run it under
 `taskset` to pin everything to the same cores.
@@ -74,11 +76,38 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
     """Median seconds per round of 16 concurrent groups through the group runner, and the rollouts."""
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
+
+    clients = Clients(ClientConfig(base_urls=[base_url], group_requests=group_requests))
+    try:
+        return await time_groups(env, rows, clients.get(base_url), base_url, model, sampling, rounds)
+    finally:
+        await clients.aclose()
+
+
+async def time_in_process(env, rows, model: str, max_model_len: int, sampling, rounds: int, out: Path):
+    """`time_path` (groups merged) on vLLM's engine in this process instead of a server."""
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.inference.engine import LocalEngine
+    from prime_rl.orchestrator.config import ClientConfig
+    from prime_rl.orchestrator.envs.client import make_vf_client
+
+    config = InferenceConfig(
+        model={"name": model, "dtype": "float32", "max_model_len": max_model_len}, output_dir=out
+    )
+    engine = await LocalEngine.start(config)
+    url = "http://in-process/v1"  # never connected to: every chat request is an engine call
+    client = make_vf_client(url, ClientConfig(base_urls=[url], group_requests=True), exchange=engine.exchange)
+    try:
+        return await time_groups(env, rows, client, url, model, sampling, rounds)
+    finally:
+        await client.close()
+        engine.close()
+
+
+async def time_groups(env, rows, client, base_url: str, model: str, sampling, rounds: int):
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
     from prime_rl.orchestrator.envs.load import rollout_input
 
-    clients = Clients(ClientConfig(base_urls=[base_url], group_requests=group_requests))
-    client = clients.get(base_url)
     times, rollouts = [], []
     for i in range(rounds + 1):
         jobs = [
@@ -94,7 +123,6 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
         bad = [r for r in rollouts if r.failed and "EmptyModelResponse" not in (r.error or "")]
         if bad:
             raise SystemExit(f"{len(bad)} rollouts failed, e.g. {bad[0].error}")
-    await clients.aclose()
     return statistics.median(times), rollouts
 
 
@@ -116,6 +144,7 @@ def time_engine(model: str, max_model_len: int, prompts: list[list[int]], sampli
         if i:
             times.append(time.perf_counter() - t0)
     del llm
+    del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]  # the next workload's in-process engine needs it
     return statistics.median(times)
 
 
@@ -152,6 +181,9 @@ def main() -> None:
                 )
             finally:
                 stop_server(proc)
+            local, _ = asyncio.run(
+                time_in_process(env, rows, args.model, args.max_model_len, sampling, args.rounds, Path(tmp))
+            )
         prompts = [
             tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
             for row in rows
@@ -161,14 +193,14 @@ def main() -> None:
         tokens = sum(r.num_completion_tokens for r in rollouts)
         empty = sum(r.failed for r in rollouts)
         engine = time_engine(args.model, args.max_model_len, prompts, sampling, args.rounds)
-        results[name] = (alone, merged, engine, tokens, empty)
+        results[name] = (alone, merged, local, engine, tokens, empty)
         print(f"workload {name} done", flush=True)
 
-    print(f"{'workload':>8}{'engine s':>10}{'per-rollout s':>15}{'ratio':>7}{'grouped s':>11}{'ratio':>7}"
-          f"{'tokens':>8}{'empty':>7}")  # fmt: skip
-    for name, (alone, merged, engine, tokens, empty) in results.items():
+    print(f"{'workload':>8}{'offline s':>10}{'per-rollout s':>15}{'ratio':>7}{'grouped s':>11}{'ratio':>7}"
+          f"{'in-process s':>14}{'ratio':>7}{'tokens':>8}{'empty':>7}")  # fmt: skip
+    for name, (alone, merged, local, engine, tokens, empty) in results.items():
         print(f"{name:>8}{engine:>10.3f}{alone:>15.3f}{alone / engine:>7.2f}{merged:>11.3f}{merged / engine:>7.2f}"
-              f"{tokens:>8}{empty:>7}")  # fmt: skip
+              f"{local:>14.3f}{local / engine:>7.2f}{tokens:>8}{empty:>7}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -95,3 +95,42 @@ def test_direct_post_raises_openais_errors():
         gone = server.base_url
     with pytest.raises(openai.APIConnectionError):
         post(gone, retries=0)
+
+
+def test_with_an_exchange_chat_requests_are_its_calls_and_its_errors_openais():
+    """vLLM's engine in the process (`inference/engine.py`) answers through `exchange`: the body goes
+    to it unchanged, its answer comes back as the server's would, a 400 is openai's BadRequestError
+    (verifiers reads an overlong prompt from it), and nothing is sent over HTTP."""
+    import json
+
+    import httpx
+    import openai
+
+    calls = []
+
+    async def exchange(content: bytes) -> tuple[int, bytes]:
+        calls.append(json.loads(content))
+        if "too long" in calls[-1]["messages"][0]["content"]:
+            return 400, b'{"error": {"message": "prompt too long", "code": 400}}'
+        return 200, b'{"choices": [{"message": {"content": "cba"}}]}'
+
+    url = "http://nowhere.invalid/v1"  # a request over HTTP would fail to connect
+    client = make_vf_client(url, ClientConfig(base_urls=[url], max_retries=3), exchange=exchange)
+    assert isinstance(client.client, DirectPost)
+
+    async def chat(content: str):
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        return await client.client.post("/chat/completions", body=body, cast_to=httpx.Response)
+
+    async def go():
+        try:
+            answer = await chat("abc")
+            with pytest.raises(openai.BadRequestError):
+                await chat("too long")
+            return answer
+        finally:
+            await client.close()
+
+    answer = asyncio.run(go())
+    assert answer.json()["choices"][0]["message"]["content"] == "cba"
+    assert [c["messages"][0]["content"] for c in calls] == ["abc", "too long"]  # once each: no retry

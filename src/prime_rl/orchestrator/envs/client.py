@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx2
@@ -26,14 +27,16 @@ starts); reusing one at the moment it closes fails the request with a connection
 client must always give up first, with a margin for a busy event loop."""
 
 
-def make_vf_client(base_url: str, config: ClientConfig):
+def make_vf_client(base_url: str, config: ClientConfig, exchange: Exchange | None = None):
+    """verifiers' client of the server at `base_url`; with `exchange`, its chat requests go to that
+    function instead (vLLM's engine in this process) and nothing goes over HTTP."""
     import verifiers as vf
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     # openai's own HTTP client (httpx2), without a connection limit. A plain `httpx.AsyncClient` is
     # accepted too, but it made 128 concurrent rollouts 3x slower: its connection pool is rescanned
     # for every request and response (measured; see docs/benchmarks.md).
-    direct = speedups.enabled()
+    direct = speedups.enabled() or exchange is not None
     transport: httpx2.AsyncBaseTransport = _pool()
     if config.group_requests and not direct:
         transport = CoalescingTransport(transport)
@@ -44,7 +47,7 @@ def make_vf_client(base_url: str, config: ClientConfig):
         timeout=config.timeout_s,
         http_client=DefaultAsyncHttpxClient(transport=transport),
     )
-    return vf.OpenAIChatCompletionsClient(DirectPost(openai, config) if direct else openai)
+    return vf.OpenAIChatCompletionsClient(DirectPost(openai, config, exchange) if direct else openai)
 
 
 def _pool() -> httpx2.AsyncHTTPTransport:
@@ -52,6 +55,10 @@ def _pool() -> httpx2.AsyncHTTPTransport:
         max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S
     )
     return httpx2.AsyncHTTPTransport(limits=limits)
+
+
+Exchange = Callable[[bytes], Awaitable[tuple[int, bytes]]]
+"""A chat completion body in, the answer's status and body out."""
 
 
 class DirectPost:
@@ -65,12 +72,15 @@ class DirectPost:
     The behaviour is openai's: `max_retries` retries of connection errors, timeouts, 408/409/429 and
     5xx with backoff, and failures raise openai's own exceptions, so that verifiers (an overlong
     prompt is a `BadRequestError`) and the failure bounds (by exception name) see what they saw.
+    With `exchange` (vLLM's engine in this process), a chat request is that call: no connection, so
+    nothing to retry.
     """
 
     RETRY_STATUS = frozenset({408, 409, 429})
 
-    def __init__(self, openai, config: ClientConfig):
+    def __init__(self, openai, config: ClientConfig, exchange: Exchange | None = None):
         self._openai = openai
+        self._local = exchange
         self._base = str(openai.base_url).rstrip("/")
         self._headers = {
             "Content-Type": "application/json",
@@ -101,6 +111,8 @@ class DirectPost:
         url = self._base + path
 
         async def send(content: bytes) -> tuple[int, bytes]:
+            if self._local is not None and path == CHAT_PATH:
+                return await self._local(content)
             return await self._exchange(url, content)
 
         content = _JSON.encode(body)
