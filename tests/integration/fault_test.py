@@ -259,8 +259,9 @@ def test_max_restarts_survives_random_kills_of_every_process(tiny_model, tmp_pat
     kinds = ["inference", "trainer", "orchestrator"] * 2
     rng.shuffle(kinds)
     why = f"(seed {seed}: PRIME_RL_FAULT_SEED={seed} repeats it; kills {kinds})"
-    steps = 40  # each kill takes 1-5 steps (progress, then up to 1 s): ample for 6, and the
-    # test fails loudly (`kind in pids`) rather than passing short if the run ever ends first
+    steps = 26  # each kill takes 1-3 steps (progress since the restart, then up to 1 s; measured: the
+    # six were done by step 10): ample for 6, and the test fails loudly (`kind in pids`) rather than
+    # passing short if the run ever ends first. Every step after the last kill is only waited for.
     toml = write_config(tmp_path, tiny_model, "reverse-text", steps=steps, extra=(
         "[trainer.ckpt]\ninterval = 2\n[deployment]\nmax_restarts = 4\nrestart_backoff_s = 0.5\n"
     ))  # fmt: skip
