@@ -13,7 +13,9 @@ Per workload, in one run:
    request per rollout (`client.group_requests = false`, the path before group requests) and once
    with the group's requests merged into one `n = 8` request (the default).
 2. The server is stopped, and the same group runner runs the groups on vLLM's engine in this process
-   (`inference/engine.py`: the orchestrator as vLLM's front end, no HTTP, no API server process).
+   (`inference/engine.py`: the orchestrator as vLLM's front end, no HTTP, no API server process);
+   then its parts: the chat bodies the groups sent, replayed without the client, and the engine
+   alone on their prompt token ids.
 3. `vllm.LLM.generate` runs in this process on the same prompt token ids (taken from the rollouts)
    with `n = 8` and the same sampling: the limit.
 Each timing is the median of `--rounds` rounds after one warm-up round; the ratios compare rows of
@@ -85,7 +87,9 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
 
 
 async def time_in_process(env, rows, model: str, max_model_len: int, sampling, rounds: int, out: Path):
-    """`time_path` (groups merged) on vLLM's engine in this process instead of a server."""
+    """On vLLM's engine in this process: `time_path` (groups merged), then the parts of it, each the
+    median of `rounds` rounds of the 16 groups at once: the chat bodies the groups sent (the chat
+    serving layer and the engine, no client), and the engine alone on their prompt token ids."""
     from prime_rl.inference.config import InferenceConfig
     from prime_rl.inference.engine import LocalEngine
     from prime_rl.orchestrator.config import ClientConfig
@@ -95,13 +99,55 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
         model={"name": model, "dtype": "float32", "max_model_len": max_model_len}, output_dir=out
     )
     engine = await LocalEngine.start(config)
+    sent: list[bytes] = []
+
+    async def exchange(content: bytes) -> tuple[int, bytes]:
+        sent.append(content)
+        return await engine.exchange(content)
+
     url = "http://in-process/v1"  # never connected to: every chat request is an engine call
-    client = make_vf_client(url, ClientConfig(base_urls=[url], group_requests=True), exchange=engine.exchange)
+    client = make_vf_client(url, ClientConfig(base_urls=[url], group_requests=True), exchange=exchange)
     try:
-        return await time_groups(env, rows, client, url, model, sampling, rounds)
+        runner, rollouts = await time_groups(env, rows, client, url, model, sampling, rounds)
+        bodies = sent[-len(rows) :]  # the last round's: one `n` request per group
+        chat = await time_rounds(rounds, lambda: asyncio.gather(*(engine.exchange(b) for b in bodies)))
+        prompts = {r.example_id: r.turns[0].prompt_ids for r in rollouts if not r.failed}
+        alone = await time_rounds(rounds, lambda: generate(engine.engine, list(prompts.values()), sampling))
+        return runner, chat, alone
     finally:
         await client.close()
         engine.close()
+
+
+async def time_rounds(rounds: int, one_round) -> float:
+    times = []
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        await one_round()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+_requests = iter(range(10**9))
+
+
+async def generate(engine, prompts: list[list[int]], sampling) -> None:
+    """Each prompt's `GROUP` completions from an `AsyncLLM`, all prompts at once, as the server gets them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=GROUP, temperature=sampling.temperature, top_p=sampling.top_p,
+                            max_tokens=sampling.max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+
+    async def one(prompt: list[int]) -> None:
+        async for _ in engine.generate(
+            TokensPrompt(prompt_token_ids=prompt), params, f"bench-{next(_requests)}"
+        ):
+            pass
+
+    await asyncio.gather(*(one(p) for p in prompts))
 
 
 async def time_groups(env, rows, client, base_url: str, model: str, sampling, rounds: int):
@@ -181,7 +227,7 @@ def main() -> None:
                 )
             finally:
                 stop_server(proc)
-            local, _ = asyncio.run(
+            local = asyncio.run(
                 time_in_process(env, rows, args.model, args.max_model_len, sampling, args.rounds, Path(tmp))
             )
         prompts = [
@@ -196,11 +242,20 @@ def main() -> None:
         results[name] = (alone, merged, local, engine, tokens, empty)
         print(f"workload {name} done", flush=True)
 
-    print(f"{'workload':>8}{'offline s':>10}{'per-rollout s':>15}{'ratio':>7}{'grouped s':>11}{'ratio':>7}"
-          f"{'in-process s':>14}{'ratio':>7}{'tokens':>8}{'empty':>7}")  # fmt: skip
-    for name, (alone, merged, local, engine, tokens, empty) in results.items():
-        print(f"{name:>8}{engine:>10.3f}{alone:>15.3f}{alone / engine:>7.2f}{merged:>11.3f}{merged / engine:>7.2f}"
-              f"{local:>14.3f}{local / engine:>7.2f}{tokens:>8}{empty:>7}")  # fmt: skip
+    print("server: the group runner on `uv run inference`, one request per rollout, then one per group;")
+    print(
+        "in-process: on vLLM's engine in this process: the group runner, its chat bodies alone, the engine alone"
+    )
+    print(f"{'workload':>8}{'offline s':>10}{'server':>16}{'ratios':>12}{'in-process':>22}{'ratios':>18}"
+          f"{'tokens':>8}{'empty':>7}")  # fmt: skip
+    for name, (alone, merged, (runner, chat, gen), engine, tokens, empty) in results.items():
+        server = f"{alone:.3f} {merged:.3f}"
+        local = f"{runner:.3f} {chat:.3f} {gen:.3f}"
+        ratios = f"{alone / engine:.2f} {merged / engine:.2f}"
+        local_ratios = f"{runner / engine:.2f} {chat / engine:.2f} {gen / engine:.2f}"
+        print(
+            f"{name:>8}{engine:>10.3f}{server:>16}{ratios:>12}{local:>22}{local_ratios:>18}{tokens:>8}{empty:>7}"
+        )
 
 
 if __name__ == "__main__":

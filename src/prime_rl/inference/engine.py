@@ -138,7 +138,13 @@ class LocalEngine:
             return Reload(step, time.perf_counter() - t0)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine's processes (once: later calls do nothing)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            # vLLM's finalizer shuts the engine down again when it is collected, which can be at
+            # interpreter exit, with the module globals it calls already gone: nothing is left to do.
+            self.engine.shutdown = lambda *args, **kwargs: None
+            self.engine = self._chat = None
 
 
 def _build(argv: list[str]):
