@@ -206,10 +206,12 @@ def main() -> None:
 
     from prime_rl.logging_setup import adopt_verifiers_logging
     from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.envs.speedups import speed_up_verifiers
     from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
 
     adopt_verifiers_logging()
+    speed_up_verifiers()  # as the orchestrator's env side does (`LocalEnvs.start`)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     results = {}
     for name in args.workloads:
