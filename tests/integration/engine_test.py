@@ -3,8 +3,11 @@ body as the server's route does (token ids, logprobs, n choices; bad input as a 
 message), and after `load_weights` it serves the new weights. Run in a child process, as the
 orchestrator runs it: the engine's processes are that process's children and inherit its settings."""
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -67,12 +70,19 @@ def probed(tiny_model, tmp_path_factory) -> tuple[dict, Path]:
     m.save_pretrained(new)
     for f in Path(tiny_model).glob("tokenizer*"):
         shutil.copy(f, new)
-    report = tmp / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(tiny_model), str(tmp / "out"), str(new), str(report)],
-        capture_output=True, text=True, timeout=600, env=server_env(),
-    )  # fmt: skip
-    assert proc.returncode == 0 and report.exists(), proc.stderr[-4000:]
+    report, log = tmp / "report.json", tmp / "probe.log"
+    with log.open("w") as out:
+        # Its own process group: a probe that times out is stopped with the engine it forked.
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, str(tiny_model), str(tmp / "out"), str(new), str(report)],
+            stdout=out, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True,
+        )  # fmt: skip
+    try:
+        code = proc.wait(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0 and report.exists(), log.read_text()[-4000:]
     return json.loads(report.read_text()), new
 
 
