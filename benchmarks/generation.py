@@ -13,7 +13,7 @@ Per workload, in one run:
    request per rollout (`client.group_requests = false`, the path before group requests) and once
    with the group's requests merged into one `n = 8` request (the default).
 2. The server is stopped, and the same group runner runs the groups on vLLM's engine in this process
-   (`inference/engine.py`: the orchestrator as vLLM's front end, no HTTP, no API server process);
+   (`engine/local.py`: the orchestrator as vLLM's front end, no HTTP, no API server process);
    then its parts: the chat bodies the groups sent, replayed without the client, and the engine
    alone on their prompt token ids.
 3. `vllm.LLM.generate` runs in this process on the same prompt token ids (taken from the rollouts)
@@ -47,7 +47,7 @@ WORKLOADS = {
 
 
 def start_server(model: str, max_model_len: int, out: Path, extra: list[str] = ()):
-    from prime_rl.inference.server import wait_until_healthy
+    from prime_rl.engine.server import wait_until_healthy
     from prime_rl.net import free_port
 
     port = free_port()
@@ -90,15 +90,15 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
     """On vLLM's engine in this process: `time_path` (groups merged), then the parts of it, each the
     median of `rounds` rounds of the 16 groups at once: the chat bodies the groups sent (the chat
     serving layer and the engine, no client), and the engine alone on their prompt token ids."""
-    from prime_rl.inference.config import InferenceConfig
-    from prime_rl.inference.engine import LocalEngine
+    from prime_rl.engine.config import InferenceConfig
+    from prime_rl.engine.local import LocalEngine
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import make_vf_client
 
     config = InferenceConfig(
         model={"name": model, "dtype": "float32", "max_model_len": max_model_len}, output_dir=out
     )
-    engine = await LocalEngine.start(config)
+    engine = await LocalEngine(config).start()
     sent: list[bytes] = []
 
     async def exchange(content: bytes) -> tuple[int, bytes]:

@@ -12,7 +12,8 @@ Geometries: `short`, completions of at most 24 tokens; `long`, completions of ex
 
 Each framework runs in its own process on every core this one may use: TRL generates with HF
 `generate` and then trains, in turns; prime_rl runs `rl` (vLLM, orchestrator, trainer), synchronous
-(`max_async_level = 0`) and asynchronous (1). Steps are timed from the end of the first one to the end
+(`max_async_level = 0`) and asynchronous (1), each with vLLM as a server and as the orchestrator's
+in-process engine (`deployment.inference_mode`). Steps are timed from the end of the first one to the end
 of the last (start-up and the warm-up step are left out). Prints seconds per step, rollouts and
 generated tokens per second, the mean reward of the first and last three steps, and each row's
 steps/s as a ratio to TRL's.
@@ -112,7 +113,7 @@ def run_trl(geometry: str, steps: int, tmp: Path) -> dict:
 # --- prime_rl: `rl` as a user runs it ------------------------------------------------------------
 
 
-def run_ours(geometry: str, level: int, steps: int, tmp: Path) -> dict:
+def run_ours(geometry: str, level: int, steps: int, tmp: Path, mode: str = "server") -> dict:
     from prime_rl.monitor import read_metrics
 
     g = GEOMETRIES[geometry]
@@ -132,10 +133,10 @@ sampling = {{ temperature = 1.0, max_tokens = {g["max_tokens"]}{extra} }}
 [orchestrator.eval]
 envs = []
 """)
-    out = tmp / f"ours-{geometry}-{level}"
+    out = tmp / f"ours-{geometry}-{level}-{mode}"
     rl = str(Path(sys.executable).parent / "rl")
     cmd = [rl, "@", str(REPO / "configs/reverse_text/rl.toml"), "@", str(toml), "--max_async_level", str(level),
-           "--max_steps", str(steps), "--output_dir", str(out)]  # fmt: skip
+           "--max_steps", str(steps), "--output_dir", str(out), "--deployment.inference_mode", mode]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"rl failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -143,6 +144,15 @@ envs = []
     orch = [m for m in read_metrics(out / "orchestrator" / "metrics.jsonl") if "time/step" in m]
     tokens = [m["completion_len/all/mean"] * PROMPTS * GROUP for m in orch]
     return summary([m["time/step"] for m in trainer], tokens, [m["reward/all/mean"] for m in orch])
+
+
+OURS = (
+    (0, "server", "prime_rl sync"),
+    (1, "server", "prime_rl async"),
+    (0, "engine", "prime_rl sync engine"),
+    (1, "engine", "prime_rl async engine"),
+)
+"""Our rows: (max_async_level, deployment.inference_mode, name)."""
 
 
 def main() -> None:
@@ -158,17 +168,17 @@ def main() -> None:
         f"{len(os.sched_getaffinity(0))} cores, {args.steps} steps of {PROMPTS} x {GROUP} rollouts",
         flush=True,
     )
-    header = f"{'geometry':>9}{'run':>16}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}{'vs TRL':>8}"
+    header = f"{'geometry':>9}{'run':>22}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}{'vs TRL':>8}"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
             runs = {"TRL GRPOTrainer": run_trl(geometry, args.steps, Path(tmp))}
-            for level, name in ((0, "prime_rl sync"), (1, "prime_rl async")):
-                runs[name] = run_ours(geometry, level, args.steps, Path(tmp))
+            for level, mode, name in OURS:
+                runs[name] = run_ours(geometry, level, args.steps, Path(tmp), mode)
             trl = runs["TRL GRPOTrainer"]["s_per_step"]
             for name, r in runs.items():
                 rows.append(
-                    f"{geometry:>9}{name:>16}{r['s_per_step']:>8.3f}{r['rollouts_per_s']:>12.0f}"
+                    f"{geometry:>9}{name:>22}{r['s_per_step']:>8.3f}{r['rollouts_per_s']:>12.0f}"
                     f"{r['tokens_per_s']:>11.0f}{r['reward_start']:>8.3f}->{r['reward_end']:.3f}"
                     f"{trl / r['s_per_step']:>7.2f}x"
                 )

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from prime_rl.inference.server import wait_until_healthy
+from prime_rl.engine.server import wait_until_healthy
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 from prime_rl.net import free_port
 from prime_rl.orchestrator.config import ClientConfig

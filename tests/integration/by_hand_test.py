@@ -24,7 +24,7 @@ import pytest
 
 from helpers.cores import server_env
 from prime_rl import secret
-from prime_rl.inference.server import wait_until_healthy
+from prime_rl.engine.server import wait_until_healthy
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
 from prime_rl.shutdown import GRACE_S

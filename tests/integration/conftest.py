@@ -21,7 +21,7 @@ import pytest
 import tomli_w
 
 from helpers.cores import server_env
-from prime_rl.inference.server import wait_until_healthy
+from prime_rl.engine.server import wait_until_healthy
 from prime_rl.net import free_port
 
 HERE = Path(__file__).resolve().parent

@@ -1,4 +1,4 @@
-"""vLLM's engine in the caller's process (`inference/engine.py`), on the tiny model: it answers a chat
+"""vLLM's engine in the caller's process (`engine/local.py`), on the tiny model: it answers a chat
 body as the server's route does (token ids, logprobs, n choices; bad input as a status and a
 message), and after `load_weights` it serves the new weights. Run in a child process, as the
 orchestrator runs it: the engine's processes are that process's children and inherit its settings."""
@@ -27,8 +27,8 @@ PROBE = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
-    from prime_rl.inference.config import InferenceConfig
-    from prime_rl.inference.engine import LocalEngine
+    from prime_rl.engine.config import InferenceConfig
+    from prime_rl.engine.local import LocalEngine
 
     model, out, new_weights, report = sys.argv[1:5]
 
@@ -39,7 +39,7 @@ PROBE = textwrap.dedent(
 
     async def main():
         config = InferenceConfig(model={"name": model, "max_model_len": 256}, output_dir=out)
-        engine = await LocalEngine.start(config)
+        engine = await LocalEngine(config).start()
         answers = {
             "chat": await engine.exchange(body("Reverse the text: hello", n=3, min_tokens=12)),
             "overlong": await engine.exchange(body("word " * 400)),

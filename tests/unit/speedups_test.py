@@ -98,7 +98,7 @@ def test_direct_post_raises_openais_errors():
 
 
 def test_with_an_exchange_chat_requests_are_its_calls_and_its_errors_openais():
-    """vLLM's engine in the process (`inference/engine.py`) answers through `exchange`: the body goes
+    """vLLM's engine in the process (`engine/local.py`) answers through `exchange`: the body goes
     to it unchanged, its answer comes back as the server's would, a 400 is openai's BadRequestError
     (verifiers reads an overlong prompt from it), and nothing is sent over HTTP."""
     import json

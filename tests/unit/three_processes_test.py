@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config.cli import parse_config
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.engine.config import InferenceConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here

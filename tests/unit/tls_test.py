@@ -5,7 +5,7 @@ import ssl
 import httpx
 
 from prime_rl import tls
-from prime_rl.inference.server import is_healthy
+from prime_rl.engine.server import is_healthy
 from prime_rl.net import free_port
 
 

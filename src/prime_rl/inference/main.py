@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from prime_rl.config import parse_config, raise_problems
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.engine.config import InferenceConfig
+from prime_rl.engine.server import UnsafeFolder, server_command, server_env
 from prime_rl.inference.preflight import bind_problems, inference_problems
-from prime_rl.inference.server import UnsafeFolder, server_command, server_env
 from prime_rl.inference.supervise import run_server
 from prime_rl.logging_setup import setup_logging
 from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals

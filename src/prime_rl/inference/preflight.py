@@ -6,7 +6,7 @@ Invariant: each problem is one sentence naming the key and what to do; nothing h
 
 from __future__ import annotations
 
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.engine.config import InferenceConfig
 from prime_rl.model.local import num_experts
 
 
@@ -19,7 +19,7 @@ def inference_problems(
 ) -> list[str]:
     """`lora_key`, `routes_key`: the keys that asked for LoRA and for routes, where not
     `<prefix>lora` and `<prefix>return_routes` (`rl`: 'trainer.lora', 'orchestrator.return_routes')."""
-    from prime_rl.inference.server import is_cpu_build
+    from prime_rl.engine.server import is_cpu_build
 
     cpu = is_cpu_build() if cpu_build is None else cpu_build
     problems = []

@@ -325,8 +325,8 @@ def main() -> None:
 
     import vllm.entrypoints.launchers.api_server.entry as entry
 
-    from prime_rl.inference.forked_engine import fork_engine_processes
-    from prime_rl.inference.server import is_cpu_build
+    from prime_rl.engine.forked import fork_engine_processes
+    from prime_rl.engine.server import is_cpu_build
 
     if is_cpu_build():
         fork_engine_processes(entry)

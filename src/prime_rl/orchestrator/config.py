@@ -22,6 +22,7 @@ from prime_rl.defaults import (
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
+from prime_rl.engine.config import InferenceConfig
 from prime_rl.model.config import ModelConfig
 from prime_rl.monitor import WandbConfig
 from prime_rl.orchestrator.advantages import AdvantageConfig
@@ -189,6 +190,13 @@ class OrchestratorConfig(RootConfig):
     client: ClientConfig = ClientConfig()
     """Inference servers."""
 
+    engine: InferenceConfig | None = None
+    """Engine mode, for one machine: vLLM's engine runs in this process (its core and worker as this
+    process's children), configured as `uv run inference` would be, and serves this orchestrator's
+    rollouts: no inference server, HTTP or JSON between them, and weights load by a direct call
+    between two engine steps. `client.base_urls` is then unused, and the engine's `output_dir` is
+    this config's. Unset: the servers at `client.base_urls` serve (server mode)."""
+
     transport: TransportConfig = TransportConfig()
     """Where micro-batches go."""
 
@@ -266,6 +274,26 @@ class OrchestratorConfig(RootConfig):
             )
         if "all" in names:
             raise ValueError("'all' is reserved for metrics over all envs; give the env another 'name'")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_in_this_process(self):
+        if self.engine is None:
+            return self
+        if self.engine.model.name != self.model.name:
+            raise ValueError(
+                f"'engine.model.name' = '{self.engine.model.name}' must be the model the rollouts ask for, "
+                f"'model.name' = '{self.model.name}'"
+            )
+        if self.env_workers:
+            raise ValueError(
+                "'engine' runs vLLM in the orchestrator's process, which env workers (other processes) "
+                "cannot reach: set env_workers = 0, or serve with `uv run inference` instead"
+            )
+        if self.lora_adapter is not None or self.engine.lora is not None:
+            raise ValueError(
+                "'engine' serves full weights only: for a LoRA run, serve with `uv run inference`"
+            )
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ from prime_rl import activity
 from prime_rl.config import parse_config
 from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
+from prime_rl.engine.local import LocalEngine
 from prime_rl.environments import EnvError
 from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.advantages import AdvantageError
@@ -46,7 +47,11 @@ USER_ERRORS = (*NEEDS_USER, InferenceUnavailable, TransportError, WeightSyncErro
 
 
 def make_orchestrator(config: OrchestratorConfig) -> Orchestrator:
-    """The loop, with the env side in this process or in `env_workers` worker processes."""
+    """The loop, with the env side in this process or in `env_workers` worker processes, and with
+    `engine`, vLLM's engine in this process serving the env side (not started yet: the loop does)."""
+    if config.engine is not None:
+        engine = LocalEngine(config.engine.model_copy(update={"output_dir": config.output_dir}))
+        return Orchestrator(config, LocalEnvs(config, engine=engine), engine)
     if config.env_workers == 0:
         return Orchestrator(config, LocalEnvs(config))
     return Orchestrator(config, WorkerPool(config, datasets=LocalEnvs(config, rollouts=False)))

@@ -21,7 +21,7 @@ from prime_rl.defaults import (
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
-from prime_rl.inference.config import LORA_RANKS, InferenceConfig
+from prime_rl.engine.config import LORA_RANKS, InferenceConfig
 from prime_rl.model.local import check_model_name
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.shared import hand_down
@@ -145,6 +145,14 @@ class DeploymentConfig(BaseConfig):
     stall_first_step_s: float = Field(default=600.0, gt=0)
     """The stall timeout until the first trainer step (model loads, first generation) and after a
     restart, when stall_timeout_s is unset."""
+
+    inference_mode: Literal["server", "engine"] = "server"
+    """How the policy is served. "server": rl starts `uv run inference` (vLLM's OpenAI server), which
+    the orchestrator reaches over HTTP. "engine": no server; vLLM's engine runs inside the
+    orchestrator's process (`orchestrator.engine`, configured by `[inference]`), so no HTTP, JSON or
+    API server process stands between the rollouts and the model, and a weight load is one call
+    between two engine steps. For one machine, one policy server, full weights and env_workers = 0.
+    A teacher is still a server."""
 
     inference_urls: list[str] = []
     """Use inference servers that are already running, at these URLs (e.g. http://10.0.0.5:8000),
@@ -277,6 +285,28 @@ class RLConfig(RootConfig):
             raise ValueError(
                 f"'trainer.lora.rank' = {lora.rank} is above 'inference.lora.max_rank' = {served.max_rank}: "
                 "the server would refuse the adapter"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_mode_on_one_machine(self):
+        d = self.deployment
+        if d.inference_mode != "engine":
+            return self
+        why = (
+            "deployment.nodes is set (the engine serves the orchestrator's own machine)" if d.nodes
+            else "deployment.inference_urls is set (rl starts no inference then)" if d.inference_urls
+            else f"deployment.inference_servers = {d.inference_servers} (the engine is one)" if d.inference_servers > 1
+            else "[trainer.lora] is set (the engine serves full weights)" if self.trainer.lora
+            else f"orchestrator.env_workers = {self.orchestrator.env_workers} (other processes cannot reach it)"
+            if self.orchestrator.env_workers
+            else "trainer.weight_broadcast.type = 'collective' (the engine loads published folders)"
+            if self.trainer.weight_broadcast.type == "collective"
+            else None
+        )  # fmt: skip
+        if why:
+            raise ValueError(
+                f"'deployment.inference_mode' = 'engine' cannot serve this run: {why}; use 'server'"
             )
         return self
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from prime_rl import activity, secret
 from prime_rl.config.files import write_config
 from prime_rl.disk import DiskFull, writing
-from prime_rl.inference.server import UnsafeFolder, is_healthy, server_env
+from prime_rl.engine.server import UnsafeFolder, is_healthy, server_env
 from prime_rl.layout import restarts_path
 from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig

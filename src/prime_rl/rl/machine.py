@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_rl.inference.server import is_cpu_build
+from prime_rl.engine.server import is_cpu_build
 from prime_rl.model.local import num_experts
 from prime_rl.net import free_port
 from prime_rl.rl.config import RLConfig

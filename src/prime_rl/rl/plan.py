@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.config.files import config_args
-from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
-from prime_rl.inference.server import server_command
+from prime_rl.engine.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
+from prime_rl.engine.server import server_command
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs_config import TeacherConfig
 from prime_rl.rl.config import DeploymentConfig, RLConfig
@@ -227,7 +227,12 @@ def trainer_command(d: DeploymentConfig, config: list[str], run_id: str, master_
 
 
 def _orchestrator(
-    config: RLConfig, machine: Machine, urls: list[str], run_id: str, teacher: InferenceConfig | None
+    config: RLConfig,
+    machine: Machine,
+    urls: list[str],
+    run_id: str,
+    teacher: InferenceConfig | None,
+    engine: InferenceConfig | None = None,
 ) -> OrchestratorConfig:
     d, orch = config.deployment, config.orchestrator
     transport = orch.transport.model_copy(update={"run_id": run_id})
@@ -246,6 +251,7 @@ def _orchestrator(
         "trainer_ranks": config.dp,
         "transport": transport,
         "lora_adapter": adapter,
+        "engine": engine,
     }
     if teacher is not None:
         host = _reach(teacher.server.host, hosts(d, "inference")[0])
@@ -300,12 +306,17 @@ def _server(
 
 
 def _servers(
-    config: RLConfig, machine: Machine, place: Placement, log_dir: Path, teacher: InferenceConfig | None
+    config: RLConfig,
+    machine: Machine,
+    place: Placement,
+    log_dir: Path,
+    teacher: InferenceConfig | None,
+    policy: bool = True,
 ) -> tuple[Server, ...]:
-    """This machine's policy servers, and the teacher's on the first inference node."""
+    """This machine's policy servers (none in engine mode), and the teacher's on the first inference node."""
     d = config.deployment
     host = d.nodes[d.node].host if d.nodes else hosts(d, "inference")[0]
-    mine = policy_servers(config, host, machine.policy_experts)
+    mine = policy_servers(config, host, machine.policy_experts) if policy else []
     servers = [
         _server(
             "inference" if len(mine) == 1 else f"inference-{i}",
@@ -333,9 +344,11 @@ def _workers(
     args: dict[str, list[str]],
     log_dir: Path,
     run_id: str,
+    engine: bool = False,
 ) -> tuple[Worker, ...]:
     """This machine's trainer and orchestrator, in the order they start (`args`: how each reads its
-    config file)."""
+    config file). In engine mode the orchestrator's process also holds the policy server's cores, and
+    vLLM's compute threads in its engine bind to that server's."""
     d, here, workers = config.deployment, roles(config.deployment), []
     if "trainer" in here:
         workers.append(
@@ -350,12 +363,18 @@ def _workers(
             )
         )
     if "orchestrator" in here:
+        env, cpus = {}, place.orchestrator_cpus
+        if engine:
+            omp, served = place.server_omp_cpus[0], place.server_cpus[0]
+            if omp and machine.cpu_build:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, omp))
+            cpus = None if served is None else sorted({*served, *(cpus or [])})
         workers.append(
             Worker(
                 name="orchestrator",
                 command=[str(Path(sys.executable).parent / "orchestrator"), *args["orchestrator"]],
-                env={},
-                cpus=place.orchestrator_cpus,
+                env=env,
+                cpus=cpus,
                 log_path=log_dir / "orchestrator.log",
                 restart_args=("--resume", "true"),  # from its progress, re-sending what the trainer lacks
             )
@@ -377,7 +396,8 @@ def plan(config: RLConfig, machine: Machine) -> Plan:
     ]
     teacher = teacher_server(config)
     run_id = config.trainer.transport.run_id or config.orchestrator.transport.run_id or machine.run_id
-    orchestrator = _orchestrator(config, machine, urls, run_id, teacher)
+    engine = every[0] if d.inference_mode == "engine" else None
+    orchestrator = _orchestrator(config, machine, urls, run_id, teacher, engine)
     trainer = _trainer(config, machine, urls, orchestrator.transport)
 
     # On several machines sharing output_dir, each node writes its own configs and logs.
@@ -393,7 +413,7 @@ def plan(config: RLConfig, machine: Machine) -> Plan:
         inference=every[0],
         orchestrator=orchestrator,
         trainer=trainer,
-        policy_servers=() if d.inference_urls else tuple(every),
+        policy_servers=() if d.inference_urls or engine else tuple(every),
         teacher=teacher,
         run_id=run_id,
         roles=here,
@@ -405,6 +425,8 @@ def plan(config: RLConfig, machine: Machine) -> Plan:
             paths["trainer"]: trainer,
         },
         log_dir=log_dir,
-        servers=_servers(config, machine, place, log_dir, teacher) if "inference" in here else (),
-        workers=_workers(config, machine, place, args, log_dir, run_id),
+        servers=_servers(config, machine, place, log_dir, teacher, policy=not engine)
+        if "inference" in here
+        else (),
+        workers=_workers(config, machine, place, args, log_dir, run_id, engine=engine is not None),
     )

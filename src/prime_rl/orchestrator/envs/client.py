@@ -184,16 +184,18 @@ _JSON = msgspec.json.Encoder(enc_hook=_pydantic)
 
 
 class Clients:
-    """The verifiers client of each server the loop sends groups to."""
+    """The verifiers client of each server the loop sends groups to; with `exchange` (engine mode),
+    the one server is vLLM's engine in this process, and that function its transport."""
 
-    def __init__(self, config: ClientConfig):
+    def __init__(self, config: ClientConfig, exchange: Exchange | None = None):
         self.config = config
+        self.exchange = exchange
         self._clients: dict = {}
 
     def get(self, base_url: str):
         client = self._clients.get(base_url)
         if client is None:
-            client = self._clients[base_url] = make_vf_client(base_url, self.config)
+            client = self._clients[base_url] = make_vf_client(base_url, self.config, self.exchange)
         return client
 
     async def aclose(self) -> None:

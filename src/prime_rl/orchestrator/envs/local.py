@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from prime_rl.engine.local import LocalEngine
 from prime_rl.environments import EnvError
 from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -29,9 +30,10 @@ log = logging.getLogger("prime_rl.orchestrator")
 
 class LocalEnvs:
     """Loads the configured envs; with `rollouts`, also runs groups on them (else it only serves
-    their datasets to the loop, while env workers run the groups)."""
+    their datasets to the loop, while env workers run the groups); with `engine`, on vLLM's engine
+    in this process (started by the loop before the first group)."""
 
-    def __init__(self, config: OrchestratorConfig, rollouts: bool = True):
+    def __init__(self, config: OrchestratorConfig, rollouts: bool = True, engine: LocalEngine | None = None):
         self.config = config
         self.rollouts = rollouts
         self.train: dict[str, LoadedEnv[EnvConfig]] = {}
@@ -39,7 +41,7 @@ class LocalEnvs:
         self.rewards: RewardRunner | None = None
         self.reward_models: RewardModels | None = None
         self.teacher: Teacher | None = None
-        self.clients = Clients(config.client)
+        self.clients = Clients(config.client, engine.exchange if engine is not None else None)
 
     def load(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
         """Load the envs (blocking: imports, datasets); what the loop needs of them."""

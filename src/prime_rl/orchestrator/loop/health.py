@@ -77,6 +77,13 @@ class ServerHealth:
                 self._check_give_up()
 
     async def _check(self, http: httpx.AsyncClient, server: Server) -> None:
+        if server.engine is not None and server.engine.stopped:
+            if self.error is None:  # its processes are this one's children: nothing here restarts them
+                self.error = InferenceUnavailable(
+                    "vLLM's engine in this process stopped (its engine core or worker exited; see the log "
+                    "above): restart the orchestrator (`rl` does, up to deployment.max_restarts)"
+                )
+            return
         if server in self._recovering:
             return
         if server.up:

@@ -23,6 +23,7 @@ from pathlib import Path
 from prime_rl import activity, secret, shutdown
 from prime_rl.contract import ContractError
 from prime_rl.disk import writing
+from prime_rl.engine.local import LocalEngine
 from prime_rl.layout import (
     refusal_path,
     restart_counts,
@@ -72,9 +73,11 @@ log = logging.getLogger("prime_rl.orchestrator")
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig, env_side: EnvSide):
+    def __init__(self, config: OrchestratorConfig, env_side: EnvSide, engine: LocalEngine | None = None):
         self.config = config
         self.env_side = env_side
+        self.engine = engine
+        """vLLM's engine in this process (engine mode), started in `setup`: the env side's transport."""
         self.output_dir = Path(config.output_dir)
         self.run_id = resolve_run_id(config.transport, config.output_dir)
         self.prev_acc = Accounting()
@@ -89,6 +92,11 @@ class Orchestrator:
     async def setup(self) -> Progress:
         c = self.config
         progress, rng, acc = restore(self.config)
+        if self.engine is not None:
+            # First: its processes fork from this one, which must not yet run the envs' threads.
+            log.info("starting vLLM's engine in this process (%s)", c.model.name)
+            activity.doing("starting vLLM's engine in this process", "inference")
+            await self.engine.start()
         self.envs, evals = await self.env_side.start()
         self._take_signals()  # again: loading a verifiers env replaces the handlers
         self.advantages = {
@@ -102,8 +110,8 @@ class Orchestrator:
             for i, e in enumerate(self.envs)
         }
         self.temperatures = {e.name: e.config.sampling.temperature for e in self.envs}
-        self.pool = ServerPool(c.client)
-        log.info("checking inference at %s", ", ".join(c.client.base_urls))
+        self.pool = ServerPool(c.client, self.engine)
+        log.info("checking inference at %s", ", ".join(s.base_url for s in self.pool.servers))
         activity.doing("waiting for the inference servers to answer", "inference")
         await self.pool.wait_healthy()
         await check_weights_dirs(self.pool, self.output_dir, adapter=c.lora_adapter is not None)
@@ -190,6 +198,8 @@ class Orchestrator:
             watch.cancel()
             beats.cancel()
             await self.sender.close(deliver=False)  # a no-op after a clean end
+            if self.engine is not None:
+                self.engine.close()
 
     async def _stop_on_refusal(self, main: asyncio.Task) -> None:
         self.refused = await wait_for_refusal(refusal_path(self.output_dir), self.contract.session)

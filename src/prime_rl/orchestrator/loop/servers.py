@@ -4,6 +4,9 @@ Invariant: a group's rollouts all go to one server (they share a prompt, so its 
 and each new group goes to the server with the fewest rollouts in flight among those that are `up`
 (see `health.py` for who sets `up`). A group holds its server's in-flight count from dispatch to
 return (`scheduler.run_on`), so that the next dispatch sees its load.
+
+In engine mode (`orchestrator.engine`) the pool is one server, vLLM's engine in this process: it is
+up once started, says its served step itself, and loads weights by a call (`weights.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from prime_rl import secret, tls
+from prime_rl.engine.local import LocalEngine
 from prime_rl.orchestrator.config import ClientConfig
 
 log = logging.getLogger(__name__)
@@ -33,16 +37,25 @@ class Server:
     up: bool = True
     """Whether new work may go to it: False from a suspected failure until it is back on the
     current weights."""
+    engine: LocalEngine | None = None
+    """vLLM's engine in this process, when this server is that engine (engine mode)."""
 
     @property
     def root_url(self) -> str:
         return self.base_url.removesuffix("/").removesuffix("/v1")
 
 
+ENGINE_URL = "http://engine.in-process/v1"
+"""The base URL that names the in-process engine (nothing listens there: its client calls it)."""
+
+
 class ServerPool:
-    def __init__(self, config: ClientConfig):
+    def __init__(self, config: ClientConfig, engine: LocalEngine | None = None):
         self.config = config
-        self.servers = [Server(url) for url in config.base_urls]
+        if engine is not None:
+            self.servers = [Server(ENGINE_URL, engine=engine)]
+        else:
+            self.servers = [Server(url) for url in config.base_urls]
         self.suspected = asyncio.Event()
         """Set when a server is suspected to be down: wakes the health monitor."""
 
@@ -66,7 +79,13 @@ class ServerPool:
         self.suspected.set()
 
     async def wait_healthy(self) -> None:
-        await asyncio.gather(*(wait_healthy(s.root_url, self.config.health_timeout_s) for s in self.servers))
+        await asyncio.gather(
+            *(
+                wait_healthy(s.root_url, self.config.health_timeout_s)
+                for s in self.servers
+                if s.engine is None
+            )
+        )
 
 
 async def wait_healthy(

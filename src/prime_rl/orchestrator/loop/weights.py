@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl import activity, secret, tls
+from prime_rl.engine.local import EngineBroken
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 
@@ -61,6 +62,8 @@ def request_model(base: str, adapter: str | None, version: int) -> str:
 async def served_step(http: httpx.AsyncClient, server: Server, adapter: Adapter | None = None) -> int | None:
     """The step of the weights (or of this run's adapter) `server` serves, UNKNOWN if it cannot say,
     None if it does not answer."""
+    if server.engine is not None:
+        return server.engine.served_step
     try:
         if adapter is not None:
             resp = await http.get(
@@ -224,6 +227,14 @@ class WeightSync:
             async def load(server: Server) -> None:
                 if broadcast:
                     return await check(server)
+                if server.engine is not None:
+                    try:
+                        await server.engine.load_weights(Path(path), step)
+                    except EngineBroken as e:
+                        raise WeightSyncError(
+                            f"the engine in this process could not load step {step}: {e}"
+                        ) from e
+                    return
                 if self.adapter is not None:
                     route = LOAD_ADAPTER_ROUTE
                     body = {

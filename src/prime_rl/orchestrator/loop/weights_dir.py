@@ -67,6 +67,8 @@ UNAUTHORIZED = Path("/401")
 async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool) -> Path | None:
     """Where `server` loads weights (or adapters) from, None if it does not say. (A server without
     LoRA says None for adapters: claiming the adapter's name reports that, in its own words.)"""
+    if server.engine is not None:
+        return None  # the engine in this process loads any folder it is handed: nothing to check
     route, key = (ADAPTERS_ROUTE, "root") if adapter else (WEIGHTS_ROUTE, "weights_dir")
     try:
         resp = await http.get(f"{server.root_url}{route}")

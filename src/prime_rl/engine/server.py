@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from prime_rl import secret, tls
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.engine.config import InferenceConfig
 
 
 def is_cpu_build() -> bool:
@@ -35,7 +35,7 @@ def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> li
     cmd = [
         sys.executable, "-m", "prime_rl.inference.vllm_server",
         "--prime-rl-weights-dir", str(Path(config.output_dir) / "weights"),
-        "--worker-extension-cls", "prime_rl.inference.worker_extension.WeightReloadExtension",
+        "--worker-extension-cls", "prime_rl.engine.worker_extension.WeightReloadExtension",
         "--model", m.name,
         "--served-model-name", m.name,
         "--host", config.server.host,

