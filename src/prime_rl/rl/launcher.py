@@ -36,9 +36,10 @@ from prime_rl.layout import restarts_path
 from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here
-from prime_rl.rl.plan import Plan, Server, hosts, plan
+from prime_rl.rl.plan import Plan, Server, plan
 from prime_rl.rl.processes import kill_culprit, kill_tree, process_tree, tree_of
 from prime_rl.rl.watchdog import Watchdog, look, stall_line, waiting_line
+from prime_rl.rl.wiring import hosts
 
 GRACE_S = 15.0
 CHECK_S = 1.0

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def check_rl(config: RLConfig) -> None:
     from prime_rl.model.local import num_experts
-    from prime_rl.rl.plan import served
+    from prime_rl.rl.wiring import served
 
     teacher = config.teacher
     raise_problems(
