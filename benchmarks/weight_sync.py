@@ -9,6 +9,10 @@ the two modes on the same server:
   READY) and the orchestrator's WeightSync has the server load the folder (pause, reload, resume);
 - collective: the Publisher broadcasts them to the server's worker over a gloo group (pause, load
   as the chunks arrive, resume), writes the markers, and WeightSync sees the server serve the step.
+Then the server is stopped and the same model is served by vLLM's engine in a process of its own, as
+the orchestrator holds it in engine mode (`deployment.inference_mode = "engine"`):
+- engine: the Publisher writes the folder, and the engine's process loads it by one call between
+  two engine steps (`LocalEngine.load_weights`), told and answered over a pipe.
 Limits, measured in the same run: safetensors write + read, one memory copy of the weights, and the
 same chunks over a bare gloo group to a process that only receives them. Medians over the steps.
 """
@@ -81,6 +85,61 @@ def raw_gloo(state: dict[str, torch.Tensor], chunk_mb: float, rounds: int) -> li
     return times
 
 
+ENGINE = """
+import asyncio, sys
+from pathlib import Path
+from prime_rl.engine.config import InferenceConfig
+from prime_rl.engine.local import LocalEngine
+
+async def main():
+    config = InferenceConfig(model={"name": sys.argv[1], "max_model_len": 256}, output_dir=sys.argv[2])
+    engine = await LocalEngine(config).start()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        path, step = line.split()
+        reload = await engine.load_weights(Path(path), int(step))
+        print(f"served {reload.step} {reload.seconds}", flush=True)
+    engine.close()
+
+asyncio.run(main())
+"""
+"""vLLM's engine in a process of its own (as in the orchestrator): loads `<folder> <step>` lines."""
+
+
+def engine_latency(folder: Path, out: Path, publisher: Publisher, model, first: int, steps: int):
+    """Publish -> served by the engine in another process, per step; and the load alone."""
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, str(folder), str(out / "engine")], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    latency, loads = [], []
+
+    def said(word: str) -> list[str]:  # vLLM logs to the same stdout: skip its lines
+        for line in engine.stdout:
+            if line.startswith(word):
+                return line.split()
+        raise RuntimeError(f"the engine's process ended before saying {word!r}")
+
+    try:
+        said("ready")
+        for step in range(first, first + steps):
+            with torch.no_grad():
+                model.lm_head.weight.mul_(1.01)
+            t0 = time.perf_counter()
+            publisher.publish(model, step)
+            publisher.wait()
+            engine.stdin.write(f"{(out / 'weights' / f'step_{step}').resolve()} {step}\n")
+            engine.stdin.flush()
+            _, served, seconds = said("served")
+            assert int(served) == step
+            latency.append(time.perf_counter() - t0)
+            loads.append(float(seconds))
+        engine.stdin.close()
+        engine.wait(timeout=120)
+    finally:
+        if engine.poll() is None:
+            os.killpg(engine.pid, signal.SIGKILL)
+    return latency, loads
+
+
 def ms(values: list[float]) -> str:
     return f"{1e3 * statistics.median(values):7.0f} ms"
 
@@ -140,6 +199,11 @@ def main() -> None:
             t0 = time.perf_counter()
             {k: v.clone() for k, v in state.items()}
             memcpy.append(time.perf_counter() - t0)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        engine, engine_load = engine_latency(
+            folder, out, publishers["filesystem"], model, step + 1, args.steps
+        )
         for publisher in publishers.values():
             publisher.close()
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -151,6 +215,7 @@ def main() -> None:
             load = statistics.median(latency[mode]) - statistics.median(published[mode])
             print(f"{mode:10s} publish -> serving {ms(latency[mode])}  (publishing {ms(published[mode])}, "
                   f"then {1e3 * load:.0f} ms until served)")  # fmt: skip
+        print(f"{'engine':10s} publish -> serving {ms(engine)}  (the load alone {ms(engine_load)})")
         print(
             "  collective phases: "
             + ", ".join(f"{k} {1e3 * statistics.median(v):.0f} ms" for k, v in phases.items())
@@ -162,12 +227,14 @@ def main() -> None:
         print(f"collective / filesystem       {coll / fs:.2f}")
         print(f"filesystem / safetensors      {fs / statistics.median(baseline):.2f}")
         print(f"collective / memory copy      {coll / statistics.median(memcpy):.1f}")
+        print(f"engine / memory copy          {statistics.median(engine) / statistics.median(memcpy):.1f}")
         print(
             f"collective send / bare gloo   {statistics.median(phases['send']) / statistics.median(wire):.2f}"
         )
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -49,9 +49,10 @@ PROBE = textwrap.dedent(
         reload = await engine.load_weights(Path(new_weights), 1)
         answers["after"] = await engine.exchange(body("abc", max_tokens=8, temperature=2.0))
         answers["before"] = before
-        engine.close()
         result = {k: [status, text.decode()] for k, (status, text) in answers.items()}
         result["step"], result["reload_s"] = engine.step, reload.seconds
+        result["weight_bytes"] = sum(await engine.engine.collective_rpc("prime_rl_weight_bytes"))
+        engine.close()
         Path(report).write_text(json.dumps(result))
 
     asyncio.run(main())
@@ -126,3 +127,13 @@ def test_after_load_weights_the_new_weights_are_served(probed, tiny_model):
         with torch.no_grad():
             expected, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 2.0)
         assert (served - expected[len(prompt) :]).abs().max() < 1e-3, key
+
+
+def test_the_workers_weight_bytes_count_the_weights_vllm_cpu_repacks_out_of_the_parameters(
+    probed, tiny_model
+):
+    """What bounds a trainer's broadcast (`PLAN_SLACK` x these bytes): at least the checkpoint served.
+    vllm-cpu keeps the linear layers' weights outside their parameters, which the count missed."""
+    answers, _ = probed
+    checkpoint = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors"))
+    assert answers["weight_bytes"] >= checkpoint > 0

@@ -9,12 +9,29 @@ the first load), so they are packed again here.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def checkpoint_bytes(model: str) -> int:
+    """The bytes of the weight files in the model folder `model` (0 for a hub id or no folder)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in CHECKPOINT_SUFFIXES and f.is_file())
+
 
 class WeightReloadExtension:
     def prime_rl_weight_bytes(self) -> int:
-        """The bytes of this worker's weights (bounds what a broadcast may send it)."""
+        """The bytes of this worker's weights (bounds what a broadcast may send it): its parameters,
+        or the checkpoint it was started from where that is more. vLLM's CPU backend repacks the
+        linear layers' weights out of their parameters (left with shape [0]), so on CPU the
+        parameters alone undercount a 54M-parameter model 80-fold, and a trainer's broadcast of it
+        was refused as too big."""
         model = self.model_runner.get_model()
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        return max(params, checkpoint_bytes(str(self.model_runner.model_config.model)))
 
     def prime_rl_reload(self, path: str) -> None:
         self.reload_weights(weights_path=path)
