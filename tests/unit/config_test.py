@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from prime_rl.config.cli import parse_config
+from prime_rl.config.cli import ConfigError, parse_config
 from prime_rl.defaults import DEFAULT_MODEL
 from prime_rl.engine.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
 from prime_rl.environments import env_module_name
@@ -322,6 +322,19 @@ def test_engine_mode_names_what_it_cannot_serve(config, message):
 def test_an_orchestrator_with_the_engine_in_its_process_names_what_conflicts(config, message):
     with pytest.raises(ValueError, match=message):
         OrchestratorConfig(**config)
+
+
+def test_engine_mode_refuses_a_verifiers_v1_env_which_calls_its_model_over_http():
+    v1 = [{"id": "v1_test_env", "sampling": {"max_tokens": 16}}]
+    with pytest.raises(
+        ConfigError, match=r"orchestrator\.envs\[0\]\.id = 'v1_test_env' is a verifiers\.v1 env"
+    ):
+        check_rl(RLConfig(deployment=ENGINE, orchestrator={"envs": v1}))
+    with pytest.raises(
+        ConfigError, match=r"^envs\[0\]\.id = 'v1_test_env' is a verifiers\.v1 env, which calls its"
+    ):
+        check_orchestrator(OrchestratorConfig(engine={}, envs=v1))
+    check_rl(RLConfig(orchestrator={"envs": v1}))  # served by a server: nothing to say
 
 
 def test_the_teacher_may_not_take_a_policy_servers_port():

@@ -101,10 +101,31 @@ def reward_problem(key: str, reward: Any) -> str | None:
     )
 
 
-def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[str]:
-    """Every problem of `config`; `prefix` is where it sits in a larger config ('orchestrator.' in rl's)."""
+def engine_problem(key: str, env_id: str) -> str | None:
+    """Why vLLM's engine in the orchestrator's process cannot serve env `env_id`: a verifiers.v1 env
+    calls its model over HTTP itself (through its interception server), where no server listens."""
+    try:
+        module = importlib.import_module(env_module_name(env_id))
+    except Exception:  # env_problem says why
+        return None
+    if not exports_v1_taskset(module):
+        return None
+    return (
+        f"{key}.id = {env_id!r} is a verifiers.v1 env, which calls its model over HTTP: vLLM's engine in "
+        "the orchestrator's process (engine mode) cannot serve it; serve with `uv run inference` instead"
+    )
+
+
+def orchestrator_problems(
+    config: OrchestratorConfig, prefix: str = "", engine: bool | None = None
+) -> list[str]:
+    """Every problem of `config`; `prefix` is where it sits in a larger config ('orchestrator.' in rl's);
+    `engine`: whether it will run vLLM's engine in its process (default: whether `config.engine` says so)."""
     problems = [env_problem(f"{prefix}envs[{i}]", e.id, e.args) for i, e in enumerate(config.envs)]
     problems += [env_problem(f"{prefix}eval.envs[{i}]", e.id, e.args) for i, e in enumerate(config.eval.envs)]
+    if engine if engine is not None else config.engine is not None:
+        problems += [engine_problem(f"{prefix}envs[{i}]", e.id) for i, e in enumerate(config.envs)]
+        problems += [engine_problem(f"{prefix}eval.envs[{i}]", e.id) for i, e in enumerate(config.eval.envs)]
     advantages = [(f"{prefix}advantage", config.advantage)]
     advantages += [(f"{prefix}envs[{i}].advantage", env.advantage) for i, env in enumerate(config.envs)]
     problems += [plugin_problem(key, advantage) for key, advantage in advantages if advantage is not None]
