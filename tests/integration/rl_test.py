@@ -142,27 +142,31 @@ def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_a
     run = tmp_path / "run"
     orch_m = run / "orchestrator" / "metrics.jsonl"
     env = {**os.environ, "PYTHONPATH": ENVS}
-    proc = subprocess.Popen(
-        [RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    out_path, err_path = tmp_path / "rl.out", tmp_path / "rl.err"  # files: a full pipe would stall rl
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen([RL, "@", str(toml)], stdout=out, stderr=err, text=True, env=env)
     seen: set[int] = set()
     killed = None
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(
-            psutil.NoSuchProcess
-        ):  # the engine's processes are the orchestrator's children
-            children = psutil.Process(proc.pid).children(recursive=True)
-            seen.update(c.pid for c in children)
-            if killed is None and orch_m.exists() and len(orch_m.read_text().splitlines()) >= 3:
-                [killed] = [
-                    c.pid
-                    for c in psutil.Process(proc.pid).children()
-                    if "orchestrator" in " ".join(c.cmdline()[:2])
-                ]
-                os.kill(killed, signal.SIGKILL)  # not its group: what a crash of the process itself leaves
-        time.sleep(0.5)
-    out, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            # The engine's processes are the orchestrator's children: every descendant is noted.
+            with contextlib.suppress(psutil.NoSuchProcess):
+                seen.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
+                if killed is None and orch_m.exists() and len(orch_m.read_text().splitlines()) >= 3:
+                    [killed] = [
+                        c.pid
+                        for c in psutil.Process(proc.pid).children()
+                        if "orchestrator" in " ".join(c.cmdline()[:2])
+                    ]
+                    os.kill(killed, signal.SIGKILL)  # not its group: what a crash of the process leaves
+            time.sleep(0.5)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:  # a failed wait or check above: stop the run before reporting it
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    out, err = out_path.read_text(), err_path.read_text()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert killed is not None and "orchestrator" in err and "restarting it" in err, err[-3000:]
     assert not (run / "logs" / "inference.log").exists()  # no server was started
