@@ -57,14 +57,20 @@ def test_a_killed_trainer_is_restarted_with_its_orchestrator_and_the_restart_rec
     assert server.proc.poll() is not None  # the run ended: the server was stopped
 
 
-def test_a_dead_server_is_restarted_and_the_run_goes_on(tmp_path):
+def test_a_dead_server_is_restarted_and_the_run_goes_on_and_its_new_life_stops_on_sigterm(tmp_path):
     rl = launcher(tmp_path, restarts=1)
+    rl.grace_s = 30  # a restarted server that did not take SIGTERM would hold the test here
     # It exits 0 in its first life, as vLLM's API server does when its engine dies: still a failure.
-    server = child(rl, "inference", starts(tmp_path / "s") + "n or os._exit(0); time.sleep(600)")
+    # In its second it says that SIGTERM reached it: a child inherits its parent's blocked signals,
+    # and rl had blocked them while it started a child again.
+    term = tmp_path / "term"
+    on_term = f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(term)!r}).touch(), os._exit(0)))"
+    server = child(rl, "inference", starts(tmp_path / "s") + f"n or os._exit(0); {on_term}; time.sleep(600)")
     worker = child(rl, "trainer", "import time, pathlib, sys; p = pathlib.Path(sys.argv[0]); time.sleep(1.5)")
     assert rl.watch([server], [worker], poll_s=0.05) == 0
     assert (tmp_path / "s").read_text() == "xx"
     assert restart_counts(tmp_path) == {"inference": 1}
+    assert term.exists()
 
 
 def test_restarts_stop_at_the_limit_and_exit_status_2_is_never_retried(tmp_path, capsys):

@@ -65,6 +65,9 @@ class Launcher:
         )
         self.log_dir = self.out / "logs"
         self._next_waiting_line = 0.0
+        self.holding_signals = False
+        """While a child is being started: a signal is held until it is in `Child.proc`."""
+        self.held_signal: int | None = None
 
     def _write_configs(self, plan: Plan) -> None:
         folder = next(iter(plan.config_files)).parent
@@ -75,9 +78,22 @@ class Launcher:
 
     def _start(self, *args, **kwargs) -> Child:
         """`start_child`'s child, one of those this launcher stops."""
-        child = start_child(*args, **kwargs)
-        self.children.append(child)
+        with self._signals_held():
+            child = start_child(*args, **kwargs)
+            self.children.append(child)
         return child
+
+    @contextlib.contextmanager
+    def _signals_held(self):
+        """A signal that arrives inside is acted on at its end: a child started inside is then held
+        where the stop finds it."""
+        self.holding_signals = True
+        try:
+            yield
+        finally:
+            self.holding_signals = False
+        if self.held_signal is not None:
+            self.on_signal(self.held_signal)
 
     def _start_servers(self, servers: tuple[Server, ...], base_env: dict[str, str]) -> list[Child]:
         """This machine's servers, started: `watch` waits until they are healthy."""
@@ -123,6 +139,18 @@ class Launcher:
         if announce:
             print(announce, file=sys.stderr, flush=True)
         self._stop(self.children)
+
+    def on_signal(self, signum: int) -> None:
+        """Ctrl-C or SIGTERM: stop every child, then exit 130 / 143."""
+        if self.stopping:
+            # A second signal (uv and the shell often both forward one) must not abort the stop in
+            # progress by raising inside it: that would orphan whatever it had not yet reaped.
+            return
+        if self.holding_signals:
+            self.held_signal = signum
+            return
+        self.stop_all(f"\nrl: {signal.Signals(signum).name}, stopping every process ...")
+        raise SystemExit(130 if signum == signal.SIGINT else 143)
 
     def _stop(self, children: list[Child]) -> None:
         # Taken before the stop: once torchrun is gone, its ranks are nobody's descendants.
@@ -175,14 +203,13 @@ class Launcher:
         time.sleep(wait_s)
         self.watchdog.restarted()  # the new process gets the first step's time to show progress
         # A signal between starting a child and holding it would leave that child behind: rl's
-        # handlers (stop everything, exit) wait until the new process is in `c.proc`.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+        # handler waits until the new process is in `c.proc`. Deferred, not blocked: a child
+        # inherits its parent's signal mask, and a restarted process then never saw SIGTERM (every
+        # stop waited out the grace period and ended it with SIGKILL, its cleanup skipped).
+        with self._signals_held():
             for c in (child, *also):
                 if not self.stopping:
                     c.proc = c.spawn()
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
     def _record(self, child: Child, code: int) -> None:
         record = {
@@ -333,16 +360,8 @@ def exit_words(child: Child, code: int) -> str:
 def install_signal_handlers(launcher: Launcher) -> None:
     """Ctrl-C and SIGTERM stop every child, then exit 130 / 143."""
 
-    def on_signal(signum, frame):
-        if launcher.stopping:
-            # A second signal (uv and the shell often both forward one) must not abort the stop in
-            # progress by raising inside it: that would orphan whatever it had not yet reaped.
-            return
-        launcher.stop_all(f"\nrl: {signal.Signals(signum).name}, stopping every process ...")
-        raise SystemExit(130 if signum == signal.SIGINT else 143)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, lambda signum, _: launcher.on_signal(signum))
+    signal.signal(signal.SIGTERM, lambda signum, _: launcher.on_signal(signum))
 
 
 def run_secret(out: Path) -> dict[str, str]:
