@@ -57,8 +57,9 @@ class Freeze:
 
 def run_with_freezes(tmp_path: Path, model: Path, kinds: list[str], steps: int, restarts: int, *flags: str):
     """`rl` on reverse-text, freezing a process of each of `kinds` in turn: the first once the trainer
-    has done 3 steps, each next one once the run healed from the one before and the trainer did 5 more
-    steps (so the watchdog has timed a step again and uses its adaptive timeout, not the first step's).
+    has done 3 steps, each next one once the run healed from the one before and the trainer did 2 more
+    steps (so the watchdog has timed a step again and uses its adaptive timeout, not the first step's:
+    healed is 2 steps after the restart, and the first after one is not timed).
     Returns (rl's exit status, its console, a `Freeze` per kind, seconds from the last freeze to exit)."""
     extra = (
         f"[trainer.ckpt]\ninterval = 2\n[deployment]\nmax_restarts = {restarts}\nrestart_backoff_s = 0.5\n"
@@ -89,7 +90,7 @@ def run_with_freezes(tmp_path: Path, model: Path, kinds: list[str], steps: int, 
                 assert time.monotonic() - t_freeze < 600, console.read_text()[-3000:]
                 time.sleep(0.2)
             freezes.append(Freeze(state, [], healed_s))
-            deadline, wait_for = time.monotonic() + 600, len(trainer_steps(run)) + 5
+            deadline, wait_for = time.monotonic() + 600, len(trainer_steps(run)) + 2
         proc.wait(timeout=600)
         exit_s = time.monotonic() - t_freeze
     finally:
@@ -132,8 +133,9 @@ LAST_FRAMES = {
 
 
 KINDS = ["trainer", "env-worker", "orchestrator", "inference"]
-STEPS = 30
-"""Enough for four freezes, each healed, with 5 steps between them."""
+STEPS = 26
+"""Enough for four freezes, each healed (2 steps after it) with 2 steps between them: 17 steps, and
+25 if every wait overshoots by a step (the polls are 0.2 s apart, a step takes a second or more)."""
 
 
 @pytest.fixture(scope="module")
