@@ -255,19 +255,18 @@ def test_rl_with_a_critic_and_adaptive_kl_in_the_reward(tiny_model, tmp_path):
         assert (betas[i + 1] > betas[i]) == (kls[i] > 1e-6), (betas, kls)
 
 
-@pytest.mark.parametrize("env_workers", [0, 2], ids=["in-process", "env-workers"])
-def test_rl_distills_from_a_teacher_server_it_starts(tiny_model, tmp_path, env_workers):
-    """`[teacher]` makes `rl` start a second vLLM server; the orchestrator scores every sampled token
-    with it, and the teacher's signal is what trains (advantage_weight 0). With env workers, the
-    teacher is asked by the workers, against real vLLM servers."""
+@pytest.fixture(scope="module")
+def distilled(tiny_model, tmp_path_factory):
+    """One `rl` run with `[teacher]`, its rollouts scored by 2 env workers: the two tests below read it.
+    (The orchestrator's own teacher calls, without workers, are tested against real vLLM in
+    orchestrator_vllm_test.py.)"""
     from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 
+    tmp = tmp_path_factory.mktemp("distill")
     teacher = make_tiny_model(
-        TinyModelConfig(
-            output=tmp_path / "teacher", seed=1, tokenizer=tiny_model, hidden_size=128, num_layers=1
-        )
+        TinyModelConfig(output=tmp / "teacher", seed=1, tokenizer=tiny_model, hidden_size=128, num_layers=1)
     )
-    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=3, extra="""
+    toml = write_config(tmp, tiny_model, "reverse-text", steps=3, extra="""
 [teacher.model]
 name = "TEACHER"
 
@@ -276,28 +275,47 @@ weight = 1.0
 advantage_weight = 0.0
 """.replace("TEACHER", str(teacher)))  # fmt: skip
     # At least one token per completion: a random model that samples EOS first fails that rollout
-    # (verifiers' EmptyModelResponseError), which is not what this test is about.
+    # (verifiers' EmptyModelResponseError), which is not what these tests are about.
     toml.write_text(
         toml.read_text().replace("max_tokens = 24 }", "max_tokens = 24, extra_body = { min_tokens = 1 } }")
     )
     assert "min_tokens = 1" in toml.read_text()
     proc = subprocess.run([RL, "@", str(toml), "--orchestrator.filters", "[]", "--orchestrator.env_workers",
-                           str(env_workers)], capture_output=True, text=True, timeout=900)  # fmt: skip
+                           "2"], capture_output=True, text=True, timeout=900)  # fmt: skip
+    return tmp / "run", proc
+
+
+@pytest.mark.xdist_group("distilled")
+def test_rl_distills_from_a_teacher_server_it_starts(distilled):
+    """`[teacher]` makes `rl` start a second vLLM server; every sampled token is scored with it, and
+    the teacher's signal is what trains (advantage_weight 0)."""
+    run, proc = distilled
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "starting the teacher" in proc.stdout
-    log = (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
-    assert ("starting 2 env workers" in log) == (env_workers == 2)
-    orch = [json.loads(line) for line in (tmp_path / "run" / "orchestrator" / "metrics.jsonl").open()]
+    orch = [json.loads(line) for line in (run / "orchestrator" / "metrics.jsonl").open()]
     assert [m["step"] for m in orch] == [0, 1, 2]
     # Two unrelated random models: the student's tokens are likelier under the student (about 0.05
     # nats per token here, both being near uniform).
     assert all(m["metric/teacher_kl/reverse-text"] > 0.01 for m in orch)
-    assert all(m["rollouts/all/failed"] == 0 for m in orch)
-    trainer = [json.loads(line) for line in (tmp_path / "run" / "trainer" / "metrics.jsonl").open()]
+    trainer = [json.loads(line) for line in (run / "trainer" / "metrics.jsonl").open()]
     # The env's advantages are weighted 0: every token advantage is the teacher's term.
     assert len(trainer) == 3 and all(
         m["token_advantage/all/std"] > 0.1 and m["grad_norm"] > 0 for m in trainer
     )
+
+
+@pytest.mark.xdist_group("distilled")
+def test_env_workers_ask_the_teacher_for_every_rollout_against_real_servers(distilled):
+    """With env workers, the workers (not the orchestrator) ask the teacher: every rollout of every
+    step comes back scored by it, and none fails."""
+    run, proc = distilled
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting 2 env workers" in (run / "logs" / "orchestrator.log").read_text()
+    orch = [json.loads(line) for line in (run / "orchestrator" / "metrics.jsonl").open()]
+    assert all(m["rollouts/all/failed"] == 0 for m in orch)
+    rollouts = [r for f in sorted((run / "rollouts").glob("step_*.jsonl")) for r in map(json.loads, f.open())]
+    assert len(rollouts) == sum(m["rollouts/all/trained"] + m["rollouts/all/filtered"] for m in orch) > 0
+    assert all(r["error"] is None and "teacher_kl" in r["metrics"] for r in rollouts), rollouts[0]
 
 
 def test_an_env_whose_every_rollout_fails_stops_rl_with_one_line_and_is_not_retried(tiny_model, tmp_path):
