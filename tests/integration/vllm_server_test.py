@@ -180,6 +180,7 @@ def test_between_requests_the_engine_processes_do_not_spin(server):
     `SPIN_S` (50 ms), then waits for a notification."""
     import time
 
+    import httpx
     import psutil
 
     from prime_rl.engine.forked import SPIN_S
@@ -196,9 +197,22 @@ def test_between_requests_the_engine_processes_do_not_spin(server):
     def cpu_s() -> float:
         return sum(t.user + t.system for t in (p.cpu_times() for p in engine))
 
+    def idle() -> bool:  # nothing running or waiting (an earlier test's request, say)
+        metrics = httpx.get(f"{server.base}/metrics", timeout=10).text.splitlines()
+        counts = [
+            line
+            for line in metrics
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        ]
+        return len(counts) == 2 and all(float(line.rsplit(" ", 1)[1]) == 0 for line in counts)
+
     client = OpenAI(base_url=f"{server.base}/v1", api_key="local", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Reverse the text: hello"}]
     client.chat.completions.create(model=server.model, messages=messages, max_tokens=4)
+    deadline = time.monotonic() + 60
+    while not idle():
+        assert time.monotonic() < deadline, "the server still has requests 60 s after its answer"
+        time.sleep(0.05)
     # A window as long as vLLM's own poll, right after the answer: the processes' CPU in it is their
     # spin (with vLLM's setting, 1 s on an idle machine; at most SPIN_S each with ours).
     before = cpu_s()
