@@ -113,7 +113,9 @@ def run_trl(geometry: str, steps: int, tmp: Path) -> dict:
 # --- prime_rl: `rl` as a user runs it ------------------------------------------------------------
 
 
-def run_ours(geometry: str, level: int, steps: int, tmp: Path, mode: str = "server") -> dict:
+def run_ours(
+    geometry: str, level: int, steps: int, tmp: Path, mode: str = "server", extra_args: tuple[str, ...] = ()
+) -> dict:
     from prime_rl.monitor import read_metrics
 
     g = GEOMETRIES[geometry]
@@ -136,7 +138,7 @@ envs = []
     out = tmp / f"ours-{geometry}-{level}-{mode}"
     rl = str(Path(sys.executable).parent / "rl")
     cmd = [rl, "@", str(REPO / "configs/reverse_text/rl.toml"), "@", str(toml), "--max_async_level", str(level),
-           "--max_steps", str(steps), "--output_dir", str(out), "--deployment.inference_mode", mode]  # fmt: skip
+           "--max_steps", str(steps), "--output_dir", str(out), "--deployment.inference_mode", mode, *extra_args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"rl failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

@@ -25,7 +25,10 @@ ENVS = str(Path(__file__).parents[1] / "envs")
 
 def write_config(tmp_path: Path, model: Path, env_id: str, steps: int, extra: str = "") -> Path:
     """An `rl` config for a test run; `extra` is more TOML, appended. The run is placed on this xdist
-    worker's cores unless `extra` places it (cores or several servers, which spread by themselves)."""
+    worker's cores unless `extra` places it (cores or several servers, which spread by themselves),
+    and served by a vLLM server unless `extra` says how (`rl`'s own default, "auto", is the engine
+    on one machine: the engine-mode test runs that)."""
+    extra = served(extra)
     toml = tmp_path / "rl.toml"
     toml.write_text(
         f"""
@@ -54,6 +57,16 @@ sampling = {{ temperature = 1.0, max_tokens = 24 }}
 {placed(extra)}"""
     )
     return toml
+
+
+def served(extra: str) -> str:
+    """`extra` with the policy served by a vLLM server, unless it chooses the inference mode."""
+    if "inference_mode" in extra:
+        return extra
+    line = 'inference_mode = "server"\n'
+    if "[deployment]\n" in extra:
+        return extra.replace("[deployment]\n", f"[deployment]\n{line}", 1)
+    return f"{extra}\n[deployment]\n{line}"
 
 
 def placed(extra: str) -> str:
@@ -133,11 +146,12 @@ def test_rl_trains_reloads_weights_and_reward_rises(tiny_model, tmp_path):
 def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_and_a_crash_heals(
     tiny_model, tmp_path
 ):
-    """`deployment.inference_mode = "engine"`: no inference server; vLLM's engine runs in the
-    orchestrator's process, loads each published step by a call and serves the trainer's logprobs.
+    """`rl`'s default on one machine (`deployment.inference_mode = "auto"`) is the engine mode: no
+    inference server; vLLM's engine runs in the orchestrator's process, loads each published step by
+    a call and serves the trainer's logprobs.
     The orchestrator killed alone mid-run (its engine's processes orphaned) is restarted with a new
     engine, the run trains every step once, and no process of the run outlives it."""
-    extra = '[deployment]\ninference_mode = "engine"\nmax_restarts = 1\nrestart_backoff_s = 0.5\n'
+    extra = '[deployment]\ninference_mode = "auto"\nmax_restarts = 1\nrestart_backoff_s = 0.5\n'
     toml = write_config(tmp_path, tiny_model, "short-answer-env", steps=8, extra=extra)
     run = tmp_path / "run"
     orch_m = run / "orchestrator" / "metrics.jsonl"
@@ -169,6 +183,10 @@ def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_a
     out, err = out_path.read_text(), err_path.read_text()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert killed is not None and "orchestrator" in err and "restarting it" in err, err[-3000:]
+    assert (
+        "rl: policy served by vLLM's engine in the orchestrator's process (deployment.inference_mode = auto"
+        in out
+    )
     assert not (run / "logs" / "inference.log").exists()  # no server was started
     log = (run / "logs" / "orchestrator.log").read_text()
     assert "starting vLLM's engine in this process" in log and "EngineCore" in log

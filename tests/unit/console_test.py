@@ -13,6 +13,7 @@ OUTPUT = """\
 14:35:41 orchestrator rollout failed: reverse-text example 7: env error: EmptyModelResponseError('no content')
 14:35:41 orchestrator step 13: 9 rollouts failed, 9 of them with APIConnectionError (each one is in ...)
 some vLLM progress line
+(EngineCore pid=15514) INFO 11-28 00:57:48 [multiproc_executor.py:479] [shutdown] Executor: waiting for worker exit count=1
 14:35:43 trainer step 12 | loss -0.0019
 """
 

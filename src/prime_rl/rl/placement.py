@@ -56,6 +56,10 @@ def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_l
     every trainer step about threefold (measured on 2 cores). When generation and training overlap
     (max_async_level >= 1), the API server and the orchestrator join vLLM's half too: left unpinned
     they settle on the trainer's cores, the only ones not spinning, and slow every training step.
+    In engine mode the orchestrator stays unpinned: its engine's worker binds vLLM's threads to the
+    inference cores anyway, and the front end and engine core, which are the bound of a step
+    there, are faster using the trainer's idle time (measured on 2 cores, both geometries of
+    benchmarks/vs_trl.py).
     Several servers (`inference_servers`) split the inference cores; if there are fewer of those than
     servers, the servers spread over all cores, one slice each, and the trainer shares one of them.
     """
@@ -68,7 +72,9 @@ def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_l
             omp = cpus
     if not cpu_build:
         omp = None
-    pin = d.pin_orchestrator if d.pin_orchestrator is not None else max_async_level >= 1
+    pin = d.pin_orchestrator
+    if pin is None:
+        pin = max_async_level >= 1 and d.inference_mode != "engine"
     orchestrator, cores = None, inference or omp
     if pin and cores:
         inference = cores
