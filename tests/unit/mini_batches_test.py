@@ -77,3 +77,29 @@ def test_one_mini_batch_runs_no_extra_forward(tiny_model, tmp_path, batch, monke
     t.config = t.config.model_copy(update={"mini_batches": 2})
     t.train_step(batch)
     assert len(calls) == 2 * len(batch)
+
+
+def test_a_mini_batch_with_a_non_finite_loss_skips_its_own_update_and_the_step_counts_as_non_finite(
+    tiny_model, tmp_path, batch
+):
+    """Each mini-batch's own loss decides its update: the healthy first half still updates, as one
+    step on it alone does; the broken second half leaves the parameters as they are, and the step's
+    loss is NaN, so that the trainer counts it toward `max_nan_steps` and the schedule does not move."""
+    import math
+
+    import msgspec
+
+    half = len(batch) // 2
+    # NaN sampling logprobs (as a sampler's overflow gives): the ratio to the sampler is NaN.
+    broken = [msgspec.structs.replace(mb, logprobs=bytes.fromhex("0000c07f") * (len(mb.logprobs) // 4))
+              for mb in batch[half:]]  # fmt: skip
+    split = trainer(tiny_model, tmp_path / "a", 2, old_policy="sampler")
+    metrics, _ = split.train_step(batch[:half] + broken)
+    one = trainer(tiny_model, tmp_path / "b", 1, old_policy="sampler")
+    one.train_step(batch[:half])
+    a, b = params(split), params(one)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics["optimizer_steps"] == 1
+    assert math.isnan(metrics["loss"]) and math.isnan(metrics["grad_norm"])
+    assert split.scheduler.last_epoch == 0  # (one.scheduler moved: its one step was finite)
+    assert one.scheduler.last_epoch == 1

@@ -178,11 +178,13 @@ def _build(argv: list[str]):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from prime_rl.engine.forked import fork_engine_processes
+    from prime_rl.engine.token_text import cache_token_text
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
     if is_cpu_build():
         fork_engine_processes()
+    cache_token_text()
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     engine = AsyncLLM.from_vllm_config(

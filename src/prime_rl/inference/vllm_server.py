@@ -327,9 +327,11 @@ def main() -> None:
 
     from prime_rl.engine.forked import fork_engine_processes
     from prime_rl.engine.server import is_cpu_build
+    from prime_rl.engine.token_text import cache_token_text
 
     if is_cpu_build():
         fork_engine_processes(entry)
+    cache_token_text()  # this process is vLLM's front end: it builds every answer's logprobs
 
     build_app = entry.build_app
 
