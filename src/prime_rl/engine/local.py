@@ -178,7 +178,7 @@ def _build(argv: list[str]):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from prime_rl.engine.forked import fork_engine_processes
-    from prime_rl.engine.token_text import cache_token_text
+    from prime_rl.engine.front_end import cache_token_text
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)

@@ -326,8 +326,8 @@ def main() -> None:
     import vllm.entrypoints.launchers.api_server.entry as entry
 
     from prime_rl.engine.forked import fork_engine_processes
+    from prime_rl.engine.front_end import cache_token_text
     from prime_rl.engine.server import is_cpu_build
-    from prime_rl.engine.token_text import cache_token_text
 
     if is_cpu_build():
         fork_engine_processes(entry)

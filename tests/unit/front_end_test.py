@@ -1,7 +1,7 @@
-"""The sampled tokens' text in vLLM's logprobs comes from a per-tokenizer cache that answers what
-vLLM's own one-id-at-a-time decode answers."""
+"""vLLM's front end sped up: the sampled tokens' text in its logprobs comes from a per-tokenizer cache
+that answers what vLLM's own one-id-at-a-time decode answers, and its settings are read once."""
 
-from prime_rl.engine.token_text import cache_token_text, cached
+from prime_rl.engine.front_end import cache_token_text, cached
 
 
 def test_cached_text_is_vllms_for_every_id_and_each_id_is_decoded_once(tiny_model):
