@@ -251,8 +251,11 @@ class OrchestratorConfig(RootConfig):
     wandb: WandbConfig = WandbConfig()
     """W&B logging."""
 
-    weights_poll_s: float = Field(default=0.2, gt=0)
-    """How often to look for newly published trainer weights."""
+    weights_poll_s: float = Field(default=0.02, gt=0)
+    """How often to look for newly published trainer weights (a listing of `<output_dir>/weights`).
+    While the trainer is behind, nothing is generated until it publishes, so the step waits half
+    of this on average: at 0.2 s, synchronous steps of the base config took 0.73 s, at 0.01 s 0.63 s.
+    Raise it where listing that folder is costly (a busy shared file system)."""
 
     resume: bool = True
     """Continue from the progress checkpoint in output_dir when there is one."""
