@@ -66,3 +66,37 @@ def test_dcp_items_are_loaded_weights_only(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         SafePlanner().load_bytes(None, buffer)
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_refusal_is_told_apart_by_its_type_not_by_torchs_wording(saved, tmp_path, monkeypatch):
+    """Were torch to word its weights-only refusal differently, the payload is still refused as not
+    checkpoint state (only the global it names is read from torch's message)."""
+    trainer, world, path = saved
+    marker = tmp_path / "ran"
+    torch.save({"scheduler": Planted(marker)}, path / "rank_0.pt")
+    real = torch.load
+
+    def reworded(*args, **kwargs):
+        try:
+            return real(*args, **kwargs)
+        except pickle.UnpicklingError:
+            raise pickle.UnpicklingError("refused (worded by a later torch)") from None
+
+    monkeypatch.setattr(torch, "load", reworded)
+    with pytest.raises(
+        CheckpointError, match="not checkpoint state \\(it names a global torch's weights-only"
+    ):
+        load(trainer, world, path)
+    assert not marker.exists()
+
+
+def test_an_assertion_failing_in_our_code_is_not_reported_as_a_bad_checkpoint(saved, monkeypatch):
+    """Only DCP's own assertions about a checkpoint become a CheckpointError; a bug surfaces as itself."""
+    import prime_rl.trainer.weights.checkpoint as checkpoint
+
+    def broken(*args, **kwargs):
+        raise AssertionError("a bug in the trainer")
+
+    monkeypatch.setattr(checkpoint, "set_state_dict", broken)
+    with pytest.raises(AssertionError, match="a bug in the trainer"):
+        load(*saved)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from prime_rl.disk import writing
 from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
 from prime_rl.trainer.parallel.dist import FILE_WORK_TIMEOUT_S, World, patient
-from prime_rl.trainer.weights.no_pickle import NOT_STATE, SafePlanner, SafeReader
+from prime_rl.trainer.weights.no_pickle import NotState, SafePlanner, SafeReader, load_weights_only
 
 __all__ = ["checkpoint_root", "choose_checkpoint", "complete_steps", "load_checkpoint", "save_checkpoint"]
 
@@ -133,14 +132,37 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def _planted(e: BaseException) -> str | None:
-    """What a payload that is not checkpoint state names (`no_pickle.py`, torch's weights-only load),
-    also when DCP wrapped the refusal of one rank into its own error; None for any other failure."""
+class DCPAssertion(Exception):
+    """An AssertionError raised by torch.distributed.checkpoint itself about the checkpoint (a metadata
+    read that failed every way), as opposed to an assertion failing in our code."""
+
+
+def _unwrap_dcp(e: BaseException) -> BaseException:
+    """What failed, where DCP reports it as an AssertionError of its own: in one process its collective
+    helper asserts on the result of a step that raised (the CheckpointException is the assertion's
+    context), and a metadata read that failed every way is an assertion naming the causes. Any other
+    exception, an assertion of our code's included, is returned as is."""
+    if not isinstance(e, AssertionError) or e.__traceback__ is None:
+        return e
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    if "torch/distributed/checkpoint/" not in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+        return e
+    if isinstance(e.__context__, CheckpointException):
+        return e.__context__
+    return DCPAssertion(str(e))
+
+
+def _planted(e: BaseException, *loaders) -> NotState | None:
+    """The refusal of a payload that is not checkpoint state (`no_pickle.py`): raised, kept by one of
+    the `loaders` (DCP reports a refused metadata read as an assertion of its own), or wrapped by DCP
+    into its error for one rank; None for any other failure."""
     if isinstance(e, CheckpointException) and e.failures:
         e = next(iter(e.failures.values()))[0]
-    text = " ".join(str(e).split())
-    named = re.search(r"it names (\S+), " + NOT_STATE, text) or re.search(r"unsupported GLOBAL (\S+)", text)
-    return f"it names {named.group(1)}" if named else None
+    if isinstance(e, NotState):
+        return e
+    return next((loader.refused for loader in loaders if loader.refused is not None), None)
 
 
 def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World, critic=None) -> dict:
@@ -149,8 +171,9 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
     if not (path / DONE).exists():
         raise CheckpointError(f"no complete checkpoint at {path} (complete ones: {complete_steps(root)})")
     state = _sharded_state(model, optimizer, critic)
+    reader, planner = SafeReader(str(path)), SafePlanner()
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+        dcp.load(state, storage_reader=reader, planner=planner)
         set_state_dict(
             model,
             optimizer,
@@ -165,27 +188,35 @@ def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: W
                 optim_state_dict=state["critic_optim"],
                 options=LOAD_TRAINED,
             )
-        saved = torch.load(path / f"rank_{world.rank}.pt", weights_only=True)
+        saved = load_weights_only(path / f"rank_{world.rank}.pt")
     except torch.OutOfMemoryError:
         raise
-    except (pickle.UnpicklingError, CheckpointException, AssertionError) as e:
-        if _planted(e) is None:
+    except (Exception, CheckpointException) as raised:  # (DCP's exception is a BaseException)
+        e = _unwrap_dcp(raised)
+        refusal = _planted(e, reader, planner)
+        if refusal is not None:
+            named = refusal.named or "a global torch's weights-only loader refuses"
+            raise CheckpointError(
+                f"the checkpoint {path} holds a pickled object that is not checkpoint state (it names {named}); "
+                "refused: loading it could run the code of whoever wrote it"
+            ) from None
+        # Another model's, say, or full weights against adapters; anything else is a bug, raised as is.
+        if isinstance(
+            e,
+            (
+                pickle.UnpicklingError,
+                CheckpointException,
+                RuntimeError,
+                KeyError,
+                ValueError,
+                EOFError,
+                DCPAssertion,
+            ),
+        ):
             raise CheckpointError(
                 f"the checkpoint {path} does not load into this trainer: {_reason(e)}"
             ) from None
-        raise CheckpointError(
-            f"the checkpoint {path} holds a pickled object that is not checkpoint state ({_planted(e)}); "
-            "refused: loading it could run the code of whoever wrote it"
-        ) from None
-    except (
-        RuntimeError,
-        KeyError,
-        ValueError,
-        EOFError,
-    ) as e:  # another model's, say, or full weights against adapters
-        raise CheckpointError(
-            f"the checkpoint {path} does not load into this trainer: {_reason(e)}"
-        ) from None
+        raise
     scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["rng"]["torch"])
     random.setstate(saved["rng"]["python"])

@@ -7,13 +7,15 @@ here the metadata is read by an unpickler that knows only checkpoint metadata, a
 payload with `weights_only=True` (tensors and plain containers only).
 
 Invariant: nothing in a checkpoint folder is unpickled except through `NoCode` or `torch.load(...,
-weights_only=True)`; a payload naming anything else raises `pickle.UnpicklingError` before it runs.
+weights_only=True)`; a payload naming anything else raises `NotState` (a `pickle.UnpicklingError`)
+before it runs.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -38,6 +40,15 @@ ALLOWED = {
 NOT_STATE = "which checkpoint state never holds"
 
 
+class NotState(pickle.UnpicklingError):
+    """A payload refused because it names a global that checkpoint state never holds (`named`: that
+    global, None where the refusal did not say), before anything it names was called."""
+
+    def __init__(self, named: str | None):
+        self.named = named
+        super().__init__(f"it names {named or 'a global'}, {NOT_STATE}")
+
+
 class NoCode(pickle.Unpickler):
     """Unpickles checkpoint metadata; refuses every other global (so no function can be called)."""
 
@@ -45,16 +56,33 @@ class NoCode(pickle.Unpickler):
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if "." not in name and (name in ALLOWED.get(module, ()) or is_dtype):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, {NOT_STATE}")
+        raise NotState(f"{module}.{name}")
+
+
+def load_weights_only(f) -> Any:
+    """`torch.load(f, weights_only=True)` (`f`: a path or a file), its refusal raised as `NotState`.
+    Whether a payload is refused is torch's decision; its message only supplies the global named."""
+    try:
+        return torch.load(f, weights_only=True)
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        raise NotState(named.group(1) if named else None) from e
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with its metadata read by `NoCode`."""
+    """DCP's file reader, with its metadata read by `NoCode`. DCP reports a failed metadata read as
+    an AssertionError of its own, with the cause in its text only: `refused` keeps the refusal."""
+
+    refused: NotState | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            metadata = NoCode(f).load()
+            try:
+                metadata = NoCode(f).load()
+            except NotState as e:
+                self.refused = e
+                raise
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(
                 f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata"
@@ -67,10 +95,16 @@ class SafeReader(FileSystemReader):
 
 class SafePlanner(DefaultLoadPlanner):
     """DCP's load planner, with its non-tensor items (optimizer settings, say) loaded weights-only:
-    the base class's `load_bytes`, but for `weights_only`."""
+    the base class's `load_bytes`, but for `weights_only`; `refused` keeps a refusal."""
+
+    refused: NotState | None = None
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        try:
+            loaded = load_weights_only(value)
+        except NotState as e:
+            self.refused = e
+            raise
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
