@@ -170,8 +170,7 @@ async def time_groups(env, rows, client, base_url: str, model: str, sampling, ro
         if i:
             times.append(time.perf_counter() - t0)
         rollouts = [r for g in groups for r in g]
-        # Empty completions fail (verifiers' EmptyModelResponseError) but were generated all the same.
-        bad = [r for r in rollouts if r.failed and "EmptyModelResponse" not in (r.error or "")]
+        bad = [r for r in rollouts if r.failed]
         if bad:
             raise SystemExit(f"{len(bad)} rollouts failed, e.g. {bad[0].error}")
     return statistics.median(times), rollouts
@@ -244,7 +243,7 @@ def main() -> None:
         ok = {r.example_id: r.turns[0].prompt_ids for r in rollouts if not r.failed}
         assert all(ok.get(row["example_id"], p) == p for row, p in zip(rows, prompts, strict=True))
         tokens = sum(r.num_completion_tokens for r in rollouts)
-        empty = sum(r.failed for r in rollouts)
+        empty = sum(r.num_completion_tokens <= 1 for r in rollouts)  # end of sequence alone
         engine = time_engine(args.model, args.max_model_len, prompts, sampling, args.rounds)
         results[name] = (alone, merged, local, engine, tokens, empty)
         print(f"workload {name} done", flush=True)

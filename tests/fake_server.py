@@ -29,6 +29,8 @@ class Reply:
     delay_s: float = 0.0
     truncate: bool = False
     """Leave out token ids and logprobs, as a server that was not asked properly would."""
+    eos: bool = False
+    """End the token ids with an end-of-sequence token (id 0, no text), as a model's answer does."""
 
 
 Script = Callable[[dict, int], Reply]
@@ -132,12 +134,13 @@ class FakeServer:
             }
             if not reply.truncate:
                 for choice, t in zip(choices, texts, strict=True):
-                    choice["token_ids"] = encode(t)
+                    choice["token_ids"] = encode(t) + [0] * reply.eos
                     choice["logprobs"] = {
                         "content": [
                             {"token": chr(c), "logprob": -0.5, "bytes": [c], "top_logprobs": []}
                             for c in encode(t)
                         ]
+                        + [{"token": "", "logprob": -0.1, "bytes": [], "top_logprobs": []}] * reply.eos
                     }
                 out["prompt_token_ids"] = encode(prompt)
             return out

@@ -292,8 +292,8 @@ name = "TEACHER"
 weight = 1.0
 advantage_weight = 0.0
 """.replace("TEACHER", str(teacher)))  # fmt: skip
-    # At least one token per completion: a random model that samples EOS first fails that rollout
-    # (verifiers' EmptyModelResponseError), which is not what these tests are about.
+    # At least one token of text per completion: a random model that samples EOS first answers
+    # nothing for the teacher to score, which is not what these tests are about.
     toml.write_text(
         toml.read_text().replace("max_tokens = 24 }", "max_tokens = 24, extra_body = { min_tokens = 1 } }")
     )

@@ -2,12 +2,14 @@
 
 Invariant: every request of one server shares that server's connection pool (and, with
 `client.group_requests`, its request merging); a pooled connection is never reused after the
-server may have closed it (`KEEPALIVE_EXPIRY_S`).
+server may have closed it (`KEEPALIVE_EXPIRY_S`). An answer the model finished is an answer, even
+an empty one (`answered`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,7 +32,6 @@ client must always give up first, with a margin for a busy event loop."""
 def make_vf_client(base_url: str, config: ClientConfig, exchange: Exchange | None = None):
     """verifiers' client of the server at `base_url`; with `exchange`, its chat requests go to that
     function instead (vLLM's engine in this process) and nothing goes over HTTP."""
-    import verifiers as vf
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     # openai's own HTTP client (httpx2), without a connection limit. A plain `httpx.AsyncClient` is
@@ -47,7 +48,34 @@ def make_vf_client(base_url: str, config: ClientConfig, exchange: Exchange | Non
         timeout=config.timeout_s,
         http_client=DefaultAsyncHttpxClient(transport=transport),
     )
-    return vf.OpenAIChatCompletionsClient(DirectPost(openai, config, exchange) if direct else openai)
+    return _client_class()(DirectPost(openai, config, exchange) if direct else openai)
+
+
+def answered(response) -> bool:
+    """Whether `response` is one choice that the model finished (end of sequence, a stop string or
+    `max_tokens`): an answer of the policy, whatever its text."""
+    choices = getattr(response, "choices", None)
+    return bool(choices) and len(choices) == 1 and choices[0].finish_reason in ("stop", "length")
+
+
+@functools.cache
+def _client_class():
+    import verifiers as vf
+
+    class PolicyClient(vf.OpenAIChatCompletionsClient):
+        """verifiers' chat client, except that an empty answer the model finished is an answer.
+
+        verifiers refuses a response without text or tool calls (`EmptyModelResponseError`) and the
+        rollout fails. From a policy that is a sampled answer like any other: failing it dropped it
+        from training and sampled another group in its place, so the policy was never taught against
+        it (a tiny model early in training answered half its prompts with end-of-sequence alone:
+        two groups generated for every one trained). It is scored by the env's rubric instead."""
+
+        async def raise_from_native_response(self, response) -> None:
+            if not answered(response):
+                await super().raise_from_native_response(response)
+
+    return PolicyClient
 
 
 def _pool() -> httpx2.AsyncHTTPTransport:
