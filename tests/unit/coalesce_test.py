@@ -8,32 +8,13 @@ import httpx2
 import pytest
 
 from fake_server import FakeServer, Reply, user_text
-from prime_rl.orchestrator.config import ClientConfig, OrchestratorConfig
+from helpers.groups import run_group_on
 from prime_rl.orchestrator.envs import coalesce
-from prime_rl.orchestrator.envs.local import LocalEnvs
-from prime_rl.orchestrator.envs_config import EnvConfig
-from prime_rl.orchestrator.loop.examples import ExampleSource
-from prime_rl.orchestrator.loop.scheduler import run_on
-from prime_rl.orchestrator.loop.servers import ServerPool
-from prime_rl.orchestrator.messages import GroupJob
 
 
 def run(env_id: str, server: FakeServer, size: int = 4, group_requests: bool = True):
     """One group through the loop's `run_on` and the in-process env side: (rollouts, its server)."""
-    client = ClientConfig(base_urls=[server.base_url], timeout_s=10, group_requests=group_requests)
-    config = OrchestratorConfig(envs=[EnvConfig(id=env_id, group_size=size)], client=client)
-    envs, pool = LocalEnvs(config), ServerPool(client)
-
-    async def go():
-        (env,), _ = await envs.start()
-        index, row = ExampleSource(env.dataset, 0).next_indexed()
-        job = GroupJob(0, env.name, row["example_id"], index, size, 3, server.base_url)
-        try:
-            return await run_on(envs, pool, pool.servers[0], job), pool.servers[0]
-        finally:
-            await envs.close()
-
-    return asyncio.run(go())
+    return run_group_on(env_id, server.base_url, size, group_requests)
 
 
 def test_a_groups_first_turns_are_one_request_and_each_rollout_gets_its_own_choice():

@@ -6,37 +6,14 @@ import asyncio
 import pytest
 
 from fake_server import FakeServer, Reply
-from prime_rl.orchestrator.config import ClientConfig, OrchestratorConfig
+from helpers.groups import run_group_on
+from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs.client import answered, make_vf_client
-from prime_rl.orchestrator.envs.local import LocalEnvs
-from prime_rl.orchestrator.envs_config import EnvConfig
-from prime_rl.orchestrator.loop.examples import ExampleSource
-from prime_rl.orchestrator.loop.scheduler import run_on
-from prime_rl.orchestrator.loop.servers import ServerPool
-from prime_rl.orchestrator.messages import GroupJob
-
-
-def run_group_on(server: FakeServer, size: int = 4):
-    """One reverse-text group through the loop's `run_on` and the in-process env side."""
-    client = ClientConfig(base_urls=[server.base_url], timeout_s=10)
-    config = OrchestratorConfig(envs=[EnvConfig(id="reverse-text", group_size=size)], client=client)
-    envs, pool = LocalEnvs(config), ServerPool(client)
-
-    async def go():
-        (env,), _ = await envs.start()
-        index, row = ExampleSource(env.dataset, 0).next_indexed()
-        job = GroupJob(0, env.name, row["example_id"], index, size, 3, server.base_url)
-        try:
-            return await run_on(envs, pool, pool.servers[0], job)
-        finally:
-            await envs.close()
-
-    return asyncio.run(go())
 
 
 def test_an_empty_answer_ended_by_the_model_is_scored_and_trainable():
     with FakeServer(lambda req, i: Reply(text="", eos=True)) as server:
-        rollouts = run_group_on(server)
+        rollouts, _ = run_group_on("reverse-text", server.base_url)
     assert [r.failed for r in rollouts] == [False] * 4, [r.error for r in rollouts]
     assert [r.reward for r in rollouts] == [0.0] * 4  # reverse-text's rubric on an empty answer
     assert all(r.num_completion_tokens == 1 for r in rollouts)  # the end-of-sequence token, trained on
