@@ -6,7 +6,8 @@ cores, one after the other, in one run.
 
 The task is reverse-text without a system prompt (strings of 5-12 letters, reward: the LCS ratio to
 the reversed string), from `models/reverse_text-tiny`, 16 prompts x 8 completions a step at
-temperature 1, AdamW at lr 1e-3 with 5 warmup steps, std-normalized group advantages, no KL.
+temperature 1, AdamW at lr 1e-3 with 5 warmup steps, std-normalized group advantages, no KL, and
+no checkpoints on either side.
 Geometries: `short`, completions of at most 24 tokens; `long`, completions of exactly 100 tokens
 (`min_tokens`): generation is then most of a step.
 
@@ -121,8 +122,12 @@ def run_ours(
     g = GEOMETRIES[geometry]
     extra = f", extra_body = {{ min_tokens = {g['min_tokens']} }}" if g["min_tokens"] else ""
     toml = tmp / f"{geometry}.toml"
+    # TRL saves nothing (save_strategy "no"): neither does this run (the base config checkpoints
+    # every 5 steps, which a resumable run wants and a speed comparison must leave out on both sides).
     toml.write_text(f"""[trainer.scheduler]
 warmup_steps = {WARMUP}
+[trainer.ckpt]
+interval = {steps + 1}
 [trainer.optim]
 lr = {LR}
 [orchestrator]
