@@ -154,6 +154,56 @@ class Accumulated:
     totals: Totals
 
 
+@dataclass
+class Pass:
+    """A step's first pass and what its mini-batches share: their items, the step's metrics so far,
+    the per-token statistics and the MoE bookkeeping."""
+
+    objective: Objective
+    batches: list[PackedBatch]
+    parts: Sequence[Part]
+    world: World
+    trains: list[bool]
+    items: list[Any]
+    first: dict[str, float]
+    stats: TokenStats
+    moe: MoEStep | None
+
+    @classmethod
+    def start(
+        cls,
+        objective: Objective,
+        batches: list[PackedBatch],
+        parts: Sequence[Part],
+        world: World,
+        trains: Sequence[bool] | None,
+        moe: tuple[bool, float],
+    ) -> Pass:
+        items, first = objective.prepare(batches)
+        trains = list(trains) if trains is not None else [True] * len(parts)
+        moe_step = MoEStep.start(parts[0].module, moe[0], moe[1], world)
+        return cls(objective, batches, parts, world, trains, items, first, TokenStats(world.device), moe_step)
+
+    def context(self, n: Totals) -> Context:
+        return Context(n, self.world, self.trains, self.stats, self.moe)
+
+    def backward(self, group: range) -> tuple[list[Any], Context, dict[str, float]]:
+        """Forward and backward of the micro-batches in `group`, normalized by their own global
+        counts: their records, context and the objective's metrics over them."""
+        ctx = self.context(totals([self.batches[i] for i in group], self.world))
+        records = backward(self.objective, [self.items[i] for i in group], self.parts, ctx)
+        return records, ctx, self.objective.metrics(records, ctx)
+
+    def finish(self, records: list[Any], ctx: Context, own: dict[str, float]) -> dict[str, float]:
+        """The step's metrics: the first pass's, the per-token ones (reduced over the ranks), the
+        MoE loads and the objective's own (`own`, over `records`)."""
+        metrics = {**self.first, **ctx.stats.reduce(ctx.world)}
+        if ctx.moe is not None:
+            metrics.update(ctx.moe.metrics())
+        metrics.update(own)
+        return metrics
+
+
 def accumulate(
     objective: Objective,
     batches: list[PackedBatch],
@@ -162,15 +212,12 @@ def accumulate(
     trains: Sequence[bool] | None = None,
     moe: tuple[bool, float] = (False, 0.0),
 ) -> Accumulated:
-    """Forward and backward over this rank's `batches`, with the global normalization. `parts[0]`
-    is the policy; `trains`: which parts learn this step (default: all); `moe`: (replay the
-    sampler's routes, the load-balancing loss's coefficient)."""
-    items, metrics = objective.prepare(batches)
-    trains = list(trains) if trains is not None else [True] * len(parts)
-    moe_step = MoEStep.start(parts[0].module, moe[0], moe[1], world)
-    ctx = Context(totals(batches, world), world, trains, TokenStats(world.device), moe_step)
-    records = backward(objective, items, parts, ctx)
-    return Accumulated(finish(objective, metrics, records, ctx), records, ctx.totals)
+    """Forward and backward over this rank's `batches`, with the global normalization, and no
+    update. `parts[0]` is the policy; `trains`: which parts learn this step (default: all); `moe`:
+    (replay the sampler's routes, the load-balancing loss's coefficient)."""
+    step = Pass.start(objective, batches, parts, world, trains, moe)
+    records, ctx, own = step.backward(range(len(batches)))
+    return Accumulated(step.finish(records, ctx, own), records, ctx.totals)
 
 
 def backward(objective: Objective, items: Sequence[Any], parts: Sequence[Part], ctx: Context) -> list[Any]:
@@ -184,18 +231,6 @@ def backward(objective: Objective, items: Sequence[Any], parts: Sequence[Part], 
         records.append(record)
     undo_fsdp_average(parts, ctx.world)
     return records
-
-
-def finish(
-    objective: Objective, metrics: dict[str, float], records: list[Any], ctx: Context
-) -> dict[str, float]:
-    """The step's metrics: the first pass's, the per-token ones (reduced over the ranks), the MoE
-    loads and the objective's own."""
-    metrics = {**metrics, **ctx.stats.reduce(ctx.world)}
-    if ctx.moe is not None:
-        metrics.update(ctx.moe.metrics())
-    metrics.update(objective.metrics(records, ctx))
-    return metrics
 
 
 def splits(n: int, k: int) -> list[range]:
@@ -223,35 +258,31 @@ def train_step(
     t0 = time.perf_counter()
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    trains = list(trains) if trains is not None else [True] * len(parts)
     lr = scheduler.get_last_lr()[0]
-    if mini_batches == 1:
-        acc = accumulate(objective, batches, parts, world, trains, moe)
-        metrics, records, n = acc.metrics, acc.records, acc.totals
-        outcomes = [settle(parts, trains, world, n, metrics["loss"])]
+    step = Pass.start(objective, batches, parts, world, trains, moe)
+    groups = splits(len(batches), mini_batches)
+    records, outcomes = [], []
+    for group in groups:
+        done, ctx, own = step.backward(group)
+        records.extend(done)
+        # The group's own loss decides its update, as the whole step's does with one mini-batch.
+        outcomes.append(settle(parts, step.trains, world, ctx.totals, own["loss"]))
+    if len(groups) == 1:  # the step's counts and objective metrics are the group's: no second reduction
+        metrics = step.finish(records, ctx, own)
     else:
-        items, first = objective.prepare(batches)
-        moe_step = MoEStep.start(parts[0].module, moe[0], moe[1], world)
-        stats = TokenStats(world.device)
-        records, outcomes = [], []
-        for group in splits(len(batches), mini_batches):
-            ctx = Context(totals([batches[i] for i in group], world), world, trains, stats, moe_step)
-            done = backward(objective, [items[i] for i in group], parts, ctx)
-            records.extend(done)
-            # The group's own loss decides its update, as the whole step's does with one mini-batch.
-            outcomes.append(settle(parts, trains, world, ctx.totals, objective.metrics(done, ctx)["loss"]))
-        n = totals(batches, world)
-        metrics = finish(objective, first, records, Context(n, world, trains, stats, moe_step))
+        ctx = step.context(totals(batches, world))
+        metrics = step.finish(records, ctx, objective.metrics(records, ctx))
         metrics["optimizer_steps"] = float(sum(bool(o.metrics) and o.schedule for o in outcomes))
+    n = ctx.totals
     for key in {k for o in outcomes for k in o.metrics}:
         values = [o.metrics[key] for o in outcomes if key in o.metrics]
         metrics[key] = sum(values) / len(values)  # one mini-batch: its value; several: their mean
-    if trains[0] and all(o.schedule for o in outcomes):
+    if step.trains[0] and all(o.schedule for o in outcomes):
         scheduler.step()  # once per step: the schedule counts steps, not mini-batches
     elapsed = time.perf_counter() - t0
     metrics.update(
         {
-            "lr": lr if trains[0] else 0.0,
+            "lr": lr if step.trains[0] else 0.0,
             "loss_tokens": n.loss_tokens,
             "tokens": n.tokens,
             "throughput/tokens_per_s": n.tokens / max(elapsed, 1e-9),
