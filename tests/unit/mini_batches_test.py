@@ -103,3 +103,14 @@ def test_a_mini_batch_with_a_non_finite_loss_skips_its_own_update_and_the_step_c
     assert math.isnan(metrics["loss"]) and math.isnan(metrics["grad_norm"])
     assert split.scheduler.last_epoch == 0  # (one.scheduler moved: its one step was finite)
     assert one.scheduler.last_epoch == 1
+
+
+def test_a_step_of_fewer_micro_batches_than_mini_batches_still_counts_its_updates(
+    tiny_model, tmp_path, batch
+):
+    """`optimizer_steps` is logged on every step of a k > 1 run, also one whose batch packed into a
+    single micro-batch (one group, one update), so that its series has no gaps."""
+    metrics, _ = trainer(tiny_model, tmp_path, 4, old_policy="sampler").train_step(batch[:1])
+    assert metrics["optimizer_steps"] == 1
+    one, _ = trainer(tiny_model, tmp_path / "one", 1, old_policy="sampler").train_step(batch[:1])
+    assert "optimizer_steps" not in one

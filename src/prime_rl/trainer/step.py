@@ -155,9 +155,9 @@ class Accumulated:
 
 
 @dataclass
-class Pass:
-    """A step's first pass and what its mini-batches share: their items, the step's metrics so far,
-    the per-token statistics and the MoE bookkeeping."""
+class StepState:
+    """What a step's mini-batches share: the first pass's items and metrics, the per-token
+    statistics and the MoE bookkeeping."""
 
     objective: Objective
     batches: list[PackedBatch]
@@ -178,7 +178,7 @@ class Pass:
         world: World,
         trains: Sequence[bool] | None,
         moe: tuple[bool, float],
-    ) -> Pass:
+    ) -> StepState:
         items, first = objective.prepare(batches)
         trains = list(trains) if trains is not None else [True] * len(parts)
         moe_step = MoEStep.start(parts[0].module, moe[0], moe[1], world)
@@ -187,19 +187,19 @@ class Pass:
     def context(self, n: Totals) -> Context:
         return Context(n, self.world, self.trains, self.stats, self.moe)
 
-    def backward(self, group: range) -> tuple[list[Any], Context, dict[str, float]]:
+    def mini_batch(self, group: range) -> tuple[list[Any], Context, dict[str, float]]:
         """Forward and backward of the micro-batches in `group`, normalized by their own global
         counts: their records, context and the objective's metrics over them."""
         ctx = self.context(totals([self.batches[i] for i in group], self.world))
         records = backward(self.objective, [self.items[i] for i in group], self.parts, ctx)
         return records, ctx, self.objective.metrics(records, ctx)
 
-    def finish(self, records: list[Any], ctx: Context, own: dict[str, float]) -> dict[str, float]:
+    def metrics(self, own: dict[str, float]) -> dict[str, float]:
         """The step's metrics: the first pass's, the per-token ones (reduced over the ranks), the
-        MoE loads and the objective's own (`own`, over `records`)."""
-        metrics = {**self.first, **ctx.stats.reduce(ctx.world)}
-        if ctx.moe is not None:
-            metrics.update(ctx.moe.metrics())
+        MoE loads and the objective's own (`own`)."""
+        metrics = {**self.first, **self.stats.reduce(self.world)}
+        if self.moe is not None:
+            metrics.update(self.moe.metrics())
         metrics.update(own)
         return metrics
 
@@ -215,9 +215,9 @@ def accumulate(
     """Forward and backward over this rank's `batches`, with the global normalization, and no
     update. `parts[0]` is the policy; `trains`: which parts learn this step (default: all); `moe`:
     (replay the sampler's routes, the load-balancing loss's coefficient)."""
-    step = Pass.start(objective, batches, parts, world, trains, moe)
-    records, ctx, own = step.backward(range(len(batches)))
-    return Accumulated(step.finish(records, ctx, own), records, ctx.totals)
+    state = StepState.start(objective, batches, parts, world, trains, moe)
+    records, ctx, own = state.mini_batch(range(len(batches)))
+    return Accumulated(state.metrics(own), records, ctx.totals)
 
 
 def backward(objective: Objective, items: Sequence[Any], parts: Sequence[Part], ctx: Context) -> list[Any]:
@@ -259,30 +259,29 @@ def train_step(
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     lr = scheduler.get_last_lr()[0]
-    step = Pass.start(objective, batches, parts, world, trains, moe)
-    groups = splits(len(batches), mini_batches)
+    state = StepState.start(objective, batches, parts, world, trains, moe)
+    groups = splits(len(batches), mini_batches)  # never empty: at least one group
     records, outcomes = [], []
     for group in groups:
-        done, ctx, own = step.backward(group)
+        done, ctx, own = state.mini_batch(group)
         records.extend(done)
-        # The group's own loss decides its update, as the whole step's does with one mini-batch.
-        outcomes.append(settle(parts, step.trains, world, ctx.totals, own["loss"]))
-    if len(groups) == 1:  # the step's counts and objective metrics are the group's: no second reduction
-        metrics = step.finish(records, ctx, own)
-    else:
-        ctx = step.context(totals(batches, world))
-        metrics = step.finish(records, ctx, objective.metrics(records, ctx))
+        outcomes.append(settle(parts, state.trains, world, ctx.totals, own["loss"]))  # its own loss decides
+    if len(groups) > 1:  # the step's counts and metrics over all groups (one group: they are its own)
+        ctx = state.context(totals(batches, world))
+        own = objective.metrics(records, ctx)
+    metrics = state.metrics(own)
+    if mini_batches > 1:
         metrics["optimizer_steps"] = float(sum(bool(o.metrics) and o.schedule for o in outcomes))
     n = ctx.totals
     for key in {k for o in outcomes for k in o.metrics}:
         values = [o.metrics[key] for o in outcomes if key in o.metrics]
         metrics[key] = sum(values) / len(values)  # one mini-batch: its value; several: their mean
-    if step.trains[0] and all(o.schedule for o in outcomes):
+    if state.trains[0] and all(o.schedule for o in outcomes):
         scheduler.step()  # once per step: the schedule counts steps, not mini-batches
     elapsed = time.perf_counter() - t0
     metrics.update(
         {
-            "lr": lr if step.trains[0] else 0.0,
+            "lr": lr if state.trains[0] else 0.0,
             "loss_tokens": n.loss_tokens,
             "tokens": n.tokens,
             "throughput/tokens_per_s": n.tokens / max(elapsed, 1e-9),
