@@ -46,13 +46,43 @@ def test_two_servers_on_two_cores_take_one_core_each_and_the_trainer_shares_the_
     assert p.server_omp_cpus == [[0], [1], [0]]
 
 
-def test_in_engine_mode_the_orchestrator_uses_the_trainers_idle_time_unless_told():
-    """vLLM's compute threads keep the inference core (bound by the engine's worker); the rest of the
-    orchestrator's process, the bound of a step in engine mode, is left free (measured faster)."""
+def test_in_engine_mode_a_one_thread_trainer_fills_idle_cores_and_the_front_end_takes_its_core():
+    """Async on 2 cores: vLLM's compute keeps the inference core (the engine binds it), the front end
+    is pinned to the trainer's core, and the trainer's one thread runs wherever a core is idle."""
     engine = DeploymentConfig(inference_mode="engine")
     p = placement(engine, [0, 1], cpu_build=True, max_async_level=1)
-    assert (p.vllm_omp_cpus, p.trainer_cpus, p.inference_cpus, p.orchestrator_cpus) == ([0], [1], None, None)
+    assert (p.vllm_omp_cpus, p.inference_cpus, p.orchestrator_cpus) == ([0], None, [1])
+    assert (p.trainer_cpus, p.trainer_threads) == (None, 1)
+
+
+def test_in_engine_mode_the_split_stays_where_it_was_not_measured_faster_or_was_set():
+    engine = DeploymentConfig(inference_mode="engine")
+    # Synchronous: generation and training take turns, nothing to fill.
+    p = placement(engine, [0, 1], cpu_build=True, max_async_level=0)
+    assert (p.trainer_cpus, p.orchestrator_cpus) == ([1], None)
+    # A trainer of several threads stays on its cores (a descheduled thread stalls the others).
+    p = placement(engine, list(range(4)), cpu_build=True, max_async_level=1)
+    assert (p.vllm_omp_cpus, p.trainer_cpus, p.trainer_threads, p.orchestrator_cpus) == (
+        [0, 1],
+        [2, 3],
+        2,
+        None,
+    )
+    p = placement(engine.model_copy(update={"trainer_threads": 2}), [0, 1], cpu_build=True, max_async_level=1)
+    assert (p.trainer_cpus, p.orchestrator_cpus) == ([1], None)
+    # Cores or pinning given: as told.
     p = placement(
         engine.model_copy(update={"pin_orchestrator": True}), [0, 1], cpu_build=True, max_async_level=1
     )
-    assert p.inference_cpus == p.orchestrator_cpus == [0]
+    assert (p.inference_cpus, p.orchestrator_cpus, p.trainer_cpus) == ([0], [0], [1])
+    p = placement(
+        engine.model_copy(update={"pin_orchestrator": False}), [0, 1], cpu_build=True, max_async_level=1
+    )
+    assert (p.orchestrator_cpus, p.trainer_cpus) == (None, [1])
+    p = placement(engine.model_copy(update={"trainer_cpus": [1]}), [0, 1], cpu_build=True, max_async_level=1)
+    assert (p.orchestrator_cpus, p.trainer_cpus) == (None, [1])
+    # Server mode and CUDA builds: unchanged.
+    p = placement(DeploymentConfig(), [0, 1], cpu_build=True, max_async_level=1)
+    assert (p.orchestrator_cpus, p.trainer_cpus) == ([0], [1])
+    p = placement(engine, [0, 1], cpu_build=False, max_async_level=1)
+    assert (p.orchestrator_cpus, p.trainer_cpus) == (None, None)

@@ -310,8 +310,8 @@ def test_engine_mode_starts_no_policy_server_and_gives_the_orchestrator_the_engi
     assert p.orchestrator.engine == p.inference  # the `[inference]` section, as a server would get it
     trainer, orchestrator = p.workers
     # The orchestrator's process holds vLLM's engine: vLLM's threads bound to the inference core, the
-    # rest of the process (front end, engine core) free to use the trainer's idle time.
-    assert (trainer.cpus, orchestrator.cpus) == ([1], None)
+    # front end on the trainer's core, the trainer's one thread wherever a core is idle.
+    assert (trainer.cpus, trainer.env, orchestrator.cpus) == (None, {"OMP_NUM_THREADS": "1"}, [1])
     assert orchestrator.env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
     # Pinned on request: the inference core.
     pinned = at(

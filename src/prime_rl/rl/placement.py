@@ -2,7 +2,9 @@
 
 Invariant: a pure function of the deployment, the machine's cores and vLLM's build. Spinning vLLM
 compute threads never share a core with the trainer's torch threads unless there are too few cores
-to keep them apart (then every process may use every core).
+to keep them apart (then every process may use every core); the one exception is measured: on the
+default split, an engine-mode run's single trainer thread may use the inference core while the
+engine waits (`placement`).
 """
 
 from __future__ import annotations
@@ -56,10 +58,16 @@ def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_l
     every trainer step about threefold (measured on 2 cores). When generation and training overlap
     (max_async_level >= 1), the API server and the orchestrator join vLLM's half too: left unpinned
     they settle on the trainer's cores, the only ones not spinning, and slow every training step.
-    In engine mode the orchestrator stays unpinned: its engine's worker binds vLLM's threads to the
-    inference cores anyway, and the front end and engine core, which are the bound of a step
-    there, are faster using the trainer's idle time (measured on 2 cores, both geometries of
-    benchmarks/vs_trl.py).
+    In engine mode vLLM's compute stays bound to the inference cores (by the engine itself), and the
+    rest of the orchestrator's process, its front end, is not pinned there. When overlapping (async)
+    and the trainer is one torch thread on the default split (2 cores), the front end takes the
+    trainer's core and the trainer is left unpinned: one thread that can wait has no barrier to
+    stall, so it fills whichever core is idle (the engine's while it waits for weights, its own
+    while the front end waits), where pinned it idled while the front end and the engine queued on
+    the inference core. Measured on 2 cores, `benchmarks/vs_trl.py` async engine steps: long 1.25-1.30
+    s against 1.41-1.49 s, short 0.264 s against 0.293-0.295 s. A trainer of several threads stays
+    pinned (a descheduled thread stalls every other one at each parallel region), and the front
+    end is then left free.
     Several servers (`inference_servers`) split the inference cores; if there are fewer of those than
     servers, the servers spread over all cores, one slice each, and the trainer shares one of them.
     """
@@ -80,4 +88,17 @@ def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_l
         inference = cores
         orchestrator = _slices(cores, k)[0]
     threads = d.trainer_threads or max(1, len(trainer or cpus) // d.trainer_ranks)
+    if _backfill(d, cpu_build, max_async_level, trainer, threads):
+        orchestrator, trainer = trainer, None
     return Placement(inference, omp, trainer, orchestrator, threads, _slices(omp, k), _slices(inference, k))
+
+
+def _backfill(
+    d: DeploymentConfig, cpu_build: bool, max_async_level: int, trainer: list[int] | None, threads: int
+) -> bool:
+    """Whether the trainer, one thread on the default split, runs unpinned beside an engine-mode
+    orchestrator pinned to the trainer's core (see `placement`)."""
+    default_split = d.inference_cpus is None and d.trainer_cpus is None and d.pin_orchestrator is None
+    one_thread = threads == 1 and d.trainer_ranks == 1 and d.inference_servers == 1
+    engine = cpu_build and d.inference_mode == "engine" and max_async_level >= 1
+    return engine and default_split and one_thread and trainer is not None

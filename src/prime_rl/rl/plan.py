@@ -260,7 +260,8 @@ def _workers(
             omp, served = place.server_omp_cpus[0], place.server_cpus[0]
             if omp and machine.cpu_build:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, omp))
-            cpus = None if served is None else sorted({*served, *(cpus or [])})
+            if served is not None:
+                cpus = sorted({*served, *(cpus or [])})
         workers.append(
             Worker(
                 name="orchestrator",
