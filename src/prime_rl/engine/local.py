@@ -179,7 +179,7 @@ def _build(argv: list[str]):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from prime_rl.engine.forked import fork_engine_processes
-    from prime_rl.engine.front_end import cache_token_text
+    from prime_rl.engine.front_end import speed_up_front_end
     from prime_rl.engine.in_core import bound_cores, run_model_in_engine_core
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
@@ -188,7 +188,7 @@ def _build(argv: list[str]):
         cores = bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         if fork_engine_processes() and cores:  # (a spawned engine core could not bind itself first)
             run_model_in_engine_core(cores)
-    cache_token_text()
+    speed_up_front_end()
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     # No per-request statistics: they feed only vLLM's periodic throughput lines and a metrics route

@@ -326,12 +326,12 @@ def main() -> None:
     import vllm.entrypoints.launchers.api_server.entry as entry
 
     from prime_rl.engine.forked import fork_engine_processes
-    from prime_rl.engine.front_end import cache_token_text
+    from prime_rl.engine.front_end import speed_up_front_end
     from prime_rl.engine.server import is_cpu_build
 
     if is_cpu_build():
         fork_engine_processes(entry)
-    cache_token_text()  # this process is vLLM's front end: it builds every answer's logprobs
+    speed_up_front_end()  # this process is vLLM's front end: it builds every answer's logprobs
 
     build_app = entry.build_app
 
