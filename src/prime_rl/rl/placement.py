@@ -64,8 +64,8 @@ def placement(d: DeploymentConfig, cpus: list[int], cpu_build: bool, max_async_l
     trainer's core and the trainer is left unpinned: one thread that can wait has no barrier to
     stall, so it fills whichever core is idle (the engine's while it waits for weights, its own
     while the front end waits), where pinned it idled while the front end and the engine queued on
-    the inference core. Measured on 2 cores, `benchmarks/vs_trl.py` async engine steps: long 1.25-1.30
-    s against 1.41-1.49 s, short 0.264 s against 0.293-0.295 s. A trainer of several threads stays
+    the inference core. Measured on 2 cores, `benchmarks/vs_trl.py` async engine steps: long 1.24-1.26
+    s against 1.37-1.49 s, short 0.25-0.26 s against 0.293-0.295 s. A trainer of several threads stays
     pinned (a descheduled thread stalls every other one at each parallel region), and the front
     end is then left free.
     Several servers (`inference_servers`) split the inference cores; if there are fewer of those than
