@@ -1,7 +1,8 @@
-"""vLLM's engine in the caller's process (`engine/local.py`), on the tiny model: it answers a chat
-body as the server's route does (token ids, logprobs, n choices; bad input as a status and a
-message), and after `load_weights` it serves the new weights. Run in a child process, as the
-orchestrator runs it: the engine's processes are that process's children and inherit its settings."""
+"""vLLM's engine in the caller's process (`engine/local.py`), on the reverse-text model: it answers a
+chat body as the server's route does (token ids, logprobs, n choices; bad input as a status and a
+message), its logprobs are the policy's (the trainer's, `min_tokens` notwithstanding), and after
+`load_weights` it serves the new weights. Run in a child process, as the orchestrator runs it: the
+engine's processes are that process's children and inherit its settings."""
 
 import contextlib
 import json
@@ -51,9 +52,11 @@ PROBE = textwrap.dedent(
             "overlong": await engine.exchange(body("word " * 400)),
             "malformed": await engine.exchange(b"{not json"),
         }
-        before = await engine.exchange(body("abc", max_tokens=8, temperature=2.0))
+        # The model answers "cba" and wants to stop: min_tokens bans the end of turn where it is likely.
+        forced = dict(max_tokens=12, min_tokens=12, temperature=2.0)
+        before = await engine.exchange(body("Reverse the text: abc", **forced))
         reload = await engine.load_weights(Path(new_weights), 1)
-        answers["after"] = await engine.exchange(body("abc", max_tokens=8, temperature=2.0))
+        answers["after"] = await engine.exchange(body("Reverse the text: abc", **forced))
         answers["before"] = before
         result = {k: [status, text.decode()] for k, (status, text) in answers.items()}
         result["step"], result["reload_s"] = engine.step, reload.seconds
@@ -68,16 +71,20 @@ PROBE = textwrap.dedent(
 )
 
 
+MODEL = Path(__file__).parents[2] / "models" / "reverse_text-tiny"
+
+
 @pytest.fixture(scope="module")
-def probed(tiny_model, tmp_path_factory) -> tuple[dict, Path]:
-    """The engine's answers before and after loading the tiny model with its lm_head scaled (step 1)."""
+def probed(tmp_path_factory) -> tuple[dict, Path]:
+    """The engine's answers before and after loading the reverse-text model with its lm_head scaled
+    (step 1)."""
     tmp = tmp_path_factory.mktemp("engine")
     new = tmp / "step_1"
-    m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     with torch.no_grad():
         m.lm_head.weight.mul_(3.0)
     m.save_pretrained(new)
-    for f in Path(tiny_model).glob("tokenizer*"):
+    for f in MODEL.glob("tokenizer*"):
         shutil.copy(f, new)
     report, log = tmp / "report.json", tmp / "probe.log"
     env = server_env()  # as `rl` starts an engine-mode orchestrator: the inference cores named
@@ -85,7 +92,7 @@ def probed(tiny_model, tmp_path_factory) -> tuple[dict, Path]:
     with log.open("w") as out:
         # Its own process group: a probe that times out is stopped with the engine it forked.
         proc = subprocess.Popen(
-            [sys.executable, "-c", PROBE, str(tiny_model), str(tmp / "out"), str(new), str(report)],
+            [sys.executable, "-c", PROBE, str(MODEL), str(tmp / "out"), str(new), str(report)],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
@@ -104,7 +111,7 @@ def logprobs_of(answer: str) -> tuple[list[int], list[int], torch.Tensor]:
     return resp.model_extra["prompt_token_ids"], choice.model_extra["token_ids"], served
 
 
-def test_a_chat_body_gets_the_servers_answer_token_ids_logprobs_and_n_choices(probed, tiny_model):
+def test_a_chat_body_gets_the_servers_answer_token_ids_logprobs_and_n_choices(probed):
     answers, _ = probed
     status, text = answers["chat"]
     assert status == 200, text
@@ -113,7 +120,7 @@ def test_a_chat_body_gets_the_servers_answer_token_ids_logprobs_and_n_choices(pr
     for choice in resp.choices:
         assert len(choice.model_extra["token_ids"]) == len(choice.logprobs.content) == 12
         assert all(t.logprob <= 0.0 for t in choice.logprobs.content)
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(MODEL)
     messages = [{"role": "user", "content": "Reverse the text: hello"}]
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert resp.model_extra["prompt_token_ids"] == list(expected)
@@ -127,10 +134,12 @@ def test_bad_input_is_a_status_and_a_message_as_from_the_server(probed):
     assert status == 400 and json.loads(text)["error"]["message"], text
 
 
-def test_after_load_weights_the_new_weights_are_served(probed, tiny_model):
+def test_after_load_weights_the_new_weights_are_served_with_the_policys_logprobs(probed):
+    """The served logprobs are the trainer's at the temperature, though `min_tokens` banned the end of
+    turn the model wanted (`policy_logprobs.py`; vLLM's processed ones differ there by nats)."""
     answers, new = probed
     assert answers["step"] == 1
-    for key, weights in (("before", tiny_model), ("after", new)):
+    for key, weights in (("before", MODEL), ("after", new)):
         prompt, completion, served = logprobs_of(answers[key][1])
         m = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
         ids = torch.tensor(prompt + completion)
@@ -140,12 +149,12 @@ def test_after_load_weights_the_new_weights_are_served(probed, tiny_model):
 
 
 def test_the_workers_weight_bytes_count_the_weights_vllm_cpu_repacks_out_of_the_parameters(
-    probed, tiny_model
+    probed,
 ):
     """What bounds a trainer's broadcast (`PLAN_SLACK` x these bytes): at least the checkpoint served.
     vllm-cpu keeps the linear layers' weights outside their parameters, which the count missed."""
     answers, _ = probed
-    checkpoint = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors"))
+    checkpoint = sum(f.stat().st_size for f in MODEL.glob("*.safetensors"))
     assert answers["weight_bytes"] >= checkpoint > 0
 
 

@@ -54,8 +54,8 @@ def test_logprobs_are_of_the_distribution_sampled_at_the_temperature(server):
     with torch.no_grad():
         at_2, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 2.0)
         at_1, _ = forward_logprobs(m, ids, torch.arange(len(ids)), 1.0)
-    # The trainer's importance ratio divides by these: they must be the temperature-2 ones. (No
-    # min_tokens here: it bans end-of-turn, and the served logprobs rightly exclude banned tokens.)
+    # The trainer's importance ratio divides by these: they must be the temperature-2 ones (and stay
+    # the model's where `min_tokens` bans the end of turn: `engine_test.py`, on a model that stops).
     assert (served - at_2[len(prompt) :]).abs().max() < 1e-3
     assert (served - at_1[len(prompt) :]).abs().max() > 1e-2
 

@@ -97,6 +97,15 @@ class InferenceConfig(RootConfig):
     seed: int = 0
     """vLLM's sampling seed."""
 
+    logprobs: Literal["policy", "sampler"] = "policy"
+    """Which logprob of each sampled token is returned, for the trainer's importance ratio.
+    'policy': the model's own distribution at the request's temperature, which the trainer computes:
+    sampling settings that ban, truncate or reshape it (`min_tokens`, top-k, top-p, min-p,
+    penalties) act as part of the environment, as in TRL, and the ratio measures staleness and
+    numerical mismatch alone. 'sampler': the distribution the token was drawn from after every such
+    setting (vLLM's `processed_logprobs`): the ratio then counts those settings as off-policy, which
+    with `min_tokens` on a model that wants to stop masks most of the forced tokens out of the loss."""
+
     enforce_eager: bool = True
     """Skip CUDA-graph capture and compilation (faster start-up, the only sensible choice on CPU)."""
 

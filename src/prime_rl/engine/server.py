@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from prime_rl import secret, tls
+from prime_rl.engine import policy_logprobs
 from prime_rl.engine.config import InferenceConfig
 
 
@@ -44,9 +45,10 @@ def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> li
         "--dtype", m.dtype,
         "--max-model-len", str(m.max_model_len),
         "--seed", str(config.seed),
-        # Logprobs of the distribution tokens were sampled from (temperature applied), which the
-        # trainer's importance ratio compares against; vLLM's default returns unscaled ones.
-        "--logprobs-mode", "processed_logprobs",
+        # The trainer's importance ratio compares against these; vLLM's default returns unscaled
+        # ones. 'policy' scales the raw logits by the temperature in the sampler
+        # (`policy_logprobs.py`); 'sampler' takes vLLM's logprobs after every sampling setting.
+        "--logprobs-mode", "raw_logprobs" if config.logprobs == "policy" else "processed_logprobs",
     ]  # fmt: skip
     if config.enforce_eager:
         cmd.append("--enforce-eager")
@@ -148,6 +150,7 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
     # importance ratio compares them), and the grammar admits JSON spacings that do not re-render
     # to the sampled tokens. Tool calls are the model's own text, parsed afterwards.
     env.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
+    env[policy_logprobs.ENV] = config.logprobs  # read where vLLM samples (`worker_extension.py`)
     if is_cpu_build():
         # Otherwise the first logprob request compiles a kernel with gcc (8-16 s on 2 cores).
         env.setdefault("TORCH_COMPILE_DISABLE", "1")

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prime_rl.engine.policy_logprobs import install_if_asked
+
+# vLLM imports this class in every process that runs the model, before its first sampling step.
+install_if_asked()
+
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
