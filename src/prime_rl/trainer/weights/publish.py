@@ -4,7 +4,11 @@ Layout: `<output_dir>/weights/step_<N>/` (the weights after N optimizer steps): 
 `config.json`, the tokenizer files, and `READY`, written last. Invariant: a folder with `READY` is
 complete, so a reader never loads half-written weights. Gathering the full state dict is a
 collective on every rank; only rank 0 writes, in a background thread, so training goes on while
-the file is written (the next publish first waits for the previous write). With a `Broadcaster`
+the file is written (the next publish first waits for the previous write). The gathered weights
+are copied into one of two host buffers kept across steps (one being filled while the other may
+still be written), not into fresh memory each time: on one machine, a fresh copy of a 200 MB model
+cost training ~100 ms per step in page faults, against ~16 ms for a copy into memory already
+mapped. With a `Broadcaster`
 (collective mode) that thread pushes the weights to the servers instead and the folder holds only
 `BROADCAST` and `READY`; if the push fails, it writes the files after all, so no step goes unpublished.
 
@@ -54,6 +58,8 @@ class Publisher:
         self.keep = keep
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self._pending: Future | None = None
+        self._staging: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        self._next_slot = 0
         self._tokenizer = None
         if world.is_main:
             from transformers import AutoTokenizer
@@ -77,23 +83,41 @@ class Publisher:
 
     def save(self, model: torch.nn.Module, path: Path) -> None:
         """Write the model as an HF folder at `path` now (a collective: call it on every rank)."""
-        state = self._gather(model)
+        state = self._gather(model, staged=False)  # written before training goes on: no copy needed
         if self.world.is_main:
             self._write_folder(Path(path), state, model.config)
 
-    def _gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def _gather(self, model: torch.nn.Module, staged: bool = True) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0 ({} elsewhere), as inference loads them. `staged`: copied into
+        the next staging buffer, so that training may change the parameters while they are written."""
         options = StateDictOptions(
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None
         )
         state = get_model_state_dict(model, options=options)
         if not self.world.is_main:
             return {}
-        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+        state = {k: v.detach() for k, v in state.items()}
         if self.lora is not None:
-            return lora_files.adapter_tensors(state)
-        if getattr(model.config, "tie_word_embeddings", False):
+            state = lora_files.adapter_tensors(state)
+        elif getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # shared with the embedding; HF ties it on load
-        return state
+        if not staged:
+            return {k: v.to("cpu").contiguous() for k, v in state.items()}
+        return self._stage(state)
+
+    def _stage(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of `state` in the next of the two staging buffers. The other one may still be
+        read by the write in flight: `publish` waits for that write only after this copy."""
+        buffer = self._staging[self._next_slot]
+        self._next_slot ^= 1
+        for name in set(buffer) - set(state):
+            del buffer[name]
+        for name, tensor in state.items():
+            held = buffer.get(name)
+            if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+                held = buffer[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            held.copy_(tensor)
+        return {name: buffer[name] for name in state}
 
     def _write_folder(
         self, path: Path, state: dict[str, torch.Tensor], config, stats: dict | None = None
