@@ -2,7 +2,8 @@
 cores, one after the other, in one run.
 
     uv sync --group trl
-    uv run python benchmarks/vs_trl.py [--steps 20] [--geometry short long]
+    uv run python benchmarks/vs_trl.py [--steps 20] [--geometry short long] [--seeds 1]
+        [--rows sync-server async-server sync-engine async-engine]
 
 The task is reverse-text without a system prompt (strings of 5-12 letters, reward: the LCS ratio to
 the reversed string), from `models/reverse_text-tiny`, 16 prompts x 8 completions a step at
@@ -17,7 +18,9 @@ Each framework runs in its own process on every core this one may use: TRL gener
 in-process engine (`deployment.inference_mode`). Steps are timed from the end of the first one to the end
 of the last (start-up and the warm-up step are left out). Prints seconds per step, rollouts and
 generated tokens per second, the mean reward of the first and last three steps, and each row's
-steps/s as a ratio to TRL's.
+steps/s as a ratio to TRL's. With `--seeds N` each row runs N times, the frameworks taking turns
+(seeds 0..N-1: TRL's trainer seed, and our orchestrator's example order and vLLM's sampling seed):
+one run's reward is one draw, so comparing how much two frameworks learn takes several.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +59,7 @@ def summary(step_s: list[float], tokens: list[float], rewards: list[float]) -> d
 # --- TRL, in a process of its own -----------------------------------------------------------------
 
 
-def trl_worker(geometry: str, steps: int, out: Path) -> None:
+def trl_worker(geometry: str, steps: int, out: Path, seed: int = 0) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")  # trl warns about the installed vLLM, which it does not use here
@@ -81,7 +85,7 @@ def trl_worker(geometry: str, steps: int, out: Path) -> None:
         max_completion_length=g["max_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         generation_kwargs={"min_new_tokens": g["min_tokens"]} if g["min_tokens"] else None,
         learning_rate=LR, warmup_steps=WARMUP, lr_scheduler_type="constant_with_warmup",
-        weight_decay=0.0, max_grad_norm=1.0, max_steps=steps, seed=0, logging_steps=1,
+        weight_decay=0.0, max_grad_norm=1.0, max_steps=steps, seed=seed, logging_steps=1,
         beta=0.0, num_iterations=1, scale_rewards="group",
     )  # fmt: skip
     ends: list[float] = []
@@ -102,9 +106,10 @@ def trl_worker(geometry: str, steps: int, out: Path) -> None:
     out.write_text(json.dumps(summary(step_s, tokens, [m["reward"] for m in logs])))
 
 
-def run_trl(geometry: str, steps: int, tmp: Path) -> dict:
-    out = tmp / f"trl-{geometry}.json"
-    cmd = [sys.executable, __file__, "--trl-worker", geometry, "--steps", str(steps), "--out", str(out)]
+def run_trl(geometry: str, steps: int, tmp: Path, seed: int = 0) -> dict:
+    out = tmp / f"trl-{geometry}-{seed}.json"
+    cmd = [sys.executable, __file__, "--trl-worker", geometry, "--steps", str(steps), "--out", str(out),
+           "--seed", str(seed)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"TRL failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -115,7 +120,13 @@ def run_trl(geometry: str, steps: int, tmp: Path) -> dict:
 
 
 def run_ours(
-    geometry: str, level: int, steps: int, tmp: Path, mode: str = "server", extra_args: tuple[str, ...] = ()
+    geometry: str,
+    level: int,
+    steps: int,
+    tmp: Path,
+    mode: str = "server",
+    seed: int = 0,
+    extra_args: tuple[str, ...] = (),
 ) -> dict:
     from prime_rl.monitor import read_metrics
 
@@ -140,10 +151,12 @@ sampling = {{ temperature = 1.0, max_tokens = {g["max_tokens"]}{extra} }}
 [orchestrator.eval]
 envs = []
 """)
-    out = tmp / f"ours-{geometry}-{level}-{mode}"
+    # A fresh folder every time: a run in an existing one would resume it.
+    out = Path(tempfile.mkdtemp(prefix=f"ours-{geometry}-{level}-{mode}-{seed}-", dir=tmp))
     rl = str(Path(sys.executable).parent / "rl")
     cmd = [rl, "@", str(REPO / "configs/reverse_text/rl.toml"), "@", str(toml), "--max_async_level", str(level),
-           "--max_steps", str(steps), "--output_dir", str(out), "--deployment.inference_mode", mode, *extra_args]  # fmt: skip
+           "--max_steps", str(steps), "--output_dir", str(out), "--deployment.inference_mode", mode,
+           "--orchestrator.seed", str(seed), "--inference.seed", str(seed), *extra_args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"rl failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -162,34 +175,64 @@ OURS = (
 """Our rows: (max_async_level, deployment.inference_mode, name)."""
 
 
+ROW_KEYS = {"sync-server": OURS[0], "async-server": OURS[1], "sync-engine": OURS[2], "async-engine": OURS[3]}
+
+
+def combined(runs: list[dict]) -> dict:
+    """One row from a framework's runs (one per seed): medians of the speeds, means of the rewards,
+    and the spread of the reward's rise (last three steps minus first three) over the runs."""
+    gains = [r["reward_end"] - r["reward_start"] for r in runs]
+    row = {k: statistics.median(r[k] for r in runs) for k in ("s_per_step", "rollouts_per_s", "tokens_per_s")}
+    row |= {k: statistics.fmean(r[k] for r in runs) for k in ("reward_start", "reward_end")}
+    return row | {"gain_min": min(gains), "gain_max": max(gains)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), default=["short", "long"])
+    ap.add_argument("--rows", nargs="+", choices=list(ROW_KEYS), default=list(ROW_KEYS),
+                    help="which of our runs to make (TRL always runs)")  # fmt: skip
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="runs per row, seeds 0..N-1 (TRL's trainer seed, our orchestrator's): rewards are "
+                         "then means with the spread of their rise, speeds medians")  # fmt: skip
     ap.add_argument("--trl-worker", choices=sorted(GEOMETRIES), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
-        return trl_worker(args.trl_worker, args.steps, args.out)
+        return trl_worker(args.trl_worker, args.steps, args.out, args.seed)
     print(
-        f"{len(os.sched_getaffinity(0))} cores, {args.steps} steps of {PROMPTS} x {GROUP} rollouts",
+        f"{len(os.sched_getaffinity(0))} cores, {args.steps} steps of {PROMPTS} x {GROUP} rollouts, "
+        f"{args.seeds} run(s) per row",
         flush=True,
     )
-    header = f"{'geometry':>9}{'run':>22}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}{'vs TRL':>8}"
+    ours = [ROW_KEYS[k] for k in ROW_KEYS if k in args.rows]
+    header = (
+        f"{'geometry':>9}{'run':>22}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}"
+        f"{'rise (min..max)':>17}{'vs TRL':>8}"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for geometry in args.geometry:
-            runs = {"TRL GRPOTrainer": run_trl(geometry, args.steps, Path(tmp))}
-            for level, mode, name in OURS:
-                runs[name] = run_ours(geometry, level, args.steps, Path(tmp), mode)
-            trl = runs["TRL GRPOTrainer"]["s_per_step"]
-            for name, r in runs.items():
+            runs: dict[str, list[dict]] = {}
+            for seed in range(args.seeds):
+                # The frameworks take turns per seed: a slow spell of the machine hits both.
+                one = {"TRL GRPOTrainer": run_trl(geometry, args.steps, Path(tmp), seed)}
+                for level, mode, name in ours:
+                    one[name] = run_ours(geometry, level, args.steps, Path(tmp), mode, seed)
+                for name, r in one.items():
+                    runs.setdefault(name, []).append(r)
+                    print(f"  {geometry} seed {seed} {name}: {r['s_per_step']:.3f} s/step, reward "
+                          f"{r['reward_start']:.3f} -> {r['reward_end']:.3f}", flush=True)  # fmt: skip
+            trl = combined(runs["TRL GRPOTrainer"])["s_per_step"]
+            for name, results in runs.items():
+                r = combined(results)
                 rows.append(
                     f"{geometry:>9}{name:>22}{r['s_per_step']:>8.3f}{r['rollouts_per_s']:>12.0f}"
                     f"{r['tokens_per_s']:>11.0f}{r['reward_start']:>8.3f}->{r['reward_end']:.3f}"
-                    f"{trl / r['s_per_step']:>7.2f}x"
+                    f"{r['gain_min']:>+9.3f}..{r['gain_max']:+.3f}{trl / r['s_per_step']:>7.2f}x"
                 )
-                print(rows[-1], flush=True)
     print(header, *rows, sep="\n")
 
 
