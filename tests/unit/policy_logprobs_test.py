@@ -38,6 +38,13 @@ def metadata(temperature: list[float], banned: torch.Tensor | None = None, logpr
     )
 
 
+@pytest.fixture(autouse=True)
+def eager(monkeypatch):
+    """vLLM's sampler ranks tokens through `torch.compile`; compiling leaves inductor's worker
+    threads behind (and takes seconds). The servers run it eagerly on CPU too."""
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+
+
 @pytest.fixture
 def sampler(monkeypatch):
     """vLLM's sampler with the policy's logprobs installed (undone after the test)."""
