@@ -46,12 +46,14 @@ def test_each_step_holds_the_weights_of_its_publish_while_writes_lag_behind(
     monkeypatch.setattr(publish, "save_file", held_write)
     monkeypatch.setattr(publisher, "_stage", stage_and_release)
     expected = {}
-    for step in (1, 2, 3):
-        publisher.publish(model, step)
-        expected[step] = model.model.norm.weight.detach().clone()
-        bump(model, 1.0)  # the next step's training changes the parameters at once
-    staged.release()  # nothing follows step 3's publish
-    publisher.close()
+    try:
+        for step in (1, 2, 3):
+            publisher.publish(model, step)
+            expected[step] = model.model.norm.weight.detach().clone()
+            bump(model, 1.0)  # the next step's training changes the parameters at once
+    finally:
+        staged.release()  # nothing follows the last publish: its write goes on
+        publisher.close()
     for step, norm in expected.items():
         written = load_file(step_dir(tmp_path / "weights", step) / "model.safetensors")
         assert torch.equal(written["model.norm.weight"], norm), f"step {step} holds another step's weights"
@@ -61,11 +63,13 @@ def test_the_staging_buffers_are_reused_from_step_to_step(tiny_model, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     publisher = Publisher(tmp_path, str(tiny_model), World(), keep=2)
     addresses = []
-    for step in range(1, 5):
-        publisher.publish(model, step)
-        publisher.wait()
-        addresses.append(publisher._staging[(step - 1) % 2]["model.norm.weight"].data_ptr())
-        bump(model, 0.5)
-    publisher.close()
+    try:
+        for step in range(1, 5):
+            publisher.publish(model, step)
+            publisher.wait()
+            addresses.append(publisher._staging[(step - 1) % 2]["model.norm.weight"].data_ptr())
+            bump(model, 0.5)
+    finally:
+        publisher.close()
     assert addresses[0] == addresses[2] and addresses[1] == addresses[3] and addresses[0] != addresses[1]
     assert not any(p.data_ptr() in addresses for p in model.parameters())  # copies, not the live weights
