@@ -26,7 +26,7 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.loop import resume
-from prime_rl.trainer.main import train
+from prime_rl.trainer.main import estimator_summary, train
 from prime_rl.trainer.memory import OutOfMemory, advice
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import World
@@ -91,6 +91,12 @@ def test_packed_logprobs_equal_unpacked(tiny_model):
             start += len(s)
 
 
+def test_step_line_shows_the_share_of_tokens_the_clip_held_back():
+    line = estimator_summary({"clipped_low/all/mean": 0.125, "clipped_high/all/mean": 0.025, "loss": 0.1})
+    assert line == " | clipped 15.0%"
+    assert estimator_summary({"loss": 0.1}) == ""  # a loss without a clip shows none
+
+
 def test_trainer_over_zmq_trains_publishes_exports_and_resumes(tiny_model, tmp_path):
     port, out = free_port(), tmp_path / "run"
     toml = tmp_path / "trainer.toml"
@@ -113,6 +119,7 @@ def test_trainer_over_zmq_trains_publishes_exports_and_resumes(tiny_model, tmp_p
     producer.join()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2 | loss" in proc.stderr
+    assert "| clipped " in proc.stderr  # the default loss clips: its share is on every step line
 
     metrics = [json.loads(line) for line in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]

@@ -51,8 +51,14 @@ log = logging.getLogger("prime_rl.trainer")
 
 
 def estimator_summary(metrics: dict[str, float]) -> str:
-    """The critic's and the KL controller's figures for the step's log line, when they exist."""
+    """The clip's share of the loss tokens, the critic's and the KL controller's figures for the
+    step's log line, when they exist. The clip's share is shown because, in an async run, it is
+    how much the ratio to the older sampler holds the step back: a share that stays above a few
+    percent means each update moves the policy far (docs/algorithms.md)."""
     parts = []
+    clipped = [metrics[k] for k in ("clipped_low/all/mean", "clipped_high/all/mean") if k in metrics]
+    if clipped:
+        parts.append(f"clipped {100 * sum(clipped):.1f}%")
     if "critic/value_loss/all/mean" in metrics:
         parts.append(f"value_loss {metrics['critic/value_loss/all/mean']:.4f}")
         parts.append(f"explained_var {metrics.get('critic/explained_variance', float('nan')):.3f}")
