@@ -3,7 +3,7 @@ cores, one after the other, in one run.
 
     uv sync --group trl
     uv run python benchmarks/vs_trl.py [--steps 20] [--geometry short long] [--seeds 1]
-        [--rows sync-server async-server sync-engine async-engine]
+        [--rows sync-server async-server sync-engine async-engine async-engine-decoupled]
 
 The task is reverse-text without a system prompt (strings of 5-12 letters, reward: the LCS ratio to
 the reversed string), from `models/reverse_text-tiny`, 16 prompts x 8 completions a step at
@@ -15,7 +15,8 @@ Geometries: `short`, completions of at most 24 tokens; `long`, completions of ex
 Each framework runs in its own process on every core this one may use: TRL generates with HF
 `generate` and then trains, in turns; prime_rl runs `rl` (vLLM, orchestrator, trainer), synchronous
 (`max_async_level = 0`) and asynchronous (1), each with vLLM as a server and as the orchestrator's
-in-process engine (`deployment.inference_mode`). Steps are timed from the end of the first one to the end
+in-process engine (`deployment.inference_mode`), and on request (`--rows async-engine-decoupled`)
+asynchronous with decoupled PPO and TIS. Steps are timed from the end of the first one to the end
 of the last (start-up and the warm-up step are left out). Prints seconds per step, rollouts and
 generated tokens per second, the mean reward of the first and last three steps, and each row's
 steps/s as a ratio to TRL's. With `--seeds N` each row runs N times, the frameworks taking turns
@@ -166,16 +167,20 @@ envs = []
     return summary([m["time/step"] for m in trainer], tokens, [m["reward/all/mean"] for m in orch])
 
 
-OURS = (
-    (0, "server", "prime_rl sync"),
-    (1, "server", "prime_rl async"),
-    (0, "engine", "prime_rl sync engine"),
-    (1, "engine", "prime_rl async engine"),
-)
-"""Our rows: (max_async_level, deployment.inference_mode, name)."""
+DECOUPLED = ("--trainer.loss.old_policy", "trainer", "--trainer.rollout_correction.type", "tis")
+"""Decoupled PPO with TIS: the clip against the trainer's own policy at the step's start, the
+staleness weighed by min(pi_old / mu, 2) instead (docs/algorithms.md)."""
 
+OURS = {
+    "sync-server": (0, "server", "prime_rl sync", ()),
+    "async-server": (1, "server", "prime_rl async", ()),
+    "sync-engine": (0, "engine", "prime_rl sync engine", ()),
+    "async-engine": (1, "engine", "prime_rl async engine", ()),
+    "async-engine-decoupled": (1, "engine", "async engine decoupled", DECOUPLED),
+}
+"""Our rows by `--rows` name: (max_async_level, deployment.inference_mode, name, extra `rl` args)."""
 
-ROW_KEYS = {"sync-server": OURS[0], "async-server": OURS[1], "sync-engine": OURS[2], "async-engine": OURS[3]}
+DEFAULT_ROWS = ("sync-server", "async-server", "sync-engine", "async-engine")
 
 
 def combined(runs: list[dict]) -> dict:
@@ -191,7 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--geometry", nargs="+", choices=sorted(GEOMETRIES), default=["short", "long"])
-    ap.add_argument("--rows", nargs="+", choices=list(ROW_KEYS), default=list(ROW_KEYS),
+    ap.add_argument("--rows", nargs="+", choices=list(OURS), default=list(DEFAULT_ROWS),
                     help="which of our runs to make (TRL always runs)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=1,
                     help="runs per row, seeds 0..N-1 (TRL's trainer seed, our orchestrator's): rewards are "
@@ -207,7 +212,7 @@ def main() -> None:
         f"{args.seeds} run(s) per row",
         flush=True,
     )
-    ours = [ROW_KEYS[k] for k in ROW_KEYS if k in args.rows]
+    ours = [OURS[k] for k in OURS if k in args.rows]
     header = (
         f"{'geometry':>9}{'run':>22}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}"
         f"{'rise (min..max)':>17}{'vs TRL':>8}"
@@ -219,8 +224,8 @@ def main() -> None:
             for seed in range(args.seeds):
                 # The frameworks take turns per seed: a slow spell of the machine hits both.
                 one = {"TRL GRPOTrainer": run_trl(geometry, args.steps, Path(tmp), seed)}
-                for level, mode, name in ours:
-                    one[name] = run_ours(geometry, level, args.steps, Path(tmp), mode, seed)
+                for level, mode, name, extra in ours:
+                    one[name] = run_ours(geometry, level, args.steps, Path(tmp), mode, seed, extra)
                 for name, r in one.items():
                     runs.setdefault(name, []).append(r)
                     print(f"  {geometry} seed {seed} {name}: {r['s_per_step']:.3f} s/step, reward "

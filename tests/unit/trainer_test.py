@@ -26,7 +26,7 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.loop import resume
-from prime_rl.trainer.main import estimator_summary, train
+from prime_rl.trainer.main import step_line_extras, train
 from prime_rl.trainer.memory import OutOfMemory, advice
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import World
@@ -92,9 +92,9 @@ def test_packed_logprobs_equal_unpacked(tiny_model):
 
 
 def test_step_line_shows_the_share_of_tokens_the_clip_held_back():
-    line = estimator_summary({"clipped_low/all/mean": 0.125, "clipped_high/all/mean": 0.025, "loss": 0.1})
+    line = step_line_extras({"clipped_low/all/mean": 0.125, "clipped_high/all/mean": 0.025, "loss": 0.1})
     assert line == " | clipped 15.0%"
-    assert estimator_summary({"loss": 0.1}) == ""  # a loss without a clip shows none
+    assert step_line_extras({"loss": 0.1}) == ""  # a loss without a clip shows none
 
 
 def test_trainer_over_zmq_trains_publishes_exports_and_resumes(tiny_model, tmp_path):

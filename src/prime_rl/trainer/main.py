@@ -50,7 +50,7 @@ from prime_rl.transport.zmq_transport import rank_address
 log = logging.getLogger("prime_rl.trainer")
 
 
-def estimator_summary(metrics: dict[str, float]) -> str:
+def step_line_extras(metrics: dict[str, float]) -> str:
     """The clip's share of the loss tokens, the critic's and the KL controller's figures for the
     step's log line, when they exist. The clip's share is shown because, in an async run, it is
     how much the ratio to the older sampler holds the step back: a share that stays above a few
@@ -201,7 +201,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
                     metrics["time/step"],
                     t_wait,
                     metrics["time/train"],
-                    estimator_summary(metrics),
+                    step_line_extras(metrics),
                 )
             # The checkpoint is the step's commit point: its metrics line is written before it, so a
             # kill after it loses nothing, and one before it has the step trained and logged again.
