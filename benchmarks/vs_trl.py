@@ -176,7 +176,7 @@ OURS = {
     "async-server": (1, "server", "prime_rl async", ()),
     "sync-engine": (0, "engine", "prime_rl sync engine", ()),
     "async-engine": (1, "engine", "prime_rl async engine", ()),
-    "async-engine-decoupled": (1, "engine", "async engine decoupled", DECOUPLED),
+    "async-engine-decoupled": (1, "engine", "prime_rl async decoupled", DECOUPLED),
 }
 """Our rows by `--rows` name: (max_async_level, deployment.inference_mode, name, extra `rl` args)."""
 
@@ -214,7 +214,7 @@ def main() -> None:
     )
     ours = [OURS[k] for k in OURS if k in args.rows]
     header = (
-        f"{'geometry':>9}{'run':>22}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}"
+        f"{'geometry':>9}{'run':>26}{'s/step':>8}{'rollouts/s':>12}{'gen tok/s':>11}{'reward':>16}"
         f"{'rise (min..max)':>17}{'vs TRL':>8}"
     )
     rows = []
@@ -234,7 +234,7 @@ def main() -> None:
             for name, results in runs.items():
                 r = combined(results)
                 rows.append(
-                    f"{geometry:>9}{name:>22}{r['s_per_step']:>8.3f}{r['rollouts_per_s']:>12.0f}"
+                    f"{geometry:>9}{name:>26}{r['s_per_step']:>8.3f}{r['rollouts_per_s']:>12.0f}"
                     f"{r['tokens_per_s']:>11.0f}{r['reward_start']:>8.3f}->{r['reward_end']:.3f}"
                     f"{r['gain_min']:>+9.3f}..{r['gain_max']:+.3f}{trl / r['s_per_step']:>7.2f}x"
                 )
