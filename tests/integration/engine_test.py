@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 PROBE = textwrap.dedent(
     """
-    import asyncio, json, sys
+    import asyncio, json, os, stat, sys, tempfile
     from pathlib import Path
     import psutil
     from prime_rl.engine.config import InferenceConfig
@@ -40,9 +40,14 @@ PROBE = textwrap.dedent(
                    "logprobs": True, "return_token_ids": True, **kw}
         return json.dumps(request).encode()
 
+    def sockets(folder):
+        return sorted(p.name for p in Path(folder).iterdir() if stat.S_ISSOCK(p.lstat().st_mode))
+
     async def main():
+        tempfile.gettempdir()  # settled before the engine starts, as in the orchestrator
         config = InferenceConfig(model={"name": model, "max_model_len": 256}, output_dir=out)
         engine = await LocalEngine(config).start()
+        ipc_sockets = sockets(os.environ["TMPDIR"])
         me = psutil.Process()  # the engine's processes are forked: they have this one's command line
         engine_processes = [
             sorted(p.cpu_affinity()) for p in me.children(recursive=True) if p.cmdline() == me.cmdline()
@@ -61,6 +66,7 @@ PROBE = textwrap.dedent(
         result = {k: [status, text.decode()] for k, (status, text) in answers.items()}
         result["step"], result["reload_s"] = engine.step, reload.seconds
         result["engine_processes"] = engine_processes
+        result["ipc_sockets"] = ipc_sockets
         result["log_stats"] = engine.engine.log_stats
         result["weight_bytes"] = sum(await engine.engine.collective_rpc("prime_rl_weight_bytes"))
         engine.close()
@@ -156,6 +162,12 @@ def test_the_workers_weight_bytes_count_the_weights_vllm_cpu_repacks_out_of_the_
     answers, _ = probed
     checkpoint = sum(f.stat().st_size for f in MODEL.glob("*.safetensors"))
     assert answers["weight_bytes"] >= checkpoint > 0
+
+
+def test_the_engines_sockets_are_in_the_runs_private_folder(probed):
+    # The probe looked its temp folder up before starting the engine, as the orchestrator does:
+    # the sockets still go to the run's folder, which only this user may enter.
+    assert probed[0]["ipc_sockets"], "vLLM's sockets were not made in the run's private folder"
 
 
 def test_the_front_end_keeps_no_per_request_statistics(probed):

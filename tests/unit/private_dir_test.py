@@ -26,6 +26,9 @@ def test_a_long_run_path_gets_a_private_socket_folder_in_the_temp_folder(tmp_pat
     assert folder.parent == system_tmp and folder.name.startswith("prime-rl-")
     assert mode(folder) == 0o700 and folder.stat().st_uid == os.geteuid()
     assert server_env(config, base={})["TMPDIR"] == str(folder)  # a restart of the run takes it again
+    # vLLM names its sockets from this, not from TMPDIR, in a process that has looked up its temp
+    # folder before (the orchestrator, in engine mode)
+    assert server_env(config, base={})["VLLM_RPC_BASE_PATH"] == str(folder)
 
 
 def test_a_short_run_path_keeps_its_socket_folder_in_the_run_and_private(tmp_path):
