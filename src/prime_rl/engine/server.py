@@ -131,9 +131,9 @@ def server_env(config: InferenceConfig, base: dict[str, str] | None = None) -> d
             # vLLM leaves its IPC sockets in TMPDIR: keep them per run.
             "TMPDIR": str(tmp),
             # ... and names them from `tempfile.gettempdir()`, which a process computes once: in
-            # engine mode the orchestrator's had already settled on /tmp (a long output dir's
-            # short folder is found through it), and every run left its sockets there, open to
-            # whoever may connect. vLLM reads this setting at each socket it names.
+            # engine mode the orchestrator's had already settled on /tmp before this (a long
+            # output dir's short folder is found through it), and every run left its sockets
+            # there, outside the private folder. vLLM reads this setting at each socket it names.
             "VLLM_RPC_BASE_PATH": str(tmp),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
