@@ -175,6 +175,24 @@ def test_receive_weights_joins_only_a_store_that_proves_the_secret(tmp_path, run
     assert receive[-1] == 5.0  # the caller asked for an hour; the server's bound holds
 
 
+def test_a_broadcast_that_fails_midway_marks_the_server_broken_until_a_good_update(
+    tmp_path, run_secret, store
+):
+    master, port = store
+    engine = Engine(fail="prime_rl_receive")
+    client = TestClient(make_app(tmp_path, engine), headers=bearer(SECRET))
+    prefix = "prime_rl/step_1/0123456789abcdef/"
+    put_proof(master, prefix, secret.key(f"weights-store/{prefix}"))
+    answer = client.post("/prime_rl/receive_weights", json=receive_body(port, prefix))
+    assert answer.status_code == 500 and "a worker died" in answer.json()["error"]
+    assert client.get("/prime_rl/weights").json()["step"] == vllm_server.BROKEN
+    # The paused requests ran on half-updated weights: aborted, and generation resumes after.
+    assert ("pause", "abort") in engine.calls and engine.calls[-1] == ("resume",)
+    engine.fail = None
+    assert client.post("/prime_rl/receive_weights", json=receive_body(port, prefix)).status_code == 200
+    assert client.get("/prime_rl/weights").json()["step"] == 1
+
+
 def test_receive_weights_refuses_a_plan_far_bigger_than_the_model(tmp_path, run_secret, store):
     _, port = store
     engine = Engine()

@@ -66,6 +66,31 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
             state.prime_rl_model_bytes = int(sum(sizes))
         return state.prime_rl_model_bytes
 
+    async def update(request: Request, step: int, method: str, args: tuple, clear_cache: bool):
+        """Run the workers' `method` between two engine steps and serve `step` after it. (The caller
+        holds `lock`.) Running requests stay paused with their KV cache and go on with the new
+        weights: clearing the cache made every one of them recompute its prefix on resume, which
+        halved generation throughput with a reload every 0.5 s; new requests do not reuse prefixes
+        cached under older weights, as the orchestrator salts the prefix cache with the policy
+        version (`cache_salt`)."""
+        engine = request.app.state.engine_client
+        t0 = time.perf_counter()
+        await engine.pause_generation(mode="keep", clear_cache=clear_cache)
+        try:
+            await engine.collective_rpc(method, args=args)
+            request.app.state.prime_rl_step = step
+        except Exception as e:  # a worker failed midway, or the trainer left mid-broadcast
+            # Some tensors may be new and some old: no request may finish on such a model. Abort
+            # the paused ones (their rollouts fail, counted) and say BROKEN until a good update,
+            # so that the orchestrator keeps new work off this server.
+            request.app.state.prime_rl_step = BROKEN
+            await engine.pause_generation(mode="abort", clear_cache=True)
+            return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+        finally:
+            await engine.resume_generation()
+            Requests.say()
+        return {"step": step, "seconds": time.perf_counter() - t0}
+
     @router.post("/prime_rl/load_weights")
     async def load_weights(request: Request):
         try:
@@ -85,32 +110,14 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
             )
         if not (resolved / READY).exists():
             return JSONResponse({"error": f"{path} has no {READY} marker"}, status_code=404)
-        engine = request.app.state.engine_client
         async with lock:
             served = getattr(request.app.state, "prime_rl_step", 0)
             if step < served and not rewind:
                 return JSONResponse(
                     {"error": f"step {step} is older than the served step {served}"}, status_code=409
                 )
-            t0 = time.perf_counter()
             activity.doing(f"loading the weights of step {step}", "", step)
-            # Between two engine steps: running requests stay, with their KV cache, and go on with
-            # the new weights (clearing the cache made every one of them recompute its prefix on
-            # resume, which halved generation throughput with a reload every 0.5 s). New requests
-            # do not reuse prefixes cached under older weights: the orchestrator salts the prefix
-            # cache with the policy version (`cache_salt`).
-            await engine.pause_generation(mode="keep", clear_cache=clear_cache)
-            try:
-                await engine.collective_rpc("prime_rl_reload", args=(str(resolved),))
-                request.app.state.prime_rl_step = step
-            except Exception as e:  # a worker failed midway: as for a broken broadcast
-                request.app.state.prime_rl_step = BROKEN
-                await engine.pause_generation(mode="abort", clear_cache=True)
-                return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
-            finally:
-                await engine.resume_generation()
-                Requests.say()
-        return {"step": step, "seconds": time.perf_counter() - t0}
+            return await update(request, step, "prime_rl_reload", (str(resolved),), clear_cache)
 
     @router.post("/prime_rl/receive_weights")
     async def receive_weights(request: Request):
@@ -144,25 +151,9 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
                 {"error": f"the store at {host}:{port} is not this run's trainer's"}, status_code=403
             )
         args = (host, port, prefix, first_rank, world_size, list(body["plan"]), timeout_s)
-        engine = request.app.state.engine_client
         async with lock:
-            t0 = time.perf_counter()
             activity.doing(f"receiving the weights of step {step} from the trainer", "trainer", step)
-            await engine.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await engine.collective_rpc("prime_rl_receive", args=args)
-                request.app.state.prime_rl_step = step
-            except Exception as e:  # the trainer or the group went away mid-update
-                # Some tensors may be new and some old: no request may finish on such a model. Abort
-                # the paused ones (their rollouts fail, counted) and say BROKEN until a good update,
-                # so that the orchestrator keeps new work off this server.
-                request.app.state.prime_rl_step = BROKEN
-                await engine.pause_generation(mode="abort", clear_cache=True)
-                return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
-            finally:
-                await engine.resume_generation()
-                Requests.say()
-        return {"step": step, "seconds": time.perf_counter() - t0}
+            return await update(request, step, "prime_rl_receive", args, clear_cache=False)
 
     @router.get("/prime_rl/weights")
     async def weights(request: Request):
