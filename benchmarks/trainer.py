@@ -1,13 +1,16 @@
 """Trainer efficiency: tokens/s of the trainer's step against a bare transformers loop.
 
     uv run python benchmarks/trainer.py [--hidden 256 --layers 4 --seq-len 2048 --micro-batches 8]
+    uv run python benchmarks/trainer.py --preset real-vocab --micro-batches 1 --rounds 3 --sizes ''
 
-All train the same freshly built model (make-tiny-model at the given size) on the same packed
-micro-batches: the trainer through `Trainer.train_step` (validation, per-token loss with ratio and
-masks, global token normalization, metrics, clipping, AdamW), with its chunked logprobs and once more
-with the full-logits logprobs it used before (`full_logits_logprobs`: the model's whole [tokens x
-vocab] logits, then log_softmax); the bare loop through one forward, a policy-gradient loss and
-backward per micro-batch, then clipping and AdamW. Rounds alternate between the three, so machine
+All train the same freshly built model (make-tiny-model at the given size, or a `--preset`) on the
+same packed micro-batches: the trainer through `Trainer.train_step` (validation, per-token loss with
+ratio and masks, global token normalization, metrics, clipping, AdamW), with its chunked logprobs on
+the positions that predict a loss token, once more with the chunked logprobs on every position (the
+path before), and once with the full-logits logprobs it used before that (`full_logits_logprobs`:
+the model's whole [tokens x vocab] logits, then log_softmax); the bare loop through one forward (the
+model's logits at every position, as transformers computes them), a policy-gradient loss and
+backward per micro-batch, then clipping and AdamW. Rounds alternate between the four, so machine
 noise hits all; the ratios of their median tokens/s are printed.
 
 Then micro-batch sizes (`--sizes`, default 512, 2k, 8k, 32k): the trainer's tokens/s on steps of
@@ -35,7 +38,7 @@ from transformers import AutoModelForCausalLM
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
 from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.logprobs import full_logits_logprobs
+from prime_rl.trainer.logprobs import _position_logprobs, full_logits_logprobs
 from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import init_world
 from prime_rl.trainer.rl.trainer import Trainer
@@ -136,6 +139,7 @@ def bare_step(model, optimizer, tensors) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default=None, help="a make-tiny-model preset instead of --hidden/--layers")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -151,8 +155,11 @@ def main() -> None:
 
     keep_freed_memory(init_world())  # as the trainer process does
     folder = Path(tempfile.mkdtemp()) / "model"
-    make_tiny_model(TinyModelConfig(output=folder, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                                    num_layers=args.layers))  # fmt: skip
+    if args.preset:
+        make_tiny_model(TinyModelConfig(output=folder, preset=args.preset))
+    else:
+        make_tiny_model(TinyModelConfig(output=folder, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                                        num_layers=args.layers))  # fmt: skip
     if not args.skip_bare:
         compare_bare(folder, args)
     if args.sizes:
@@ -166,11 +173,15 @@ def compare_bare(folder: Path, args) -> None:
         model={"name": str(folder)}, seq_len=args.seq_len, output_dir=str(folder.parent / "out")
     )
     trainer = Trainer(config, init_world())
+    every = Trainer(config, init_world())
     full = Trainer(config, init_world())
-    # The path before chunking, on the same code otherwise.
-    full.model.prime_rl_position_logprobs = lambda ids, pos, targets, temperature=1.0, chunk_tokens=0, **kw: (
+    # The paths before, on the same code otherwise: the head on every position, then the full logits.
+    every.model.prime_rl_position_logprobs = lambda ids, pos, targets, temperature=1.0, chunk_tokens=None, rows=None, **kw: (
+        _position_logprobs(every.model, ids, pos, targets, temperature, chunk_tokens, None, **kw)
+    )  # fmt: skip
+    full.model.prime_rl_position_logprobs = lambda ids, pos, targets, temperature=1.0, chunk_tokens=0, rows=None, **kw: (
         full_logits_logprobs(full.model, ids, pos, targets, temperature, **kw)
-    )
+    )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     tensors = []
@@ -179,28 +190,28 @@ def compare_bare(folder: Path, args) -> None:
         tensors.append({"input_ids": b.input_ids, "position_ids": b.position_ids, "loss_mask": b.loss_mask.float(),
                         "rollout_advantages": b.per_token(b.rollout_advantages)})  # fmt: skip
 
-    trainer.train_step(mbs)  # warm-up, all sides
-    full.train_step(mbs)
-    bare_step(model, optimizer, tensors)
-    ours, before, bare = [], [], []
+    loss_tokens = sum(int(t["loss_mask"].sum()) for t in tensors)
+    sides = {"ours": trainer.train_step, "every": every.train_step, "full": full.train_step,
+             "bare": lambda _: bare_step(model, optimizer, tensors)}  # fmt: skip
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    for step in sides.values():
+        step(mbs)  # warm-up
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
-        trainer.train_step(mbs)
-        ours.append(num_tokens / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        full.train_step(mbs)
-        before.append(num_tokens / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        bare_step(model, optimizer, tensors)
-        bare.append(num_tokens / (time.perf_counter() - t0))
+        for name, step in sides.items():
+            t0 = time.perf_counter()
+            step(mbs)
+            rates[name].append(num_tokens / (time.perf_counter() - t0))
+    ours, every_row, before, bare = (statistics.median(rates[n]) for n in sides)
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"model {params:.1f}M params, {len(mbs)} micro-batches, {num_tokens} tokens per step, "
-          f"{torch.get_num_threads()} threads, {args.rounds} rounds")  # fmt: skip
-    print(f"trainer tokens/s (median)             {statistics.median(ours):.0f}")
-    print(f"trainer, full logits tokens/s (median) {statistics.median(before):.0f}")
-    print(f"bare    tokens/s (median)             {statistics.median(bare):.0f}")
-    print(f"ratio trainer / bare                   {statistics.median(ours) / statistics.median(bare):.3f}")
-    print(f"ratio trainer / full-logits trainer    {statistics.median(ours) / statistics.median(before):.3f}")
+    print(f"model {params:.1f}M params, {len(mbs)} micro-batches, {num_tokens} tokens per step "
+          f"({loss_tokens} in the loss), {torch.get_num_threads()} threads, {args.rounds} rounds")  # fmt: skip
+    print(f"trainer tokens/s (median)                     {ours:.0f}")
+    print(f"trainer, head on every position tokens/s      {every_row:.0f}")
+    print(f"trainer, full logits tokens/s                 {before:.0f}")
+    print(f"bare    tokens/s (median)                     {bare:.0f}")
+    print(f"ratio trainer / bare                          {ours / bare:.3f}")
+    print(f"ratio trainer / head on every position        {ours / every_row:.3f}")
+    print(f"ratio trainer / full-logits trainer           {ours / before:.3f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -39,6 +40,9 @@ def test_positions_and_owned_tokens_are_partitions(length, cp):
     assert max(sizes) - min(sizes) <= 2 and all(len(s.index) == len(parts[0].index) for s in parts)
     owned = torch.stack([s.owned_tokens(CPU) for s in parts]).sum(0)
     assert owned[0] == 0 and (owned[1:] == 1).all()  # token 0 has no prediction; the rest: one owner
+    values = np.arange(1, length + 1)  # what the host takes must be what the device takes
+    for s in parts:
+        assert s.take_on_host(values).tolist() == s.take(torch.from_numpy(values)).tolist()
 
 
 def attended_pairs(shard) -> list[tuple[int, int]]:

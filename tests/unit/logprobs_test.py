@@ -124,3 +124,64 @@ def test_the_entropy_is_differentiated_like_the_full_logits(chunk, temperature):
             chunked[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=name
         )
     assert (chunked["lm_head.weight"] - only_lp["lm_head.weight"]).abs().max() > 1e-4  # the entropy's share
+
+
+@pytest.mark.parametrize(("chunk", "bias"), [(64, False), (7, True)])
+def test_only_the_rows_asked_for_go_through_the_head(chunk, bias, monkeypatch):
+    """A micro-batch's loss tokens are where the head is needed: with `rows`, logprobs, entropies and
+    every gradient equal the full path's on those rows, the rest are 0, and the head (the vocabulary's
+    matmul) sees no other row."""
+    from prime_rl.trainer import logprobs
+    from prime_rl.trainer.logprobs import position_logprobs
+
+    m = model(bias=bias)
+    ids = torch.randint(0, 1000, (300,))
+    pos = torch.cat([torch.arange(120), torch.arange(180)])
+    targets = next_token_targets(ids)
+    rows = torch.zeros(300, dtype=torch.bool)
+    rows[80:119] = rows[200:299] = True  # each sample's completion, as the loss mask shifted by one
+    w, v = torch.randn(300) * rows, torch.randn(300) * rows
+
+    seen = []
+    chunk_logits = logprobs._chunk_logits
+    monkeypatch.setattr(
+        logprobs, "_chunk_logits", lambda h, *a: seen.append(h.shape[0]) or chunk_logits(h, *a)
+    )
+
+    def run(rows_arg):
+        m.zero_grad()
+        index = None if rows_arg is None else rows_arg.nonzero().squeeze(-1)
+        lp, entropy = position_logprobs(m, ids, pos, targets, 0.8, chunk, rows=index)
+        (lp * w + entropy * v).sum().backward()
+        return lp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    lp, ent, grads = run(rows)
+    assert sum(seen) == 2 * int(rows.sum())  # forward, and the backward's recomputation
+    seen.clear()
+    lp_all, ent_all, grads_all = run(None)
+    assert sum(seen) == 2 * 300
+    torch.testing.assert_close(lp[rows], lp_all[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[rows], ent_all[rows], rtol=1e-5, atol=1e-5)
+    assert (lp[~rows] == 0).all() and (ent[~rows] == 0).all()
+    for name, ref in grads_all.items():
+        assert ref.abs().max() > 0, name
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=name)
+
+
+def test_a_model_with_transformed_logits_gives_the_same_rows_through_the_full_path():
+    from prime_rl.trainer.logprobs import position_logprobs
+
+    m = model()
+    m.config.final_logit_softcapping = 30.0  # read by `has_plain_head` (Qwen3's forward ignores it)
+    assert not has_plain_head(m)
+    ids = torch.randint(0, 1000, (100,))
+    pos, targets = torch.arange(100), next_token_targets(ids)
+    rows = torch.tensor([3, 4, 50, 98])
+    with torch.no_grad():
+        lp, entropy = position_logprobs(m, ids, pos, targets, 1.0, None, rows=rows)
+        lp_all, entropy_all = position_logprobs(m, ids, pos, targets, 1.0, None)
+    keep = torch.zeros(100, dtype=torch.bool)
+    keep[rows] = True
+    torch.testing.assert_close(lp[keep], lp_all[keep])
+    torch.testing.assert_close(entropy[keep], entropy_all[keep])
+    assert (lp[~keep] == 0).all() and (entropy[~keep] == 0).all() and (lp_all[~keep] != 0).all()

@@ -91,6 +91,25 @@ def test_packed_logprobs_equal_unpacked(tiny_model):
             start += len(s)
 
 
+def test_a_micro_batchs_logprobs_are_its_loss_tokens_only(tiny_model):
+    """The trainer computes the head where a loss token is predicted: the same values there as the
+    whole sequence's pass, 0 on prompt tokens (which no loss, metric or estimator reads)."""
+    from prime_rl.trainer.batch import PackedBatch
+    from prime_rl.trainer.logprobs import batch_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    (mb, *_) = micro_batches(3, "run", seq_len=512)
+    b = PackedBatch.of(mb, World())
+    with torch.no_grad():
+        lp, entropy = batch_logprobs(model, b, None)
+        full, full_entropy = forward_logprobs(model, b.input_ids, b.position_ids, b.temperature)
+    assert 0 < int(b.loss_mask.sum()) < len(b.loss_mask)
+    torch.testing.assert_close(lp[b.loss_mask], full[b.loss_mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[b.loss_mask], full_entropy[b.loss_mask], rtol=1e-5, atol=1e-5)
+    assert (lp[~b.loss_mask] == 0).all() and (entropy[~b.loss_mask] == 0).all()
+    assert (full[~b.loss_mask][1:] != 0).all()  # the prompts' logprobs, which were computed before
+
+
 def test_step_line_shows_the_share_of_tokens_the_clip_held_back():
     line = step_line_extras({"clipped_low/all/mean": 0.125, "clipped_high/all/mean": 0.025, "loss": 0.1})
     assert line == " | clipped 15.0%"

@@ -73,6 +73,9 @@ class PackedBatch:
     """The sampling temperature; the trainer's logprobs are taken at it."""
     shard: SequenceShard
     """This rank's positions of the micro-batch and their attention plan."""
+    head_rows: torch.Tensor
+    """[R] int64: the shard's local positions that predict a loss token, where the logprobs are
+    computed (found on the host: its size decides shapes)."""
     token_advantages: torch.Tensor | None = None
     """[T] float32: per-token terms added after normalization (distillation); None: none."""
     routes: torch.Tensor | None = None
@@ -84,6 +87,7 @@ class PackedBatch:
         a = mb.arrays()
         mask = a["loss_mask"].astype(bool)
         shard = shard_micro_batch(mb.sample_lens, world.cp, world.cp_rank, world.cp_group, dev)
+        predicts_loss = np.append(mask[1:], False)  # position t predicts token t + 1
         loss_mask = torch.from_numpy(mask).to(dev)
         owned = shard.owned_tokens(dev)
         samples = sample_index(mb.sample_lens, dev)
@@ -105,6 +109,7 @@ class PackedBatch:
             rewards=torch.tensor(mb.rewards, dtype=torch.float32, device=dev),
             temperature=mb.temperature,
             shard=shard,
+            head_rows=torch.from_numpy(np.flatnonzero(shard.take_on_host(predicts_loss))).to(dev),
             token_advantages=(
                 torch.from_numpy(a["token_advantages"].copy()).to(dev) if "token_advantages" in a else None
             ),

@@ -2,7 +2,8 @@
 
 Invariant: arrays are aligned to tokens. Entry t holds log p(token t | tokens before it in the same
 sample), from the logits at t - 1 divided by the sampling temperature; entry 0 of the micro-batch
-has no prediction and is 0 (it is always a prompt token, never in the loss). Samples do not attend
+has no prediction and is 0 (it is always a prompt token, never in the loss). A micro-batch's pass
+(`batch_logprobs`) computes its loss tokens only and leaves the others 0. Samples do not attend
 to each other: position ids restart at 0 for each one, and attention is block-diagonal causal.
 
 Memory: the lm_head is applied to `chunk_tokens` hidden states at a time (default: CHUNK_LOGITS
@@ -157,28 +158,43 @@ def position_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
+    rows: torch.Tensor | None = None,
     **model_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(targets[i]), entropy) at each position i of a packed sequence of shape [T]: the
     model's own method when `load_model` gave it one (FSDP runs it like forward), else computed here.
-    `model_kwargs` go to the model's body (the context-parallel shard)."""
+    With `rows` ([R] int64 positions), only those positions' (0 elsewhere). `model_kwargs` go to the
+    model's body (the context-parallel shard)."""
     method = getattr(model, "prime_rl_position_logprobs", None)
     if method is not None:
-        return method(input_ids, position_ids, targets, temperature, chunk_tokens, **model_kwargs)
+        return method(input_ids, position_ids, targets, temperature, chunk_tokens, rows, **model_kwargs)
     return _position_logprobs(
-        model, input_ids, position_ids, targets, temperature, chunk_tokens, **model_kwargs
+        model, input_ids, position_ids, targets, temperature, chunk_tokens, rows, **model_kwargs
     )
 
 
-def _position_logprobs(model, input_ids, position_ids, targets, temperature, chunk_tokens, **model_kwargs):
+def _position_logprobs(
+    model, input_ids, position_ids, targets, temperature, chunk_tokens, rows=None, **model_kwargs
+):
     if not has_plain_head(model):
-        return full_logits_logprobs(model, input_ids, position_ids, targets, temperature, **model_kwargs)
+        lp, entropy = full_logits_logprobs(
+            model, input_ids, position_ids, targets, temperature, **model_kwargs
+        )
+        if rows is None:
+            return lp, entropy
+        keep = torch.zeros_like(lp, dtype=torch.bool).index_fill_(0, rows, True)
+        return torch.where(keep, lp, 0.0), torch.where(keep, entropy, 0.0)
     out = model.base_model(
         input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **model_kwargs
     )
-    return head_logprobs(
-        out.last_hidden_state[0], model.get_output_embeddings(), targets, temperature, chunk_tokens
-    )
+    hidden, head = out.last_hidden_state[0], model.get_output_embeddings()
+    if rows is None:
+        return head_logprobs(hidden, head, targets, temperature, chunk_tokens)
+    # The head only where a loss token is predicted: a prompt's positions cost the body, which the
+    # completion attends to, but not the vocabulary (at a real one, most of a small model's step).
+    lp, entropy = head_logprobs(hidden[rows], head, targets[rows], temperature, chunk_tokens)
+    zeros = lp.new_zeros(hidden.shape[0])
+    return zeros.index_copy(0, rows, lp), zeros.index_copy(0, rows, entropy)
 
 
 def full_logits_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, **model_kwargs):
@@ -196,8 +212,10 @@ def attach_position_logprobs(model: torch.nn.Module) -> None:
     """Give `model` the method `prime_rl_position_logprobs`, so FSDP2 can run it with the hooks it runs
     around forward (gathering the root's parameters: embeddings, final norm, lm_head)."""
 
-    def method(input_ids, position_ids, targets, temperature=1.0, chunk_tokens=None, **kw):
-        return _position_logprobs(model, input_ids, position_ids, targets, temperature, chunk_tokens, **kw)
+    def method(input_ids, position_ids, targets, temperature=1.0, chunk_tokens=None, rows=None, **kw):
+        return _position_logprobs(
+            model, input_ids, position_ids, targets, temperature, chunk_tokens, rows, **kw
+        )
 
     model.prime_rl_position_logprobs = method
 
@@ -205,9 +223,10 @@ def attach_position_logprobs(model: torch.nn.Module) -> None:
 def batch_logprobs(
     model: torch.nn.Module, b: PackedBatch, chunk_tokens: int | None, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs, entropy) of a whole packed micro-batch at its sampling temperature, aligned to
-    tokens; this rank computes its shard's positions, gathered back to full length. The entropy is
-    differentiable only with `entropy_grad`."""
+    """(logprobs, entropy) of a whole packed micro-batch's loss tokens at its sampling temperature,
+    aligned to tokens, 0 on the other tokens (no loss, metric or estimator reads them); this rank
+    computes its shard's positions, gathered back to full length. The entropy is differentiable only
+    with `entropy_grad`."""
     shard = b.shard
     lp, entropy = position_logprobs(
         model,
@@ -216,6 +235,7 @@ def batch_logprobs(
         shard.take(next_token_targets(b.input_ids)),
         b.temperature,
         chunk_tokens,
+        rows=b.head_rows,
         **shard.model_kwargs(),
     )
     if not entropy_grad:

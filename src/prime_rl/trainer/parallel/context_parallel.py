@@ -72,6 +72,14 @@ class SequenceShard:
         padded = torch.cat([full, full.new_zeros(1, *full.shape[1:])])
         return padded[self.index]
 
+    def take_on_host(self, full: np.ndarray) -> np.ndarray:
+        """`take` for a host array [T]: the same local positions, computed without the device."""
+        if not self.split:
+            return full
+        return np.append(full, np.zeros(1, full.dtype))[
+            _rank_indices_on_host(self.length, self.size, self.rank)
+        ]
+
     def owned_tokens(self, device: torch.device) -> torch.Tensor:
         """[T] bool: the tokens whose loss and metrics this rank counts, those predicted from its
         positions (token t from position t - 1); each token is owned by exactly one rank."""
@@ -198,6 +206,15 @@ def _all_indices(length: int, size: int, device: torch.device) -> torch.Tensor:
     per_rank = [torch.cat([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)]
     width = max(len(p) for p in per_rank)
     return torch.stack([F.pad(p, (0, width - len(p)), value=length) for p in per_rank])
+
+
+def _rank_indices_on_host(length: int, size: int, rank: int) -> np.ndarray:
+    """Row `rank` of `_all_indices`, in numpy (no tensor: under the fake-GPU dry run every tensor is
+    a device's)."""
+    chunks = np.array_split(np.arange(length), 2 * size)  # sized as tensor_split sizes them
+    per_rank = [np.concatenate([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)]
+    width = max(len(p) for p in per_rank)
+    return np.pad(per_rank[rank], (0, width - len(per_rank[rank])), constant_values=length)
 
 
 class _GatherSum(torch.autograd.Function):
