@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
 from prime_rl.trainer.attention import PLAN_KWARG, AttentionPlan, Segment, build_plan, plan_for_samples
@@ -77,7 +76,7 @@ class SequenceShard:
         if not self.split:
             return full
         return np.append(full, np.zeros(1, full.dtype))[
-            _rank_indices_on_host(self.length, self.size, self.rank)
+            _all_indices_on_host(self.length, self.size)[self.rank]
         ]
 
     def owned_tokens(self, device: torch.device) -> torch.Tensor:
@@ -202,19 +201,16 @@ class _Layout:
 
 def _all_indices(length: int, size: int, device: torch.device) -> torch.Tensor:
     """[size, L]: rank r's positions (chunks r and 2 * size - 1 - r of 2 * size), padded with `length`."""
-    chunks = torch.arange(length, device=device).tensor_split(2 * size)
-    per_rank = [torch.cat([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)]
-    width = max(len(p) for p in per_rank)
-    return torch.stack([F.pad(p, (0, width - len(p)), value=length) for p in per_rank])
+    return torch.from_numpy(_all_indices_on_host(length, size)).to(device)
 
 
-def _rank_indices_on_host(length: int, size: int, rank: int) -> np.ndarray:
-    """Row `rank` of `_all_indices`, in numpy (no tensor: under the fake-GPU dry run every tensor is
-    a device's)."""
-    chunks = np.array_split(np.arange(length), 2 * size)  # sized as tensor_split sizes them
+def _all_indices_on_host(length: int, size: int) -> np.ndarray:
+    """`_all_indices` in numpy: the host reads them without the device (under the fake-GPU dry run
+    every tensor is a device's)."""
+    chunks = np.array_split(np.arange(length), 2 * size)  # the first ones one longer
     per_rank = [np.concatenate([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)]
     width = max(len(p) for p in per_rank)
-    return np.pad(per_rank[rank], (0, width - len(per_rank[rank])), constant_values=length)
+    return np.stack([np.pad(p, (0, width - len(p)), constant_values=length) for p in per_rank])
 
 
 class _GatherSum(torch.autograd.Function):
