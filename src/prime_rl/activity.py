@@ -54,6 +54,9 @@ STACK_SIGNAL = signal.SIGUSR1
 ENV_DIR = "PRIME_RL_ACTIVITY_DIR"
 """Set by `rl` for its children (a teacher server's output dir is another): the folder of the run's
 records (default: <output_dir>/activity)."""
+ENGINE_CORE = "engine-core"
+"""The label of the record of vLLM's engine core in engine mode (`engine/core_record.py`), a process
+of kind "inference" that its parent, the orchestrator, restarts when it dies."""
 ENV_LABEL = "PRIME_RL_ACTIVITY_LABEL"
 """Set by `rl` for its servers (inference-1, teacher, ...): the record's label."""
 
@@ -158,6 +161,16 @@ class _Record:
 
 
 _record: _Record | None = None
+
+
+def _forget_in_child() -> None:
+    # A forked child (vLLM's engine core, forked from the orchestrator) is another process: it must
+    # not write its parent's record, and it keeps one of its own only if it starts it.
+    global _record
+    _record = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def start(label: str, kind: str, output_dir: Path | str, doing: str = "starting") -> None:

@@ -15,8 +15,10 @@
   broadcast failed and the files were written instead.
 - `trainer/refused.json`: written by a trainer whose config cannot work with the orchestrator's
   (the run contract); the orchestrator of that session stops with the same line.
-- `restarts.jsonl`: one record per process `rl` restarted (`deployment.max_restarts`): time,
-  process, the status it died with, and its restart count.
+- `restarts.jsonl`: one record per process restarted (`rl`'s `deployment.max_restarts`, or the
+  orchestrator's engine, `client.max_restarts`): time, process, the status it died with, and its
+  restart count.
+- `orchestrator/pool.json`: the address at which inference servers join the run (`{"url": ...}`).
 - `orchestrator/` (progress, metrics, saved batches), `trainer/` (metrics), `rollouts/step_<N>.jsonl`,
   `transport/` (the filesystem transport), `inference/` (server logs, temporary files).
 
@@ -30,6 +32,7 @@ import hmac
 import json
 import os
 import re
+import time
 import zlib
 from pathlib import Path
 
@@ -92,12 +95,28 @@ def refusal_path(output_dir: Path) -> Path:
     return Path(output_dir) / "trainer" / "refused.json"
 
 
+def pool_path(output_dir: Path) -> Path:
+    """Where the orchestrator says at which address servers join its pool (`{"url": ...}`)."""
+    return Path(output_dir) / "orchestrator" / "pool.json"
+
+
 def restarts_path(output_dir: Path) -> Path:
     return Path(output_dir) / "restarts.jsonl"
 
 
+def record_restart(output_dir: Path, process: str, name: str, status: int, restart: int) -> None:
+    """One line of `restarts.jsonl`: `process` (its kind) `name` died with `status` and is started
+    again for the `restart`-th time."""
+    record = {"time": time.time(), "process": process, "name": name, "status": status, "restart": restart}
+    path = restarts_path(output_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def restart_counts(output_dir: Path) -> dict[str, int]:
-    """How often `rl` restarted each process of the run so far (process kind -> count)."""
+    """How often each process of the run was restarted so far (process kind -> count): by `rl`, or,
+    vLLM's engine in engine mode ("inference"), by the orchestrator."""
     counts: dict[str, int] = {}
     try:
         lines = restarts_path(output_dir).read_text().splitlines()

@@ -80,6 +80,19 @@ def take_signals(announce: bool = True, grace_s: float = GRACE_S) -> None:
         signal.signal(sig, _on_signal)
 
 
+def _forget_in_child() -> None:
+    # A forked child (vLLM's engine core, forked from the orchestrator) inherits the wakeup pipe:
+    # a signal it takes (vLLM stops its processes with SIGTERM) would write to its parent's watcher,
+    # which took it for its own and stopped the parent. The child has no watcher: it stops as it will.
+    if _State.watching:
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        _State.watching = False
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def arm(sig: signal.Signals) -> None:
     """Record the stop for `sig` and end the process the grace period from now unless it has ended
     by then (the first call counts). For a process that also takes signals its own way (the

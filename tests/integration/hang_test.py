@@ -5,6 +5,7 @@ every step is trained exactly once. Without restarts left, `rl` stops with statu
 """
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -212,3 +213,88 @@ def test_two_trainer_ranks_one_frozen_mid_run_the_other_gives_up_and_rl_restarts
     assert gave_up and "rank 0, step " in gave_up[0], log[-3000:]
     assert "rl: trainer" in console and "restarting it (1 of 2)" in console, console[-3000:]
     assert trainer_steps(run) == list(range(steps)), console[-3000:]
+
+
+def engine_core(run: Path, other_than: int = 0) -> activity.State:
+    """The live record of vLLM's engine core in the orchestrator (engine mode), waiting for a new one."""
+    deadline = time.monotonic() + 300
+    while True:
+        for s in activity.read_all(run / "activity"):
+            if s.label == activity.ENGINE_CORE and s.running() and s.pid != other_than:
+                return s
+        assert time.monotonic() < deadline, "no engine core record"
+        time.sleep(0.2)
+
+
+def test_in_engine_mode_a_frozen_then_a_killed_engine_core_is_restarted_and_every_step_trains_once(
+    tiny_model, tmp_path
+):
+    """Engine mode, `rl`'s default on one machine: the engine core (a child of the orchestrator) is
+    frozen, then, once the run healed, killed. The frozen one is named in one stall line with its
+    stack; each time the orchestrator restarts its engine alone (no orchestrator restart), the groups
+    on it go again, and only our lines reach the console (none of vLLM's tracebacks)."""
+    steps = 14
+    extra = (
+        '[deployment]\ninference_mode = "engine"\nmax_restarts = 3\nrestart_backoff_s = 0.5\n'
+        f"stall_floor_s = {FLOOR_S}\n"
+    )
+    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=steps, extra=extra)
+    run, console = tmp_path / "run", tmp_path / "rl.console"
+    with console.open("w") as out:
+        proc = subprocess.Popen([RL, "@", str(toml)], stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 600
+        while not condition():
+            assert proc.poll() is None, console.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{what}: {console.read_text()[-3000:]}"
+            time.sleep(0.2)
+
+    try:
+        wait_for(lambda: len(trainer_steps(run)) >= 3, "3 trainer steps")
+        frozen = engine_core(run)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        done_at = len(trainer_steps(run))
+        wait_for(lambda: stall_lines(console.read_text()), "a stall line")
+        wait_for(lambda: len(trainer_steps(run)) > done_at + 1, "two steps after the freeze")
+        killed = engine_core(run, other_than=frozen.pid)
+        done_at = len(trainer_steps(run))
+        os.kill(killed.pid, signal.SIGKILL)
+        wait_for(lambda: len(trainer_steps(run)) > done_at + 1, "two steps after the kill")
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen.pid, signal.SIGKILL)
+    text = console.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    (line,) = stall_lines(text)
+    assert f"{activity.ENGINE_CORE} (pid {frozen.pid}) is frozen (stopped by a signal)" in line, line
+    section = culprit_section(Path(re.search(r"stacks in (\S+)$", line).group(1)), activity.ENGINE_CORE)
+    assert "[culprit]" in section and "process state T" in section, section[:2000]
+    assert re.search(r"vllm/v1/engine/core\.py", section), section[:3000]  # its own stack, vLLM's loop
+    assert text.count("restarting the engine (") == 2, text[-3000:]
+    assert "restarting the engine (2 of 3, client.max_restarts)" in text
+    # Only our lines: vLLM's error records of the dead engine core stay in the orchestrator's log.
+    assert "EngineDeadError" not in text and "Traceback" not in text, text[-3000:]
+    assert "EngineDeadError" in (run / "logs" / "orchestrator.log").read_text()
+    restarts = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["process"], r["restart"]) for r in restarts] == [("inference", 1), ("inference", 2)]
+    assert trainer_steps(run) == list(range(steps)), text[-3000:]  # every step exactly once
+    orch = read_metrics(run / "orchestrator" / "metrics.jsonl")
+    assert [m["step"] for m in orch] == list(range(steps))
+    last = orch[-1]
+    assert last["restarts/inference"] == 2
+    pending = last["rollouts/all/inflight"] + last["rollouts/all/waiting"]
+    buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+    assert last["rollouts/all/dispatched_total"] == buckets + pending
+    records = [
+        json.loads(x) for p in sorted((run / "rollouts").glob("*.jsonl")) for x in p.read_text().splitlines()
+    ]
+    lost = {(r["env"], r["example_id"]) for r in records if "Server" in (r.get("error") or "")}
+    assert lost, "no rollout was lost with an engine core"
+    # Each example lost with an engine core was dispatched again (and trained or filtered).
+    used = {(r["env"], r["example_id"]) for r in records if not r.get("error")}
+    assert lost <= used, lost - used

@@ -25,6 +25,35 @@ def test_console_has_step_lines_and_warnings_but_not_per_rollout_failures(tmp_pa
     assert (tmp_path / "o.log").read_text() == OUTPUT  # the log keeps everything
 
 
+ENGINE_DIED = """\
+14:35:41 orchestrator step 9 | reward 0.568 | trained 120 filtered 8 failed 0 stale 0
+(MainProcess pid=5661) ERROR 11-28 22:47:21 [async_llm.py:906] AsyncLLM output_handler failed.
+(MainProcess pid=5661) ERROR 11-28 22:47:21 [async_llm.py:906] Traceback (most recent call last):
+(MainProcess pid=5661) ERROR 11-28 22:47:21 [async_llm.py:906]     raise self._format_exception(outputs) from None
+(MainProcess pid=5661) ERROR 11-28 22:47:21 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.
+Traceback (most recent call last):
+  File "vllm/v1/engine/core_client.py", line 1235, in get_output_async
+vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
+14:35:42 orchestrator vLLM's engine core in this process died: restarting the engine (1 of 3, client.max_restarts); the groups that were on it go to the next dispatch
+Traceback (most recent call last):
+orchestrator: error: vLLM's engine in this process could not restart: RuntimeError: boom
+"""
+
+
+def test_vllms_records_and_the_lines_that_continue_them_stay_in_the_log(tmp_path, capsys):
+    """vLLM's own error record of a dead engine core (its traceback too) goes to the log only: the
+    console says it once, in the orchestrator's line."""
+    _pump("orchestrator", io.StringIO(ENGINE_DIED), tmp_path / "o.log", console=True)
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == [
+        "[orchestrator] " + ENGINE_DIED.splitlines()[0],
+        "[orchestrator] " + ENGINE_DIED.splitlines()[8],
+        "[orchestrator] Traceback (most recent call last):",
+        "[orchestrator] orchestrator: error: vLLM's engine in this process could not restart: RuntimeError: boom",
+    ]
+    assert (tmp_path / "o.log").read_text() == ENGINE_DIED
+
+
 def test_a_log_that_cannot_be_written_is_said_once_and_the_output_still_drained(capsys):
     # /dev/full fails every write with ENOSPC, as a full disk does: no thread traceback, one line,
     # the child's output is read to its end (it never blocks on a full pipe), its error line shown.

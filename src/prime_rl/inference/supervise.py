@@ -4,7 +4,8 @@ Invariant: vLLM runs in a session of its own, so the terminal's Ctrl-C reaches t
 (left to itself, vLLM printed a traceback when stopped while starting and exited with status 0 when
 stopped while serving). On the first SIGINT or SIGTERM this process stops vLLM's whole process group
 (SIGTERM, then SIGKILL after STOP_WAIT_S), says one line and exits with 128 + the signal; vLLM's
-output from then on goes to `<output_dir>/inference/stop.log`, not the console. If this process is
+output from then on goes to `<output_dir>/inference/stop.log`, not the console. A server that joined
+a run's pool (`member.py`) first leaves it, its groups drained, and then exits 0. If this process is
 killed, vLLM gets SIGTERM (the parent-death signal), so no server outlives it. Otherwise vLLM's
 output passes through unchanged, byte for byte, and its exit status is this process's.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from prime_rl import shutdown
+from prime_rl.inference.member import NEEDS_USER, Member
 
 STOP_WAIT_S = 3.0
 """How long vLLM may take to stop on SIGTERM before its process group is killed (it took 0.5 s
@@ -57,8 +59,10 @@ class _Pump:
                 self.sink.flush()
 
 
-def run_server(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
-    """Run vLLM's server until it exits (its status) or this process is stopped (128 + signal)."""
+def run_server(cmd: list[str], env: dict[str, str], run_dir: Path, member: Member | None = None) -> int:
+    """Run vLLM's server until it exits (its status) or this process is stopped (128 + signal).
+    With `member` (`pool.join`), the server registers with the run once healthy, and on the stop
+    leaves it first (0, once the orchestrator let it go); a refused registration stops it (2)."""
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -69,19 +73,34 @@ def run_server(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
     )
     shutdown.at_deadline(lambda: _kill_group(proc, signal.SIGKILL))
     pumps: list[_Pump] = []
+    stopping = threading.Event()
     try:
         pumps += [_Pump(proc.stdout, sys.stdout.buffer), _Pump(proc.stderr, sys.stderr.buffer)]
+        if member is not None:
+            threading.Thread(target=_join, args=(member, proc, stopping), daemon=True).start()
         code = proc.wait()
     except shutdown.Stopped:
+        stopping.set()
+        left = member is not None and member.leave()  # vLLM serves its groups in flight meanwhile
         run_dir.mkdir(parents=True, exist_ok=True)  # nothing else may have made it (a short TMPDIR elsewhere)
         log = (run_dir / "stop.log").open("ab")
         for pump in pumps:
             pump.redirect(log)
         _stop(proc)
-        return 128 + (shutdown.stopping() or signal.SIGINT)
+        return 0 if left else 128 + (shutdown.stopping() or signal.SIGINT)
     for pump in pumps:  # the rest of what it wrote, before the status
         pump.thread.join(timeout=5)
+    if member is not None and member.refused:
+        return NEEDS_USER
+    if member is not None and member.run_over:
+        return 0
     return code
+
+
+def _join(member: Member, proc: subprocess.Popen, stopping: threading.Event) -> None:
+    member.join(stopping)  # returns once refused, or once the run it joined is over
+    if member.refused or member.run_over:  # nobody sends it work: stop it (the status says why)
+        _stop(proc)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -127,7 +127,32 @@ class ClientConfig(BaseConfig):
     """A server that has answered no health check for this long since it was first found silent
     (hung, or gone) loses the groups in flight on it at once, instead of each request waiting out
     `timeout_s`: they count as failed, and their examples are dispatched again, to another server
-    or to this one once it is back (not across an orchestrator restart)."""
+    or to this one once it is back."""
+
+    max_restarts: int = Field(default=0, ge=0)
+    """Engine mode: how often vLLM's engine in this process is started again after its engine core
+    died or was killed as hung (by `rl`'s watchdog); its groups in flight are dispatched again. Past
+    it, a dead engine stops the orchestrator. `rl` sets it to deployment.max_restarts."""
+
+
+class PoolConfig(BaseConfig):
+    """The door of the run's inference pool: servers started while the run runs register here
+    (`uv run inference --pool.join ...`), and leave here when they are stopped (SIGTERM)."""
+
+    enabled: bool = True
+    """Listen for servers that join or leave. Off: the pool is `client.base_urls` (or the engine)."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on: where the servers that join reach the orchestrator (beyond loopback
+    only with the run secret). `rl` on several machines sets the orchestrator's node."""
+
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port to listen on (0: any free one). The address is written to
+    `<output_dir>/orchestrator/pool.json`, where `inference --pool.join <output_dir>` finds it."""
+
+    max_drain_s: float = Field(default=600.0, gt=0)
+    """The longest a leaving server's groups in flight are waited for, whatever it asks; those
+    still running then are handed back (their examples dispatched again)."""
 
 
 class OrchestratorConfig(RootConfig):
@@ -189,6 +214,9 @@ class OrchestratorConfig(RootConfig):
 
     client: ClientConfig = ClientConfig()
     """Inference servers."""
+
+    pool: PoolConfig = PoolConfig()
+    """Servers that join and leave the run while it runs."""
 
     engine: InferenceConfig | None = None
     """Engine mode, for one machine: vLLM's engine runs in this process (its core and worker as this

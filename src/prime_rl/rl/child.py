@@ -24,10 +24,23 @@ from prime_rl.disk import writing
 from prime_rl.logging_setup import ROLLOUT_FAILED
 
 # Console view: the lines that say what each process is doing; everything is in the log files.
-# vLLM's own INFO lines (its engine in the orchestrator's process logs there too) stay in the log,
-# whatever words they happen to contain ("waiting for worker exit" at every shutdown).
-VLLM_INFO = re.compile(r"\b(?:INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d ")
-CONSOLE_MARKERS = (" step ", "error", "Error", "resum", "waiting", "eval at", "saved", "Traceback")
+# vLLM's own records (its engine in the orchestrator's process logs there too) stay in the log,
+# whatever words they happen to contain ("waiting for worker exit" at every shutdown), with the lines
+# that continue them (a traceback): the process's own line says what happened, once.
+VLLM_RECORD = re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d ")
+OWN_LINE = re.compile(r"^(?:\d\d:\d\d:\d\d [\w-]+ |[\w-]+: (?:error|refused)\b|prime_rl: )")
+"""A line of our own processes' (their log format, their one-line errors): it ends a vLLM record."""
+CONSOLE_MARKERS = (
+    " step ",
+    "error",
+    "Error",
+    "resum",
+    "restarting",
+    "waiting",
+    "eval at",
+    "saved",
+    "Traceback",
+)
 
 
 @dataclass
@@ -105,7 +118,10 @@ def _pump(name: str, stdout: IO[str], log_path: Path, console: bool, quiet: tupl
         log = log_path.open("a")
     except OSError as e:
         _log_lost(log_path, e)
+    vllm = False
+    """Whether the line is (still) part of a record of vLLM's."""
     for line in stdout:
+        vllm = bool(VLLM_RECORD.search(line)) or (vllm and not OWN_LINE.match(line))
         if log is not None:
             try:
                 log.write(line)
@@ -119,7 +135,7 @@ def _pump(name: str, stdout: IO[str], log_path: Path, console: bool, quiet: tupl
             (console or ": error: " in line)
             and any(m in line for m in CONSOLE_MARKERS)
             and ROLLOUT_FAILED not in line
-            and not VLLM_INFO.search(line)
+            and not vllm
             and not ("waiting for" in line and any(url in line for url in quiet))
         ):
             sys.stdout.write(f"[{name}] {line}" if not line.startswith(("[", " ")) else line)

@@ -75,6 +75,19 @@ class SlurmConfig(BaseConfig):
     """How the nodes start `rl` (default: the absolute path of the `rl` that renders the job; the
     same install must be reachable from every node)."""
 
+    inference_array: int | None = Field(default=None, ge=0)
+    """Inference servers as a SLURM job array of their own, beside the run's job: `rl` writes
+    `<output_dir>/slurm/inference.sbatch` (one `inference` per task, which joins the run's pool and
+    drains on SIGTERM) and submits it with this many tasks (0: written, not submitted). Grow the pool
+    with `sbatch --array=N-M inference.sbatch` or `scontrol update JobId=<id> ArrayTaskThrottle=K`;
+    shrink it with `scancel --batch --signal=TERM <id>_<task>`. Unset: no array."""
+
+    inference_array_port: int = Field(default=8200, ge=1, le=65535)
+    """Task K of the array serves on this port + K."""
+
+    inference_array_args: list[str] = []
+    """More `#SBATCH` options for each server of the array, e.g. ['--gpus-per-task=1', '--mem=64G']."""
+
 
 class DeploymentConfig(BaseConfig):
     """How `rl` places the processes: on this machine, or on this machine's part of several."""

@@ -19,7 +19,6 @@ env worker is killed alone: the orchestrator starts another in its place.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -32,7 +31,7 @@ from prime_rl import activity, secret
 from prime_rl.config.files import write_config
 from prime_rl.disk import DiskFull, writing
 from prime_rl.engine.server import UnsafeFolder, is_healthy, server_env
-from prime_rl.layout import restarts_path
+from prime_rl.layout import record_restart, restarts_path
 from prime_rl.rl.child import Child, start_child
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.machine import here
@@ -212,17 +211,8 @@ class Launcher:
                     c.proc = c.spawn()
 
     def _record(self, child: Child, code: int) -> None:
-        record = {
-            "time": time.time(),
-            "process": child.kind,
-            "name": child.name,
-            "status": code,
-            "restart": child.restarts,
-        }
         with writing(restarts_path(self.out), "the restart record"):
-            self.out.mkdir(parents=True, exist_ok=True)
-            with restarts_path(self.out).open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            record_restart(self.out, child.kind, child.name, code, child.restarts)
 
     def run(self) -> int:
         p = plan(self.config, here(self.config))

@@ -13,7 +13,7 @@ import os
 import signal
 from pathlib import Path
 
-from prime_rl.activity import State, start_ticks
+from prime_rl.activity import ENGINE_CORE, State, start_ticks
 
 
 def process_tree(root: int) -> list[int]:
@@ -60,15 +60,26 @@ def kill_tree(group: int, tree: list[tuple[int, int]]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def kill_descendants(tree: list[tuple[int, int]]) -> None:
+    """SIGKILL the processes of `tree` (`tree_of`) alone: not their process group, which they share
+    with the parent that outlives them."""
+    live = [pid for pid, started in tree if started and start_ticks(pid) == started]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first: none starts another meanwhile
+        for pid in live:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+
+
 def kill_culprit(culprit: State, roots: dict[str, int], trees: dict[str, list[int]]) -> str | None:
     """Kill the process a stall hangs on; return the name of the child of `rl` that was killed with
     it (its restart follows), None for none. An env worker is killed alone: the orchestrator fails its
-    groups (counted) and starts another. `roots`: name -> pid of each live child; `trees`: its processes."""
+    groups (counted) and starts another; so is vLLM's engine core in engine mode, which the orchestrator
+    restarts (its groups dispatched again). `roots`: name -> pid of each live child; `trees`: its processes."""
     if not culprit.running():  # it ended while its stacks were taken (its pid may be another's now)
         return None
-    if culprit.kind == "env-worker":
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(culprit.pid, signal.SIGKILL)
+    if culprit.kind == "env-worker" or culprit.label == ENGINE_CORE:
+        # Its parent, the orchestrator, notices and starts another in its place.
+        kill_descendants(tree_of(culprit.pid))
         return None
     for name, root in roots.items():
         if culprit.pid in trees.get(name, ()):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from prime_rl import secret
 from prime_rl.config.files import config_args, write_config
 from prime_rl.rl.config import RLConfig
 
@@ -31,9 +32,17 @@ def job_dir(config: RLConfig) -> Path:
 
 
 def node_config(config: RLConfig) -> RLConfig:
-    """What every node's `rl` reads: the same run, started locally; the nodes come from the job."""
+    """What every node's `rl` reads: the same run, started locally; the nodes come from the job.
+    With an inference array, the orchestrator's pool listens where the array's nodes reach it."""
     deployment = config.deployment.model_copy(update={"type": "local", "nodes": [], "node": 0})
-    return config.model_copy(update={"deployment": deployment})
+    update: dict = {"deployment": deployment}
+    pool = config.orchestrator.pool
+    if config.deployment.slurm.inference_array is not None and "host" not in pool.model_fields_set:
+        orchestrator = config.orchestrator.model_copy(
+            update={"pool": pool.model_copy(update={"host": "0.0.0.0"})}
+        )
+        update["orchestrator"] = orchestrator
+    return config.model_copy(update=update)
 
 
 _UNSBATCHABLE = re.compile(r'[\x00-\x1f\x7f"\\]')
@@ -129,15 +138,81 @@ def render(config: RLConfig, config_args: list[str], workdir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+DRAIN_MARGIN_S = 30
+"""SLURM's warning before the time limit, beyond the servers' drain: their leave and vLLM's stop."""
+
+
+def array_config(config: RLConfig):
+    """What every task of the inference array serves: the run's policy server, joining its pool."""
+    from prime_rl.rl.wiring import served
+
+    base = served(config, 0)
+    out = Path(config.output_dir).resolve()
+    return base.model_copy(
+        update={"output_dir": out, "pool": base.pool.model_copy(update={"join": str(out)})}
+    )
+
+
+def render_array(config: RLConfig, config_args: list[str], workdir: Path) -> str:
+    """The inference array's job script: one server per task (`config_args`: its config), on port
+    `inference_array_port` + the task's index, which joins the run and drains on SIGTERM (SLURM sends
+    it `pool.drain_s` + a margin before the time limit)."""
+    s = config.deployment.slurm
+    out = _path(job_dir(config), "output_dir")
+    inference = shlex.quote(str(Path(sys.executable).parent / "inference"))
+    key = "deployment.slurm."
+    drain_s = int(config.inference.pool.drain_s) + DRAIN_MARGIN_S
+    options = [
+        (f"--job-name={s.job_name}-inference", key + "job_name"),
+        ("--ntasks=1", ""),
+        (f"--chdir={_path(workdir, 'the working directory')}", ""),
+        (f"--output={out}/inference-%A_%a.out", ""),
+        (f"--signal=B:TERM@{drain_s}", ""),
+    ]
+    options += [(f"--array=0-{s.inference_array - 1}", "")] * bool(s.inference_array)
+    options += [(f"--partition={s.partition}", key + "partition")] * bool(s.partition)
+    options += [(f"--account={s.account}", key + "account")] * bool(s.account)
+    options += [(f"--time={s.time_limit}", key + "time_limit")] * bool(s.time_limit)
+    options += [(a, f"{key}inference_array_args[{i}]") for i, a in enumerate(s.inference_array_args)]
+    secret_file = shlex.quote(str(Path(config.output_dir).resolve() / secret.FILE_NAME))
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {sbatch_arg(o, what)}" for o, what in options),
+        "",
+        f"# Rendered by `rl` for the run in {Path(out).parent}: one inference server per task, which",
+        "# joins the run's pool; SIGTERM (scancel --batch --signal=TERM <job>_<task>) drains it.",
+        "export PYTHONUNBUFFERED=1",
+        *s.setup,
+        "",
+        f"RUN_SECRET={secret_file}",
+        f'export {secret.FILE_ENV}="${{{secret.FILE_ENV}:-$RUN_SECRET}}"',
+        f"PORT=$(( {s.inference_array_port} + ${{SLURM_ARRAY_TASK_ID:-0}} ))",
+        f'exec {inference} {" ".join(map(shlex.quote, config_args))} --server.host "$(hostname)" --server.port "$PORT"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def prepare(config: RLConfig) -> Path:
-    """Write the nodes' config and the job script under <output_dir>/slurm/; the script's path."""
+    """Write the nodes' config and the job script under <output_dir>/slurm/ (and the inference
+    array's, with `slurm.inference_array`); the job script's path."""
     folder, node = job_dir(config), node_config(config)
     text = render(config, config_args(folder / "rl.toml", node), Path.cwd())  # before writing anything
+    array = None
+    if config.deployment.slurm.inference_array is not None:
+        array = render_array(config, config_args(folder / "inference.toml", array_config(config)), Path.cwd())
     folder.mkdir(parents=True, exist_ok=True)
     write_config(folder / "rl.toml", node)
     script = folder / "job.sbatch"
     script.write_text(text)
+    if array is not None:
+        write_config(folder / "inference.toml", array_config(config))
+        (folder / ARRAY_SCRIPT).write_text(array)
+        # The run's secret exists before either job starts: the servers read it as they start.
+        secret.create(Path(config.output_dir).resolve())
     return script
+
+
+ARRAY_SCRIPT = "inference.sbatch"
 
 
 def dry_run(config: RLConfig) -> str:
@@ -163,4 +238,20 @@ def submit(config: RLConfig) -> int:
         f"rl: submitted SLURM job {job} ({script}); its output: {job_dir(config) / (job + '.out')}",
         flush=True,
     )
+    array = script.parent / ARRAY_SCRIPT
+    if config.deployment.slurm.inference_array:
+        done = subprocess.run([sbatch, "--parsable", str(array)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SlurmError(f"sbatch refused {array}: {done.stderr.strip() or done.stdout.strip()}")
+        print(
+            f"rl: submitted the inference array {done.stdout.strip().split(';')[0]} "
+            f"({config.deployment.slurm.inference_array} server(s), {array}); grow it with "
+            f"`sbatch --array=<from>-<to> {array}`, shrink it with `scancel --batch --signal=TERM <job>_<task>`",
+            flush=True,
+        )
+    elif config.deployment.slurm.inference_array == 0:
+        print(
+            f"rl: wrote {array}: submit servers that join the run with `sbatch --array=0-<n> {array}`",
+            flush=True,
+        )
     return 0

@@ -94,6 +94,9 @@ def orchestrator_config(
     transport = orch.transport.model_copy(update={"run_id": run_id})
     if d.nodes and "host" not in transport.model_fields_set:
         transport = transport.model_copy(update={"host": hosts(d, "orchestrator")[0]})
+    pool = orch.pool
+    if d.nodes and "host" not in pool.model_fields_set:  # servers of other machines join there
+        pool = pool.model_copy(update={"host": hosts(d, "orchestrator")[0]})
     adapter = orch.lora_adapter or ((machine.run_dir.name or "run") if config.trainer.lora else None)
     update = {
         # It starts with the servers and waits for them: at least as long as rl does.
@@ -101,11 +104,15 @@ def orchestrator_config(
             update={
                 "base_urls": urls,
                 "health_timeout_s": max(orch.client.health_timeout_s, d.startup_timeout_s),
+                "max_restarts": orch.client.max_restarts
+                if "max_restarts" in orch.client.model_fields_set
+                else d.max_restarts,
             }
         ),
         # The orchestrator sends each data-parallel replica its batches; a replica is cp ranks.
         "trainer_ranks": config.dp,
         "transport": transport,
+        "pool": pool,
         "lora_adapter": adapter,
         "engine": engine,
     }

@@ -18,6 +18,7 @@ import httpx2
 import msgspec
 
 from prime_rl import secret
+from prime_rl.engine.local import ENGINE_URL
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs import speedups
 from prime_rl.orchestrator.envs.coalesce import CHAT_PATH, CoalescingTransport, merged_post
@@ -213,7 +214,7 @@ _JSON = msgspec.json.Encoder(enc_hook=_pydantic)
 
 class Clients:
     """The verifiers client of each server the loop sends groups to; with `exchange` (engine mode),
-    the one server is vLLM's engine in this process, and that function its transport."""
+    vLLM's engine in this process (`ENGINE_URL`) is one of them, and that function its transport."""
 
     def __init__(self, config: ClientConfig, exchange: Exchange | None = None):
         self.config = config
@@ -223,7 +224,8 @@ class Clients:
     def get(self, base_url: str):
         client = self._clients.get(base_url)
         if client is None:
-            client = self._clients[base_url] = make_vf_client(base_url, self.config, self.exchange)
+            exchange = self.exchange if base_url == ENGINE_URL else None  # servers that joined: HTTP
+            client = self._clients[base_url] = make_vf_client(base_url, self.config, exchange)
         return client
 
     async def aclose(self) -> None:

@@ -91,21 +91,26 @@ class Evaluator:
 
         async def example(index: int) -> list[Rollout]:
             async with limit:
-                server = await self.pool.pick_when_up()
-                example_id = env.dataset[index].get("example_id", -1)
-                job = GroupJob(
-                    self._next_job_id,
-                    env.name,
-                    example_id,
-                    index,
-                    n,
-                    version,
-                    server.base_url,
-                    eval=True,
-                    model=request_model(self.config.model.name, self.config.lora_adapter, version),
-                )
-                self._next_job_id -= 1
-                rollouts = await run_on(self.env_side, self.pool, server, job)
+                while True:
+                    server = await self.pool.pick_when_up()
+                    example_id = env.dataset[index].get("example_id", -1)
+                    job = GroupJob(
+                        self._next_job_id,
+                        env.name,
+                        example_id,
+                        index,
+                        n,
+                        version,
+                        server.base_url,
+                        eval=True,
+                        model=request_model(self.config.model.name, self.config.lora_adapter, version),
+                    )
+                    self._next_job_id -= 1
+                    rollouts = await run_on(self.env_side, self.pool, server, job)
+                    if not (server.lost and all(r.failed for r in rollouts)):
+                        break
+                    # Its server died under it (and is being restarted): evaluated again, elsewhere
+                    # or once it is back, so a restart costs the evaluation no example.
             self.streak.record(env.name, rollouts)
             return rollouts
 

@@ -27,7 +27,11 @@ from prime_rl.orchestrator.rollout import Rollout, failure_reason
 SERVER_SILENT = "ServerSilentError"
 """The failure reason of the rollouts of a group whose server stopped answering (`health.py`)."""
 
+SERVER_LOST = "ServerLostError"
+"""The failure reason of the rollouts of a group whose server died under it (vLLM's engine in the
+orchestrator's process, whose death the orchestrator sees): its example is dispatched again."""
 UNREACHABLE = (
+    SERVER_LOST,
     "APIConnectionError",
     "ConnectError",
     "ConnectionRefusedError",

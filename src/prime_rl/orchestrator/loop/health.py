@@ -9,6 +9,9 @@ version their server does not serve, and a restart costs only the rollouts that 
 as failed). A server silent for `silent_s` (hung: it accepts connections and answers nothing)
 also loses its groups in flight at once (`on_silent`, the scheduler's `abandon`): they count as
 failed, and their examples go to the next dispatch, instead of each request waiting out its timeout.
+vLLM's engine in this process (engine mode) is a member like the others: when its engine core dies
+(or `rl`'s watchdog kills it as hung) its groups in flight go to the next dispatch, and it is started
+again, up to `client.max_restarts` times, then loaded with the current weights before it gets work.
 Invariant: if no server has been up for `health_timeout_s`, the run stops with
 `InferenceUnavailable` rather than waiting forever.
 """
@@ -25,9 +28,12 @@ import httpx
 
 from prime_rl import secret, tls
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable, Server, ServerPool
-from prime_rl.orchestrator.loop.weights import UNKNOWN, WeightSync, served_step
+from prime_rl.orchestrator.loop.weights import UNKNOWN, WeightSync, WeightSyncError, served_step
 
 log = logging.getLogger("prime_rl.orchestrator")
+
+RESTART_ATTEMPTS = 3
+"""Starts of vLLM's engine tried for one restart before the orchestrator gives up."""
 
 
 class ServerHealth:
@@ -40,6 +46,8 @@ class ServerHealth:
         request_timeout_s: float = 5.0,
         silent_s: float = 30.0,
         on_silent: Callable[[Server], int] | None = None,
+        max_restarts: int = 0,
+        on_restart: Callable[[int], None] | None = None,
     ):
         self.pool = pool
         self.weights = weights
@@ -48,6 +56,11 @@ class ServerHealth:
         self.request_timeout_s = request_timeout_s
         self.silent_s = silent_s
         self.on_silent = on_silent
+        self.max_restarts = max_restarts
+        """Restarts of vLLM's engine in this process (engine mode) before a dead one stops the run."""
+        self.engine_restarts = 0
+        self.on_restart = on_restart
+        """Told each engine restart's number (the run's restart record)."""
         self._recovering: dict[Server, asyncio.Task] = {}
         self._behind: set[Server] = set()
         """Servers waiting for a broadcast to catch up (said once, not at every check)."""
@@ -77,18 +90,25 @@ class ServerHealth:
                 self._check_give_up()
 
     async def _check(self, http: httpx.AsyncClient, server: Server) -> None:
-        if server.engine is not None and server.engine.stopped:
-            if self.error is None:  # its processes are this one's children: nothing here restarts them
-                self.error = InferenceUnavailable(
-                    "vLLM's engine in this process stopped (its engine core or worker exited; see the log "
-                    "above): restart the orchestrator (`rl` does, up to deployment.max_restarts)"
-                )
-            return
         if server in self._recovering:
+            return
+        if server.engine is not None and server.engine.stopped:
+            if self.engine_restarts >= self.max_restarts:
+                if self.error is None:
+                    self.error = InferenceUnavailable(
+                        f"vLLM's engine in this process stopped (its engine core or worker exited; see the log), "
+                        f"and it was restarted {self.engine_restarts} time(s) of client.max_restarts = "
+                        f"{self.max_restarts}: restart the orchestrator (`rl` does, up to deployment.max_restarts)"
+                    )
+                return
+            server.up = False
+            self._recovering[server] = asyncio.create_task(self._restart_engine(server))
             return
         if server.up:
             version = self.weights.version
             step = await served_step(http, server, self.weights.adapter)
+            if step is not None and step >= 0:
+                server.step = step
             if step is not None and (step == UNKNOWN or self.weights.serves(step, self.weights.version)):
                 return
             if step is not None and (self.weights.lock.locked() or self.weights.version != version):
@@ -104,6 +124,8 @@ class ServerHealth:
         delay, t0, noted, abandoned = 0.25, time.monotonic(), False, False
         try:
             while (step := await served_step(http, server, self.weights.adapter)) is None:
+                if server.left:
+                    return
                 if not noted:
                     log.warning(
                         "inference server %s does not answer: no new rollouts go to it until it is back",
@@ -124,7 +146,7 @@ class ServerHealth:
                 delay = min(2 * delay, 5.0)
             async with self.weights.lock:
                 version = self.weights.version
-                if step != UNKNOWN and not self.weights.serves(step, version):
+                if step != UNKNOWN and not self.weights.serves(step, version) and not server.joining:
                     if not self.weights.broadcast(version):
                         log.warning(
                             "inference server %s serves step %d, not %d: reloading it before it gets work",
@@ -143,18 +165,77 @@ class ServerHealth:
                         self._behind.add(server)
                     noted = True
                 # If it went away again, the load has suspected it anew and the next check retries.
-                server.up = await self.weights.restore(server, None if step == UNKNOWN else step)
+                loaded = await self.weights.restore(server, None if step == UNKNOWN else step)
+                server.up = loaded and not server.left
+                if server.up:
+                    server.step = self.weights.version
             if server.up:
                 self._behind.discard(server)
-            if server.up and noted:
+            if server.up and server.joining:
+                server.joining = False
+                log.info(
+                    "inference server %s joined the pool after %.1f s, serving step %d",
+                    server.root_url,
+                    time.monotonic() - t0,
+                    self.weights.version,
+                )
+            elif server.up and noted:
                 log.info(
                     "inference server %s is back after %.1f s, serving step %d",
                     server.root_url,
                     time.monotonic() - t0,
                     self.weights.version,
                 )
-        except Exception as e:  # a refused reload: nothing more this monitor can do
+        except WeightSyncError as e:
+            if not server.joining:  # a member of the run refused a reload: nothing more to do here
+                self.error = e
+                return
+            # A server that joined but will not serve this run's weights is no member: the run goes on.
+            log.warning("inference server %s cannot join the pool: %s", server.root_url, e)
+            self.pool.remove(server)
+        except Exception as e:  # a bug here must stop the run, not silently end the recovery
             self.error = e
+        finally:
+            del self._recovering[server]
+
+    async def _restart_engine(self, server: Server) -> None:
+        """vLLM's engine in this process died (its core exited, or `rl`'s watchdog killed it as
+        hung): its groups in flight go to the next dispatch, it starts again and, loaded with the
+        current weights, gets work again."""
+        t0 = time.monotonic()
+        self.engine_restarts += 1
+        try:
+            if self.on_silent:
+                self.on_silent(server)
+            log.warning(
+                "vLLM's engine core in this process died: restarting the engine (%d of %d, "
+                "client.max_restarts); the groups that were on it go to the next dispatch",
+                self.engine_restarts,
+                self.max_restarts,
+            )
+            if self.on_restart:
+                self.on_restart(self.engine_restarts)
+            for attempt in range(1, RESTART_ATTEMPTS + 1):
+                try:
+                    await server.engine.restart()
+                    break
+                except Exception as e:  # (seen once: vLLM's start-up handshake failing at once)
+                    if attempt == RESTART_ATTEMPTS:
+                        raise
+                    log.info("vLLM's engine did not start (%s: %s); trying again", type(e).__name__, e)
+                    await asyncio.sleep(attempt)
+            async with self.weights.lock:
+                server.up = await self.weights.restore(server, 0)
+            log.info(
+                "vLLM's engine is back after %.1f s, serving step %d",
+                time.monotonic() - t0,
+                self.weights.version,
+            )
+        except Exception as e:  # a restart that fails: the orchestrator stops (and `rl` restarts it)
+            log.error("vLLM's engine in this process could not restart: %s: %s", type(e).__name__, e)
+            self.error = InferenceUnavailable(
+                f"vLLM's engine in this process could not restart: {type(e).__name__}: {e}"
+            )
         finally:
             del self._recovering[server]
 

@@ -25,6 +25,7 @@ from prime_rl.contract import ContractError
 from prime_rl.disk import writing
 from prime_rl.engine.local import LocalEngine
 from prime_rl.layout import (
+    record_restart,
     refusal_path,
     restart_counts,
     weights_root,
@@ -50,6 +51,7 @@ from prime_rl.orchestrator.loop.progress import (
     save_progress,
 )
 from prime_rl.orchestrator.loop.records import step_records, write_jsonl
+from prime_rl.orchestrator.loop.registry import Registry
 from prime_rl.orchestrator.loop.resend import oldest_resume_step, steps_to_resend
 from prime_rl.orchestrator.loop.scheduler import Accounting, Scheduler
 from prime_rl.orchestrator.loop.sender import BatchSender
@@ -58,6 +60,7 @@ from prime_rl.orchestrator.loop.step_metrics import (
     accounting_metrics,
     batch_metrics,
     dynamic_sampling_metrics,
+    pool_metrics,
     rollout_metrics,
     step_line,
 )
@@ -128,7 +131,10 @@ class Orchestrator:
             c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}
         )
         cursors = {name: cursor_from_json(data) for name, data in progress.cursors.items()}
-        self.scheduler = Scheduler(c, self.envs, self.pool, self.env_side, rng, acc, difficulty, cursors)
+        again = [(name, int(index)) for name, index in progress.again]
+        self.scheduler = Scheduler(
+            c, self.envs, self.pool, self.env_side, rng, acc, difficulty, cursors, again
+        )
         self.prev_skipped: Counter = Counter()
         self.prev_acc = Accounting.from_snapshot(acc.snapshot())
         adapter = (
@@ -148,7 +154,14 @@ class Orchestrator:
             c.client.health_timeout_s,
             silent_s=c.client.silent_s,
             on_silent=self.scheduler.abandon,
+            max_restarts=c.client.max_restarts,
+            on_restart=self._record_engine_restart,
         )
+        self.registry = None
+        if c.pool.enabled:
+            self.registry = Registry(c.pool, self.pool, self.weights, self.output_dir, self.scheduler.abandon)
+            await self.registry.start()
+        self._prev_groups: dict[str, int] = {}
         forget_uncommitted(self.output_dir, progress.step)
         self.metrics = MetricsLogger(
             self.output_dir / "orchestrator" / "metrics.jsonl", c.wandb, config=c.model_dump(mode="json")
@@ -156,6 +169,14 @@ class Orchestrator:
         self.evaluator = Evaluator(c, evals, self.pool, self.env_side, self.metrics) if evals else None
         self.collector = Collector(c, self.scheduler, self.pool, self.weights, self.health, self.evaluator)
         return progress
+
+    def _record_engine_restart(self, restart: int) -> None:
+        """The run's restart record (`restarts.jsonl`, counted in the step's metrics) of an engine
+        restart; a full disk loses the line, not the restart."""
+        try:
+            record_restart(self.output_dir, "inference", "engine", -9, restart)
+        except OSError as e:
+            log.warning("cannot record the engine's restart in %s: %s", self.output_dir, e)
 
     def _take_signals(self) -> None:
         """SIGINT/SIGTERM cancel the run, which then stops cleanly (envs torn down, sockets closed)
@@ -231,12 +252,16 @@ class Orchestrator:
             monitor.cancel()
             if self.evaluator:
                 self.evaluator.cancel()
+            if self.registry:
+                await self.registry.close()
             await self.scheduler.shutdown()
             await self.sender.close(deliver=False)
             self.metrics.close()
             await self.env_side.close()
             raise
         monitor.cancel()
+        if self.registry:
+            await self.registry.close(finished=True)
         await self.scheduler.shutdown()
         if self.evaluator:  # before the teardown: a v1 env's eval runs on servers its teardown stops
             await self.evaluator.finish()
@@ -331,6 +356,7 @@ class Orchestrator:
             },
             rng_state=rng_to_json(self.scheduler.rng),
             difficulty={env: dict(seen) for env, seen in self.scheduler.difficulty.extremes.items()},
+            again=[[name, index] for name, index in self.scheduler.pending_examples()],
         )
 
     def _save(self, batch: TrainingBatch, progress: Progress) -> None:
@@ -367,6 +393,8 @@ class Orchestrator:
         self.prev_acc = Accounting.from_snapshot(sched.acc.snapshot())
         m.update(batch_metrics(per_rank, c.seq_len))
         m["policy_version"] = self.weights.version
+        m.update(pool_metrics(self.pool.servers, self._prev_groups))
+        self._prev_groups = {s.name: s.groups for s in self.pool.servers}
         if c.adaptive_async.enabled:
             level = self.collector.async_level
             m["async/level"] = level.level

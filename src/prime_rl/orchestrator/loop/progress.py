@@ -7,7 +7,9 @@ batch, rollouts and metrics record are written and before the batch is sent; tha
 commit point. After a crash the restarted orchestrator drops the metrics of uncommitted steps, re-sends exactly
 the saved batches from the trainer's oldest kept checkpoint on (the trainer ignores a step it already has)
 and continues with the next step: no step is skipped, and no step is trained on two different
-batches. Examples that were in flight at the crash are not drawn again (they count as stale).
+batches. The rollouts in flight or waiting for a batch at the crash count as stale, and their
+examples, with those waiting to be dispatched again (lost with a server), are dispatched first by
+the restarted orchestrator (`Progress.again`): no example is lost to a crash.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Progress:
     rng_state: Any = None
     difficulty: dict[str, dict[str, float]] = field(default_factory=dict)
     """The difficulty filter's memory: env -> example id -> last pass rate (skipped examples only)."""
+    again: list[list] = field(default_factory=list)
+    """[env name, dataset index] of the examples to dispatch first on resume: those in flight, or
+    back and not yet in a batch, at the commit, and those waiting to be dispatched again."""
 
 
 def progress_dir(output_dir: Path) -> Path:
@@ -56,7 +61,8 @@ def load_progress(output_dir: Path) -> Progress | None:
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    return Progress(**data)
+    known = Progress.__dataclass_fields__
+    return Progress(**{k: v for k, v in data.items() if k in known})
 
 
 def batch_path(output_dir: Path, step: int) -> Path:

@@ -39,7 +39,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs_config import EnvConfig
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
 from prime_rl.orchestrator.loop.examples import Cursor, ExampleSource
-from prime_rl.orchestrator.loop.failures import SERVER_SILENT, FailureStreak
+from prime_rl.orchestrator.loop.failures import SERVER_LOST, SERVER_SILENT, FailureStreak
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
@@ -109,6 +109,7 @@ def run_on(env_side: EnvSide, pool: ServerPool, server: Server, job: GroupJob) -
     task is done, however it ends (even cancelled before it started); a group whose every rollout
     failed makes the server suspect, so no more work goes to a dead server before it is checked."""
     server.inflight += job.size
+    server.groups += 1
 
     async def run() -> list[Rollout]:
         rollouts = await env_side.run(job)
@@ -138,6 +139,7 @@ class Scheduler:
         accounting: Accounting | None = None,
         difficulty: DifficultyMemory | None = None,
         cursors: dict[str, Cursor] | None = None,
+        again: list[tuple[str, int]] = (),
     ):
         self.config = config
         self.envs = envs
@@ -164,8 +166,12 @@ class Scheduler:
         self.skipped: Counter = Counter()
         """Examples the difficulty filter skipped, per env, since the start of this process."""
         self.streak = FailureStreak(config.max_failed_groups, config.client.health_timeout_s)
-        self._again: deque[tuple[EnvView[EnvConfig], int]] = deque()
-        """Examples whose groups were lost with a silent server: dispatched again first."""
+        by_name = {e.name: e for e in envs}
+        self._again: deque[tuple[EnvView[EnvConfig], int]] = deque(
+            (by_name[name], index) for name, index in again if name in by_name
+        )
+        """Examples whose groups were lost with a server (or with the previous orchestrator process,
+        `again`): dispatched again first."""
 
     # ---------------------------------------------------------------- counts
 
@@ -185,6 +191,12 @@ class Scheduler:
             raise AssertionError(
                 f"rollout accounting broken: dispatched {dispatched} != accounted {accounted} + pending {pending}"
             )
+
+    def pending_examples(self) -> list[tuple[str, int]]:
+        """(env name, dataset index) of every example a crash now would lose: those waiting to be
+        dispatched again, in flight, and back but not yet in a batch (saved with the progress)."""
+        groups = [*self.inflight.values(), *self.ready]
+        return [(env.name, i) for env, i in self._again] + [(g.env_name, g.index) for g in groups]
 
     # ---------------------------------------------------------------- dispatch
 
@@ -270,11 +282,16 @@ class Scheduler:
         for task in done:
             group = self.inflight.pop(task, None)
             if group is not None:  # (None: abandoned meanwhile, already finalized)
-                self._finalize(group, task.result())
+                rollouts = task.result()
+                if group.server.lost and all(r.failed for r in rollouts):
+                    why = f"{SERVER_LOST}: inference server {group.server.root_url} died under the group"
+                    rollouts = self._again_later(group, why)
+                self._finalize(group, rollouts)
 
     def abandon(self, server: Server) -> int:
-        """`server` stopped answering: its groups in flight fail now (counted, as failed), rather
-        than each request waiting out its timeout, and their examples are dispatched again first.
+        """`server` stopped answering (or died, or leaves): its groups in flight fail now (counted,
+        as failed), rather than each request waiting out its timeout, and their examples are
+        dispatched again first, as are those of its groups that came back with every rollout failed.
         Returns the number of groups."""
         lost = [(task, g) for task, g in self.inflight.items() if g.server is server]
         reason = f"{SERVER_SILENT}: inference server {server.root_url} stopped answering"
@@ -282,19 +299,25 @@ class Scheduler:
         for task, group in lost:
             del self.inflight[task]
             if task.done() and not task.cancelled():  # back before it fell silent: keep what it got
-                self._finalize(group, task.result())
+                rollouts = task.result()
+                if all(r.failed for r in rollouts):
+                    rollouts = self._again_later(group, reason)
+                self._finalize(group, rollouts)
                 continue
             task.cancel()
-            self._finalize(
-                group,
-                [
-                    failed_rollout(group.env_name, group.example_id, group.policy_version, reason)
-                    for _ in range(group.size)
-                ],
-            )
-            self._again.append((group.env, group.index))
+            self._finalize(group, self._again_later(group, reason))
             n += 1
         return n
+
+    def _again_later(self, group: Group, reason: str) -> list[Rollout]:
+        """`group` was lost with its server: its example goes to the next dispatch, and its rollouts
+        fail for `reason`, which counts as unreachable (bounded by time, not by `max_failed_groups`:
+        a server that dies fails every group on it at once)."""
+        self._again.append((group.env, group.index))
+        return [
+            failed_rollout(group.env_name, group.example_id, group.policy_version, reason)
+            for _ in range(group.size)
+        ]
 
     def _finalize(self, group: Group, rollouts: list[Rollout]) -> None:
         name = group.env_name

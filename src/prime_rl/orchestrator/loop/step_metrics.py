@@ -73,6 +73,37 @@ def batch_metrics(per_rank, seq_len: int) -> dict[str, float]:
     }
 
 
+POOL_STATES = ("serving", "joining", "draining", "down")
+
+
+def pool_metrics(servers, prev_groups: dict[str, int]) -> dict[str, Any]:
+    """The pool now: how many members are in each state, and per member the groups
+    dispatched to it since the last step (`prev_groups`: name -> its count then) and the step of the
+    weights it was last seen serving."""
+    m: dict[str, Any] = {f"pool/{k}": 0 for k in POOL_STATES}
+    for s in servers:
+        m[f"pool/{s.state}"] += 1
+        m[f"pool/{s.name}/groups"] = s.groups - prev_groups.get(s.name, 0)
+        if s.step is not None:
+            m[f"pool/{s.name}/step"] = s.step
+    return m
+
+
+def pool_part(m: dict[str, Any]) -> str:
+    """The step line's view of the pool, when it has more than one member or one joins or leaves."""
+    if sum(m.get(f"pool/{k}", 0) for k in POOL_STATES) <= 1 and not (
+        m.get("pool/joining") or m.get("pool/draining")
+    ):
+        return ""
+    counts = ", ".join(f"{m[f'pool/{k}']} {k}" for k in POOL_STATES if m.get(f"pool/{k}"))
+    groups = ", ".join(
+        f"{key.removeprefix('pool/').removesuffix('/groups')} {n}"
+        for key, n in m.items()
+        if key.startswith("pool/") and key.endswith("/groups")
+    )
+    return f" | pool {counts} (groups: {groups})"
+
+
 def step_line(step: int, m: dict[str, Any], envs: list[str]) -> str:
     def reward(env: str) -> str:
         mean = m.get(f"reward/{env}/mean")
@@ -84,5 +115,5 @@ def step_line(step: int, m: dict[str, Any], envs: list[str]) -> str:
         f"filtered {m['rollouts/all/filtered']} failed {m['rollouts/all/failed']} stale {m['rollouts/all/stale']} | "
         f"lag {m.get('off_policy_lag/all/mean', 0.0):.2f} | {m['time/step']:.1f}s (generate {m['time/generate']:.1f}s, "
         f"wait trainer {m['time/wait_trainer']:.1f}s, reload {m['time/reload']:.2f}s) | "
-        f"{m['throughput/tokens_per_s']:.0f} tok/s"
+        f"{m['throughput/tokens_per_s']:.0f} tok/s{pool_part(m)}"
     )

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl import activity, secret, tls
-from prime_rl.engine.local import EngineBroken
+from prime_rl.engine.local import EngineBroken, EngineStopped
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 
@@ -230,6 +230,10 @@ class WeightSync:
                 if server.engine is not None:
                     try:
                         await server.engine.load_weights(Path(path), step)
+                    except EngineStopped as e:  # the health monitor restarts it, then loads it
+                        log.warning("vLLM's engine in this process did not load step %d: %s", step, e)
+                        self.pool.suspect(server)
+                        unreachable.append(server)
                     except EngineBroken as e:
                         raise WeightSyncError(
                             f"the engine in this process could not load step {step}: {e}"
@@ -261,6 +265,9 @@ class WeightSync:
                     )
 
             await asyncio.gather(*(load(s) for s in servers))
+        for server in servers:
+            if server not in unreachable:
+                server.step = step
         return unreachable
 
 

@@ -34,30 +34,42 @@ async def check_weights_dirs(
     pool: ServerPool, output_dir: Path, adapter: bool, timeout_s: float = 30.0
 ) -> None:
     """Raise `WeightsDirMismatch` for the first server that would refuse `<output_dir>/weights`."""
-    published = weights_root(output_dir).resolve()
     async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
         roots = await asyncio.gather(*(_accepted_root(http, s, adapter) for s in pool.servers))
     for server, root in zip(pool.servers, roots, strict=True):
-        if root == UNAUTHORIZED:
-            given = f"the secret in {secret.FILE_ENV}/{secret.ENV}" if secret.value() else "no secret"
-            raise SecretRefused(
-                f"the inference server at {server.root_url} refuses this run's requests (401: {given}): "
-                f"give the orchestrator and the trainer the server's secret, {secret.FILE_ENV}=<its file>"
-            )
-        if root is None or published == root or root in published.parents:
-            continue
-        what = "adapters" if adapter else "weights"
-        setting = (
-            "inference.lora.runs_root, by default <inference.output_dir>/weights"
-            if adapter
-            else "<inference.output_dir>/weights"
+        refusal(server, root, output_dir, adapter)
+
+
+async def check_weights_dir(server: Server, output_dir: Path, adapter: bool, timeout_s: float = 30.0) -> None:
+    """`check_weights_dirs` for one server (one that joins the running run)."""
+    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
+        refusal(server, await _accepted_root(http, server, adapter), output_dir, adapter)
+
+
+def refusal(server: Server, root: Path | None, output_dir: Path, adapter: bool) -> None:
+    """Raise the one-line error of a server that loads from `root` (`_accepted_root`), if it would
+    refuse this run's weights."""
+    published = weights_root(output_dir).resolve()
+    if root == UNAUTHORIZED:
+        given = f"the secret in {secret.FILE_ENV}/{secret.ENV}" if secret.value() else "no secret"
+        raise SecretRefused(
+            f"the inference server at {server.root_url} refuses this run's requests (401: {given}): "
+            f"give the orchestrator and the trainer the server's secret, {secret.FILE_ENV}=<its file>"
         )
-        raise WeightsDirMismatch(
-            f"orchestrator.output_dir = '{output_dir}': the trainer publishes this run's {what} in "
-            f"{published}, but the inference server at {server.root_url} loads {what} only from under "
-            f"{root} ({setting}): start `inference` with the same --output-dir as the orchestrator "
-            "and the trainer"
-        )
+    if root is None or published == root or root in published.parents:
+        return
+    what = "adapters" if adapter else "weights"
+    setting = (
+        "inference.lora.runs_root, by default <inference.output_dir>/weights"
+        if adapter
+        else "<inference.output_dir>/weights"
+    )
+    raise WeightsDirMismatch(
+        f"orchestrator.output_dir = '{output_dir}': the trainer publishes this run's {what} in "
+        f"{published}, but the inference server at {server.root_url} loads {what} only from under "
+        f"{root} ({setting}): start `inference` with the same --output-dir as the orchestrator "
+        "and the trainer"
+    )
 
 
 UNAUTHORIZED = Path("/401")

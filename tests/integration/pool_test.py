@@ -1,0 +1,207 @@
+"""The elastic inference pool under `rl`, with real vLLM servers on loopback: servers join and leave
+a running run, the first one is killed, and nothing is lost or trained twice.
+
+One run of 30 steps (server mode, `deployment.max_restarts`), during which a second server started
+by hand (`inference --pool.join <run dir>`) joins and receives groups, a third with another secret is
+refused in one line on both sides (status 2), the first server is SIGKILLed (`rl` restarts it) and
+the second is SIGTERMed and drains (status 0). The orchestrator's SIGKILL and restart are
+`fault_test.py`'s; the engine's, `hang_test.py`'s.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rl_test import write_config
+
+from helpers.cores import server_env
+from prime_rl import activity
+from prime_rl.monitor import read_metrics
+from prime_rl.net import free_port
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+STEPS = 30
+
+
+def trainer_steps(run: Path) -> list[int]:
+    path = run / "trainer" / "metrics.jsonl"
+    return [m["step"] for m in read_metrics(path)] if path.exists() else []
+
+
+def orchestrator_metrics(run: Path) -> list[dict]:
+    path = run / "orchestrator" / "metrics.jsonl"
+    return read_metrics(path) if path.exists() else []
+
+
+def start_server(
+    tmp: Path, name: str, model: Path, run: Path, secret_file: Path
+) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = (tmp / f"{name}.log").open("w")
+    cmd = [
+        str(BIN / "inference"),
+        "--model.name", str(model),
+        "--output-dir", str(run),
+        "--server.port", str(port),
+        "--pool.join", str(run),
+        "--pool.drain-s", "60",
+    ]  # fmt: skip
+    env = {**server_env(), "PRIME_RL_SECRET_FILE": str(secret_file)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tiny_model, tmp_path_factory):
+    """The run, with the events in order. The trainer is held (SIGSTOP; the watchdog is off) while a
+    server starts and while the first is killed and the second drains, so that the run cannot end
+    before they happen, however slow this machine is; the orchestrator meanwhile waits within the
+    async level, as it would for a slow trainer."""
+    tmp = tmp_path_factory.mktemp("pool")
+    extra = "[deployment]\nmax_restarts = 3\nrestart_backoff_s = 0.5\nstall_timeout_s = 0\n"
+    toml = write_config(tmp, tiny_model, "reverse-text", steps=STEPS, extra=extra)
+    run, console = tmp / "run", tmp / "rl.console"
+    with console.open("w") as out:
+        rl = subprocess.Popen([str(BIN / "rl"), "@", str(toml)], stdout=out, stderr=subprocess.STDOUT)
+    started: list[subprocess.Popen] = []
+
+    def wait_for(condition, what: str, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert rl.poll() is None, f"rl ended while waiting for {what}: {console.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{what}: {console.read_text()[-3000:]}"
+            time.sleep(0.2)
+
+    def log() -> str:
+        path = run / "logs" / "orchestrator.log"
+        return path.read_text() if path.exists() else ""
+
+    def groups_of(name: str) -> int:
+        return sum(m.get(f"pool/{name}/groups", 0) for m in orchestrator_metrics(run))
+
+    def trainer(sig: signal.Signals) -> None:
+        for s in activity.read_all(run / "activity"):
+            if s.kind == "trainer" and s.running():
+                os.kill(s.pid, sig)
+
+    facts = {}
+    try:
+        wait_for(lambda: len(trainer_steps(run)) >= 2, "2 trainer steps")
+        trainer(signal.SIGSTOP)
+        second, second_name = start_server(tmp, "second", tiny_model, run, run / ".secret")
+        wrong = tmp / "wrong.secret"
+        wrong.write_text("another-runs-secret-0123456789abcdef\n")
+        wrong.chmod(0o600)
+        third, _ = start_server(tmp, "third", tiny_model, run, wrong)
+        started += [second, third]
+        facts["third_status"] = third.wait(timeout=600)
+        wait_for(lambda: f"inference server http://{second_name} joined the pool" in log(), "the join")
+        trainer(signal.SIGCONT)
+        wait_for(lambda: groups_of(second_name) > 0, "the second server to get groups")
+        trainer(signal.SIGSTOP)
+        # The first server, rl's, is killed (rl restarts it), and the second drains and leaves.
+        rl_server = [
+            p for p in _children(rl.pid) if b"vllm_server" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        assert rl_server, "rl's server was not found"
+        os.killpg(os.getpgid(rl_server[0]), signal.SIGKILL)
+        second.send_signal(signal.SIGTERM)
+        facts["second_status"] = second.wait(timeout=120)
+        facts["left_at"] = len(trainer_steps(run))
+        trainer(signal.SIGCONT)
+        assert facts["left_at"] < STEPS
+        rl.wait(timeout=900)
+    finally:
+        trainer(signal.SIGCONT)
+        if rl.poll() is None:
+            rl.send_signal(signal.SIGINT)
+            rl.wait(timeout=120)
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=120)
+    facts["second_name"] = second_name
+    return run, rl.returncode, console.read_text(), tmp, facts
+
+
+def _children(pid: int) -> list[int]:
+    """Every live descendant of `pid`."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        at = todo.pop()
+        kids = [p for p, parent in parents.items() if parent == at]
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.xdist_group("elastic_run")
+def test_the_run_finishes_every_step_once_with_every_rollout_accounted_for(elastic_run):
+    run, code, console, _, _ = elastic_run
+    assert code == 0, console[-3000:]
+    assert trainer_steps(run) == list(range(STEPS)), console[-3000:]
+    orch = orchestrator_metrics(run)
+    assert [m["step"] for m in orch] == list(range(STEPS))
+    last = orch[-1]
+    pending = last["rollouts/all/inflight"] + last["rollouts/all/waiting"]
+    buckets = sum(last[f"rollouts/all/{b}_total"] for b in ("trained", "filtered", "failed", "stale"))
+    assert last["rollouts/all/dispatched_total"] == buckets + pending
+    records = [
+        json.loads(x) for p in sorted((run / "rollouts").glob("*.jsonl")) for x in p.read_text().splitlines()
+    ]
+    failed = [r for r in records if r.get("error")]
+    assert all(r["error"].strip() for r in failed)  # every failure says why
+
+
+@pytest.mark.xdist_group("elastic_run")
+def test_a_server_that_joins_gets_groups_on_the_current_weights_and_drains_with_status_0(elastic_run):
+    run, _, console, tmp, facts = elastic_run
+    name = facts["second_name"]
+    log = (run / "logs" / "orchestrator.log").read_text()
+    assert f"inference server http://{name} registers" in log
+    assert f"inference server http://{name} joined the pool" in log
+    served = [m for m in orchestrator_metrics(run) if m.get(f"pool/{name}/groups")]
+    assert served, "the second server got no groups"
+    # Never a stale version: each step it served, it served the step's policy version.
+    assert all(m[f"pool/{name}/step"] == m["policy_version"] for m in served), [
+        (m["step"], m[f"pool/{name}/step"], m["policy_version"]) for m in served
+    ]
+    assert "| pool 2 serving" in console, console[-3000:]  # the step line shows the pool
+    assert facts["second_status"] == 0, (tmp / "second.log").read_text()[-3000:]
+    assert f"inference server http://{name} left the pool" in log
+    assert "left the run's pool" in (tmp / "second.log").read_text()
+
+
+@pytest.mark.xdist_group("elastic_run")
+def test_a_server_with_another_secret_is_refused_in_one_line_on_both_sides(elastic_run):
+    run, _, _, tmp, facts = elastic_run
+    assert facts["third_status"] == 2
+    third = (tmp / "third.log").read_text()
+    refusals = [line for line in third.splitlines() if "refused this server" in line]
+    assert len(refusals) == 1 and "wrong run secret" in refusals[0], third[-3000:]
+    log = (run / "logs" / "orchestrator.log").read_text()
+    assert len([line for line in log.splitlines() if "pool: refused POST /pool/join" in line]) == 1
+
+
+@pytest.mark.xdist_group("elastic_run")
+def test_the_first_server_killed_mid_run_is_restarted_and_the_run_goes_on(elastic_run):
+    run, _, console, _, _ = elastic_run
+    assert "rl: inference" in console and "restarting it (1 of 3)" in console, console[-3000:]
+    log = (run / "logs" / "orchestrator.log").read_text()
+    assert "does not answer: no new rollouts go to it until it is back" in log
+    assert "is back after" in log  # reloaded with the run's weights before it got work again
