@@ -181,6 +181,7 @@ def test_an_inference_array_grows_by_a_task_that_joins_and_shrinks_by_one_that_d
             capture_output=True, text=True, env=env, timeout=60,
         )  # fmt: skip
         assert grown.returncode == 0, grown.stderr
+        added = grown.stdout.strip().split(";")[0]
         wait_for(
             lambda: f"inference server http://{host}:{base + 1} joined the pool" in log(),
             "task 1 to join",
@@ -197,7 +198,7 @@ def test_an_inference_array_grows_by_a_task_that_joins_and_shrinks_by_one_that_d
         )
         # The array's last server sees the run is over and stops by itself.
         wait_for(
-            lambda: state(f"{array.split('_')[0]}_1") not in ("RUNNING", "COMPLETING"), "task 1 to end", 300
+            lambda: state(added) not in ("PENDING", "RUNNING", "COMPLETING"), "the added task to end", 300
         )
     finally:
         trainer(signal.SIGCONT)
@@ -207,8 +208,8 @@ def test_an_inference_array_grows_by_a_task_that_joins_and_shrinks_by_one_that_d
     assert [m["step"] for m in read_metrics(run / "trainer" / "metrics.jsonl")] == list(range(steps))
     orch = read_metrics(run / "orchestrator" / "metrics.jsonl")
     assert [m["step"] for m in orch] == list(range(steps))
-    task0 = (run / "slurm").glob(f"inference-{array}_0.out")
-    assert any("left the run's pool" in p.read_text() for p in task0)
+    assert "left the run's pool" in (run / "slurm" / f"inference-{array}_0.out").read_text()
+    assert "the run this server joined is over" in (run / "slurm" / f"inference-{added}_1.out").read_text()
 
 
 def _two_free_ports() -> int:
