@@ -1,6 +1,7 @@
 """What a membership change of the inference pool costs a step: a server joins, then leaves.
 
     uv run python benchmarks/pool.py [--steps 40] [--join-at 8] [--leave-after 10] [--mode server|engine]
+                                     [--weights filesystem|collective]
 
 Runs `rl @ configs/reverse_text/rl.toml` (its own vLLM server, or vLLM's engine in the orchestrator
 with `--mode engine`), starts a second server with `inference --pool.join <run dir>` before the run
@@ -52,7 +53,8 @@ def measure(args, out: Path) -> tuple[list[dict], str]:
     port = free_port()
     rl_cmd = [str(BIN / "rl"), "@", str(REPO / "configs/reverse_text/rl.toml"), "--output_dir", str(out),
               "--max_steps", str(args.steps), "--deployment.inference_mode", args.mode,
-              "--orchestrator.eval.at_start", "false", "--orchestrator.eval.interval", str(args.steps + 1)]  # fmt: skip
+              "--orchestrator.eval.at_start", "false", "--orchestrator.eval.interval", str(args.steps + 1),
+              "--trainer.weight_broadcast.type", args.weights]  # fmt: skip
     rl = subprocess.Popen(rl_cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     # The second server starts now (its vLLM loads meanwhile) and registers once the pool's address
     # is written where it looks (`door`), at step `--join-at`.
@@ -106,6 +108,7 @@ def main() -> None:
     p.add_argument("--join-at", type=int, default=8)
     p.add_argument("--leave-after", type=int, default=10)
     p.add_argument("--mode", choices=["server", "engine"], default="server")
+    p.add_argument("--weights", choices=["filesystem", "collective"], default="filesystem")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="pool-bench-") as tmp:
         steps, name = measure(args, Path(tmp) / "run")
@@ -113,7 +116,8 @@ def main() -> None:
     join = next(i for i, m in enumerate(steps) if m.get(f"pool/{name}/step") is not None)
     leave = next(i for i in range(join + 1, len(steps)) if members[i] < members[join])
     print(
-        f"{args.mode} mode, {len(steps)} steps; the second server joined in step {join}, left in step {leave}"
+        f"{args.mode} mode, {args.weights} weights, {len(steps)} steps; the second server joined in step "
+        f"{join}, left in step {leave}"
     )
     print(
         f"{'change':<8} {'before (s)':>11} {'during (s)':>11} {'after (s)':>10} {'during/before':>14} {'after/before':>13}"

@@ -205,3 +205,62 @@ def test_the_first_server_killed_mid_run_is_restarted_and_the_run_goes_on(elasti
     log = (run / "logs" / "orchestrator.log").read_text()
     assert "does not answer: no new rollouts go to it until it is back" in log
     assert "is back after" in log  # reloaded with the run's weights before it got work again
+
+
+def test_with_the_collective_broadcast_a_server_that_joins_takes_the_next_update(tiny_model, tmp_path):
+    """`weight_broadcast.type = "collective"`: the broadcast's group is formed anew at every update
+    with the pool's members, so a server that joins mid-run (held until step 3 has trained) gets the
+    next step's weights in memory, then groups, and always serves the version its groups are tagged
+    with; every step trains once."""
+    steps = 12
+    extra = (
+        '[trainer.weight_broadcast]\ntype = "collective"\n'
+        "[deployment]\nmax_restarts = 1\nstall_timeout_s = 0\n"
+    )
+    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=steps, extra=extra)
+    run, console = tmp_path / "run", tmp_path / "rl.console"
+    with console.open("w") as out:
+        rl = subprocess.Popen([str(BIN / "rl"), "@", str(toml)], stdout=out, stderr=subprocess.STDOUT)
+    second = None
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 600
+        while not condition():
+            assert rl.poll() is None, f"rl ended while waiting for {what}: {console.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{what}: {console.read_text()[-3000:]}"
+            time.sleep(0.2)
+
+    def trainer(sig: signal.Signals) -> None:
+        for s in activity.read_all(run / "activity"):
+            if s.kind == "trainer" and s.running():
+                os.kill(s.pid, sig)
+
+    try:
+        wait_for(lambda: len(trainer_steps(run)) >= 3, "3 trainer steps")
+        trainer(signal.SIGSTOP)
+        second, name = start_server(tmp_path, "second", tiny_model, run, run / ".secret")
+        log = run / "logs" / "orchestrator.log"
+        wait_for(lambda: f"inference server http://{name} registers" in log.read_text(), "the registration")
+        joined_at = len(trainer_steps(run))
+        trainer(signal.SIGCONT)
+        rl.wait(timeout=900)
+        second.wait(timeout=120)  # it stops by itself once the run is over
+    finally:
+        trainer(signal.SIGCONT)
+        if rl.poll() is None:
+            rl.send_signal(signal.SIGINT)
+            rl.wait(timeout=120)
+        if second is not None and second.poll() is None:
+            second.send_signal(signal.SIGTERM)
+            second.wait(timeout=120)
+    text = console.read_text()
+    assert rl.returncode == 0, text[-3000:]
+    assert trainer_steps(run) == list(range(steps)), text[-3000:]
+    assert joined_at < steps
+    assert second.returncode == 0, (tmp_path / "second.log").read_text()[-3000:]
+    served = [m for m in orchestrator_metrics(run) if m.get(f"pool/{name}/groups")]
+    assert served, "the server that joined got no groups: " + text[-3000:]
+    assert all(m[f"pool/{name}/step"] == m["policy_version"] for m in served)
+    # Its weights came in memory only: broadcast updates, never a file load.
+    second_log = (tmp_path / "second.log").read_text()
+    assert "POST /prime_rl/receive_weights" in second_log and "POST /prime_rl/load_weights" not in second_log

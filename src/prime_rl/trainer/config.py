@@ -192,6 +192,12 @@ class WeightBroadcastConfig(BaseConfig):
     servers: list[str] = []
     """Inference servers to broadcast to (root URLs, e.g. http://10.0.0.1:8000); `rl` fills them in."""
 
+    follow_pool: bool = True
+    """Also broadcast to the servers that joined the run's pool since it started (the orchestrator's
+    members, asked before each update at the address in `<output_dir>/orchestrator/pool.json`): each
+    update forms its group anew with every member that answers, so servers join and leave at step
+    boundaries."""
+
     host: str | None = None
     """Address the servers reach trainer rank 0 at. Default: MASTER_ADDR (torchrun's address of the
     node of rank 0), else 127.0.0.1."""

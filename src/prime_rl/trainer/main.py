@@ -106,7 +106,7 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     if config.weight_broadcast.type == "collective":
         from prime_rl.trainer.weights.broadcast import Broadcaster
 
-        broadcaster = Broadcaster(config.weight_broadcast)
+        broadcaster = Broadcaster(config.weight_broadcast, Path(config.output_dir))
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, broadcaster, config.lora)
     run_id = resolve_run_id(config.transport, output_dir)
     receiver = None

@@ -148,6 +148,10 @@ class WeightSync:
                 if newest > self.version:
                     await self.load([s for s in self.pool.servers if s.up], newest)
                     self.version = newest
+                    if not all(s.up for s in self.pool.servers):
+                        # A server waiting for a broadcast (one that joined, or came back) may hold
+                        # these weights now: look at once, not at the next periodic check.
+                        self.pool.suspected.set()
         return self.version
 
     async def restore(self, server: Server, served: int | None) -> bool:
@@ -162,8 +166,8 @@ class WeightSync:
             unreachable = await self.load([*[s for s in self.pool.servers if s.up], server], newest)
             self.version = newest
             return server not in unreachable
-        if served is not None and self.serves(served, self.version):
-            return True
+        if served is not None and (self.serves(served, self.version) or self.arriving(served)):
+            return True  # (arriving: the next broadcast reached it before the trainer's marker)
         if self.broadcast(self.version):
             # No files to load it from: the trainer's next broadcast (all the weights) brings it back.
             # (Said without suspecting it anew, which would wake the health monitor in a loop.)

@@ -2,7 +2,9 @@
 inference server that answers, in memory.
 
 Per update: ask each server how many workers it has (a server that does not answer is left out and
-resynced by a later update, which always carries the full weights); tell each one, over HTTP, to join
+resynced by a later update, which always carries the full weights; the servers are those configured
+and, with `follow_pool`, the run's pool members at that moment, so a server that joined the run takes
+the next update and one that left is no longer waited for); tell each one, over HTTP, to join
 a group of 1 + all workers under a fresh store prefix; broadcast the plan's chunks as rank 0; collect
 the answers. Invariant: the result names exactly the servers that confirmed they serve the new
 weights; anything else raises `BroadcastError`, and the caller writes the step's files instead.
@@ -10,16 +12,20 @@ weights; anything else raises `BroadcastError`, and the caller writes the step's
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from prime_rl import secret, tls
+from prime_rl.engine.local import ENGINE_URL
+from prime_rl.layout import pool_path
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.weight_transfer import (
     DTYPES,
@@ -54,10 +60,32 @@ class Pushed:
 
 
 class Broadcaster:
-    def __init__(self, config: WeightBroadcastConfig):
+    def __init__(self, config: WeightBroadcastConfig, output_dir: Path | None = None):
         self.config = config
+        self.output_dir = output_dir
+        """The run's folder: where the orchestrator says at which address its pool's members are
+        listed (`follow_pool`)."""
         self.host = config.host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         self._store = None  # hosted for the whole run, from the first update on
+
+    def members(self, http) -> list[str]:
+        """The servers of this update: those configured, and, with `follow_pool`, every member of the
+        run's pool now (a server that joined; one that left is no longer listed)."""
+        urls = list(dict.fromkeys(url.rstrip("/") for url in self.config.servers))
+        if not self.config.follow_pool or self.output_dir is None:
+            return urls
+        try:
+            door = json.loads(pool_path(self.output_dir).read_text())["url"]
+            listed = http.get(f"{door}/pool", timeout=5.0).json()["members"]
+        except Exception:  # no pool (yet), or the orchestrator is restarting: those configured
+            return urls
+        for member in listed:
+            if member["url"] == ENGINE_URL:  # vLLM's engine in the orchestrator: no server to reach
+                continue
+            url = str(member["url"]).removesuffix("/").removesuffix("/v1")
+            if url not in urls and url.startswith(("http://", "https://")):
+                urls.append(url)
+        return urls
 
     def _ask(self, http, url: str) -> tuple[int, str | None] | None:
         """A server's workers and dtype, None if it does not answer."""
@@ -92,7 +120,7 @@ class Broadcaster:
         phases: dict[str, float] = {}
         c = self.config
         with httpx.Client(verify=tls.context(), headers=secret.headers()) as http:
-            found = {url.rstrip("/"): self._ask(http, url.rstrip("/")) for url in c.servers}
+            found = {url: self._ask(http, url) for url in self.members(http)}
         live = {url: a[0] for url, a in found.items() if a}
         if not live:
             raise BroadcastError(f"no inference server answered ({', '.join(found)})")
