@@ -209,10 +209,10 @@ def test_the_first_server_killed_mid_run_is_restarted_and_the_run_goes_on(elasti
 
 def test_with_the_collective_broadcast_a_server_that_joins_takes_the_next_update(tiny_model, tmp_path):
     """`weight_broadcast.type = "collective"`: the broadcast's group is formed anew at every update
-    with the pool's members, so a server that joins mid-run (held until step 3 has trained) gets the
+    with the pool's members, so a server that joins mid-run (at step 10; the trainer is held meanwhile) gets the
     next step's weights in memory, then groups, and always serves the version its groups are tagged
     with; every step trains once."""
-    steps = 12
+    steps = 18
     extra = (
         '[trainer.weight_broadcast]\ntype = "collective"\n'
         "[deployment]\nmax_restarts = 1\nstall_timeout_s = 0\n"
@@ -236,7 +236,7 @@ def test_with_the_collective_broadcast_a_server_that_joins_takes_the_next_update
                 os.kill(s.pid, sig)
 
     try:
-        wait_for(lambda: len(trainer_steps(run)) >= 3, "3 trainer steps")
+        wait_for(lambda: len(trainer_steps(run)) >= 10, "10 trainer steps")
         trainer(signal.SIGSTOP)
         second, name = start_server(tmp_path, "second", tiny_model, run, run / ".secret")
         log = run / "logs" / "orchestrator.log"

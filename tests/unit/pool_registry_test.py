@@ -16,6 +16,7 @@ from prime_rl import secret
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.inference.member import Member, door
 from prime_rl.layout import READY, pool_path
+from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig, PoolConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.loop.health import ServerHealth
@@ -154,3 +155,27 @@ def test_the_step_line_shows_the_pool_once_it_has_more_than_one_member():
     two = pool_metrics([S("engine", "serving", 30, 3), S("h:1", "joining", 0, None)], {"engine": 14})
     assert two["pool/engine/groups"] == 16 and "pool/h:1/step" not in two
     assert pool_part(two) == " | pool 1 serving, 1 joining (groups: engine 16, h:1 0)"
+
+
+def test_a_server_that_joined_and_vanished_leaves_the_pool_after_silent_s(tmp_path):
+    """One of `client.base_urls` that vanishes stays a member (`rl` restarts it at its address); one
+    that joined is removed once silent for `client.silent_s`: it comes back by registering again,
+    maybe at another address."""
+
+    async def scenario():
+        with FakeServer() as first:
+            pool = ServerPool(OrchestratorConfig(client={"base_urls": [first.base_url]}).client)
+            weights = WeightSync(tmp_path / "weights", pool, version=0)
+            lost = []
+            health = ServerHealth(
+                pool, weights, 0.05, 60, silent_s=0.3, on_silent=lambda s: lost.append(s) or 0
+            )
+            gone = pool.join(f"http://127.0.0.1:{free_port()}/v1")  # nothing listens there
+            monitor = asyncio.create_task(health.run())
+            while gone in pool.servers:
+                await asyncio.sleep(0.02)
+            assert lost == [gone] and gone.left and gone.lost
+            assert pool.servers == [pool.find(first.base_url)] and health.error is None
+            monitor.cancel()
+
+    asyncio.run(scenario())

@@ -137,11 +137,17 @@ class ServerHealth:
                     n = self.on_silent(server)
                     log.warning(
                         "inference server %s has not answered for %.0f s: its %d group(s) in flight "
-                        "failed, their examples go to the next dispatch",
+                        "failed, their examples go to the next dispatch%s",
                         server.root_url,
                         time.monotonic() - t0,
                         n,
+                        "; it leaves the pool (it joined: it comes back by registering again)"
+                        if server.joined
+                        else "",
                     )
+                    if server.joined:  # (a restarted one may register at another address)
+                        self.pool.remove(server)
+                        return
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
             async with self.weights.lock:

@@ -42,6 +42,9 @@ class Server:
     current weights."""
     engine: LocalEngine | None = None
     """vLLM's engine in this process, when this server is that engine (engine mode)."""
+    joined: bool = False
+    """Registered while the run runs (not one of `client.base_urls`): one that vanishes is removed,
+    and comes back by registering again."""
     joining: bool = False
     """Registered while the run runs, and not yet serving the current weights."""
     draining: bool = False
@@ -107,7 +110,7 @@ class ServerPool:
         if server is None:
             server = Server(base_url, up=False)
             self.servers.append(server)
-        server.joining, server.draining = True, False
+        server.joined, server.joining, server.draining = True, True, False
         self.suspect(server)
         return server
 
