@@ -25,6 +25,7 @@ from prime_rl.engine.config import LORA_RANKS, InferenceConfig
 from prime_rl.model.local import check_model_name
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.shared import hand_down
+from prime_rl.rl.slurm_config import SlurmConfig
 from prime_rl.trainer.config import TrainerConfig
 
 Role = Literal["inference", "orchestrator", "trainer"]
@@ -41,52 +42,6 @@ class NodeConfig(BaseConfig):
     """What `rl` starts here: 'inference' (`deployment.inference_servers` vLLM servers), 'orchestrator'
     (the one orchestrator of the run) and/or 'trainer' (`deployment.trainer_ranks` trainer ranks, one
     torchrun agent; the trainer nodes rendezvous to form one data-parallel world)."""
-
-
-class SlurmConfig(BaseConfig):
-    """The sbatch job `rl` renders with `deployment.type = "slurm"`: one node per entry of
-    `deployment.nodes` (one node running everything when it is empty), one `rl` per node."""
-
-    job_name: str = "prime-rl"
-    """`#SBATCH --job-name`."""
-
-    partition: str | None = None
-    """`#SBATCH --partition` (default: the cluster's)."""
-
-    account: str | None = None
-    """`#SBATCH --account`."""
-
-    time_limit: str | None = None
-    """`#SBATCH --time`, e.g. '04:00:00' (default: the partition's)."""
-
-    cpus_per_node: int | None = Field(default=None, ge=1)
-    """`#SBATCH --cpus-per-task` (one task per node: `rl` starts that node's processes itself)."""
-
-    gpus_per_node: int | None = Field(default=None, ge=1)
-    """`#SBATCH --gpus-per-node`."""
-
-    sbatch_args: list[str] = []
-    """More `#SBATCH` options, as written after it, e.g. ['--exclusive', '--mem=0']."""
-
-    setup: list[str] = []
-    """Shell lines every node runs first, e.g. ['module load cuda', 'source .venv/bin/activate']."""
-
-    rl_command: str | None = None
-    """How the nodes start `rl` (default: the absolute path of the `rl` that renders the job; the
-    same install must be reachable from every node)."""
-
-    inference_array: int | None = Field(default=None, ge=0)
-    """Inference servers as a SLURM job array of their own, beside the run's job: `rl` writes
-    `<output_dir>/slurm/inference.sbatch` (one `inference` per task, which joins the run's pool and
-    drains on SIGTERM) and submits it with this many tasks (0: written, not submitted). Grow the pool
-    with `sbatch --array=N-M inference.sbatch` or `scontrol update JobId=<id> ArrayTaskThrottle=K`;
-    shrink it with `scancel --batch --signal=TERM <id>_<task>`. Unset: no array."""
-
-    inference_array_port: int = Field(default=8200, ge=1, le=65535)
-    """Task K of the array serves on this port + K."""
-
-    inference_array_args: list[str] = []
-    """More `#SBATCH` options for each server of the array, e.g. ['--gpus-per-task=1', '--mem=64G']."""
 
 
 class DeploymentConfig(BaseConfig):

@@ -219,8 +219,11 @@ class ServerHealth:
                 self.engine_restarts,
                 self.max_restarts,
             )
-            if self.on_restart:
-                self.on_restart(self.engine_restarts)
+            try:  # the run's restart record (`restarts.jsonl`, in the step's metrics)
+                if self.on_restart:
+                    self.on_restart(self.engine_restarts)
+            except OSError as e:  # a full disk loses the line, not the restart
+                log.warning("cannot record the engine's restart: %s", e)
             for attempt in range(1, RESTART_ATTEMPTS + 1):
                 try:
                     await server.engine.restart()

@@ -155,7 +155,7 @@ class Orchestrator:
             silent_s=c.client.silent_s,
             on_silent=self.scheduler.abandon,
             max_restarts=c.client.max_restarts,
-            on_restart=self._record_engine_restart,
+            on_restart=lambda n: record_restart(self.output_dir, "inference", "engine", -9, n),
         )
         self.registry = None
         if c.pool.enabled:
@@ -169,14 +169,6 @@ class Orchestrator:
         self.evaluator = Evaluator(c, evals, self.pool, self.env_side, self.metrics) if evals else None
         self.collector = Collector(c, self.scheduler, self.pool, self.weights, self.health, self.evaluator)
         return progress
-
-    def _record_engine_restart(self, restart: int) -> None:
-        """The run's restart record (`restarts.jsonl`, counted in the step's metrics) of an engine
-        restart; a full disk loses the line, not the restart."""
-        try:
-            record_restart(self.output_dir, "inference", "engine", -9, restart)
-        except OSError as e:
-            log.warning("cannot record the engine's restart in %s: %s", self.output_dir, e)
 
     def _take_signals(self) -> None:
         """SIGINT/SIGTERM cancel the run, which then stops cleanly (envs torn down, sockets closed)

@@ -167,9 +167,7 @@ class Scheduler:
         """Examples the difficulty filter skipped, per env, since the start of this process."""
         self.streak = FailureStreak(config.max_failed_groups, config.client.health_timeout_s)
         by_name = {e.name: e for e in envs}
-        self._again: deque[tuple[EnvView[EnvConfig], int]] = deque(
-            (by_name[name], index) for name, index in again if name in by_name
-        )
+        self._again = deque((by_name[name], index) for name, index in again if name in by_name)
         """Examples whose groups were lost with a server (or with the previous orchestrator process,
         `again`): dispatched again first."""
 
@@ -193,8 +191,8 @@ class Scheduler:
             )
 
     def pending_examples(self) -> list[tuple[str, int]]:
-        """(env name, dataset index) of every example a crash now would lose: those waiting to be
-        dispatched again, in flight, and back but not yet in a batch (saved with the progress)."""
+        """(env name, dataset index) of every example a crash now would lose: waiting to be dispatched
+        again, in flight, or back but not in a batch yet (saved with the progress)."""
         groups = [*self.inflight.values(), *self.ready]
         return [(env.name, i) for env, i in self._again] + [(g.env_name, g.index) for g in groups]
 
