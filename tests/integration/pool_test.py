@@ -23,6 +23,7 @@ from helpers.cores import server_env
 from prime_rl import activity
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
+from prime_rl.rl.processes import process_tree
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +57,13 @@ def start_server(
     env = {**server_env(), "PRIME_RL_SECRET_FILE": str(secret_file)}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, f"127.0.0.1:{port}"
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +115,7 @@ def elastic_run(tiny_model, tmp_path_factory):
         wait_for(lambda: groups_of(second_name) > 0, "the second server to get groups")
         trainer(signal.SIGSTOP)
         # The first server, rl's, is killed (rl restarts it), and the second drains and leaves.
-        rl_server = [
-            p for p in _children(rl.pid) if b"vllm_server" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
+        rl_server = [p for p in process_tree(rl.pid) if b"vllm_server" in cmdline(p)]
         assert rl_server, "rl's server was not found"
         os.killpg(os.getpgid(rl_server[0]), signal.SIGKILL)
         second.send_signal(signal.SIGTERM)
@@ -129,25 +135,6 @@ def elastic_run(tiny_model, tmp_path_factory):
                 proc.wait(timeout=120)
     facts["second_name"] = second_name
     return run, rl.returncode, console.read_text(), tmp, facts
-
-
-def _children(pid: int) -> list[int]:
-    """Every live descendant of `pid`."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found, todo = [], [pid]
-    while todo:
-        at = todo.pop()
-        kids = [p for p, parent in parents.items() if parent == at]
-        found += kids
-        todo += kids
-    return found
 
 
 @pytest.mark.xdist_group("elastic_run")

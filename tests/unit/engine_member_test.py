@@ -21,7 +21,7 @@ from prime_rl.orchestrator.loop.health import ServerHealth
 from prime_rl.orchestrator.loop.scheduler import Scheduler
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable, ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync
-from prime_rl.rl.processes import kill_culprit
+from prime_rl.rl.processes import kill_culprit, process_tree
 
 
 class DyingEngine:
@@ -176,7 +176,7 @@ def test_a_hung_engine_core_is_killed_alone_and_its_parent_lives(tmp_path):
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not (children := _children(parent.pid)):
+        while not (children := [p for p in process_tree(parent.pid) if p != parent.pid]):
             assert time.monotonic() < deadline, "the child did not start"
             time.sleep(0.05)
         (core,) = children
@@ -193,17 +193,3 @@ def test_a_hung_engine_core_is_killed_alone_and_its_parent_lives(tmp_path):
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
