@@ -19,12 +19,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.engine.config import InferenceConfig
+from prime_rl.engine.sampling import BadRequestError, Completion, SamplingArgs
 from prime_rl.engine.server import is_cpu_build, server_command, server_env
 
 OUR_FLAGS = {"--prime-rl-weights-dir": 1, "--prime-rl-adapters-root": 1, "--prime-rl-max-update-s": 1}
@@ -62,6 +64,8 @@ class EngineBroken(RuntimeError):
 class EngineStopped(RuntimeError):
     """The engine core died (or was killed as hung) during a call: the engine must be restarted."""
 
+
+_request_ids = itertools.count()
 
 STOPPED_POLL_S = 0.5
 """How often a call into the engine looks whether its engine core died meanwhile."""
@@ -152,6 +156,55 @@ class LocalEngine:
         if isinstance(result, ChatCompletionResponse):
             return 200, result.model_dump_json().encode()
         return 500, b'{"error": {"message": "unexpected answer from vLLM\'s chat layer", "code": 500}}'
+
+    async def generate(self, prompt_ids: list[int], args: SamplingArgs, n: int = 1) -> list[Completion]:
+        """`n` completions of the prompt `prompt_ids` sampled with `args`: the engine alone, no chat layer, no detokenized prompt."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.broken:
+            raise EngineBroken("the engine's weights are broken: a load failed midway")
+        try:
+            params = SamplingParams(
+                n=n,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_tokens=args.max_tokens,
+                logprobs=0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                **args.extra,
+            )
+        except (TypeError, ValueError) as e:
+            raise BadRequestError(f"sampling args {args}: {e}") from None
+        prompt = {"prompt_token_ids": prompt_ids}
+        if args.cache_salt is not None:
+            prompt["cache_salt"] = args.cache_salt
+        request_id = f"prime-rl-{next(_request_ids)}"
+
+        async def final():
+            last = None
+            async for output in self.engine.generate(prompt, params, request_id):
+                last = output
+            return last
+
+        try:
+            output = await self._unless_stopped(final())
+        except (EngineStopped, EngineBroken):
+            raise
+        except ValueError as e:  # vLLM's validation: a prompt longer than the model's context
+            raise BadRequestError(str(e)) from None
+        step = self.step
+        return [
+            Completion(
+                token_ids=list(out.token_ids),
+                logprobs=[lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)],
+                text=out.text,
+                finish_reason="length" if out.finish_reason == "length" else "stop",
+                version=step,
+                routes=getattr(out, "routed_experts", None),
+            )
+            for out in sorted(output.outputs, key=lambda o: o.index)
+        ]
 
     async def load_weights(self, path: Path, step: int) -> Reload:
         """Serve the weights in folder `path` (an HF folder: the trainer's `step_<step>`) from now on."""

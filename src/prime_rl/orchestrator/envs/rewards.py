@@ -28,7 +28,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prime_rl.orchestrator.envs import speedups
 from prime_rl.orchestrator.envs_config import RewardsConfig
 
 REWARD_ERROR = "prime_rl_reward_error"
@@ -63,8 +62,7 @@ class RewardRunner:
     async def _call_sync(self, func, kwargs: dict[str, Any]) -> Any:
         timing = self._timings.get(func)
         if timing is None:
-            limit_ms = self.config.inline_below_ms if speedups.enabled() else 0.0
-            timing = self._timings[func] = _Timing(limit_ms / 1000)
+            timing = self._timings[func] = _Timing(self.config.inline_below_ms / 1000)
         if timing.inline:
             t0 = time.perf_counter()
             try:
