@@ -41,7 +41,9 @@ def prompt_messages(data) -> list[dict]:
     if isinstance(data.prompt, str):
         messages.append({"role": "user", "content": data.prompt})
     elif data.prompt:
-        messages += [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in data.prompt]
+        messages += [
+            m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in data.prompt
+        ]
     return messages
 
 

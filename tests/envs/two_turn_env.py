@@ -1,18 +1,30 @@
-"""A test env of two model turns: the env answers the first with "again" (for multi-turn request tests)."""
+"""A test env of two model turns: the env answers the first with "again"."""
 
-import verifiers as vf
-from datasets import Dataset
-
-
-class TwoTurnEnv(vf.MultiTurnEnv):
-    async def env_response(self, messages, state, **kwargs):
-        return [{"role": "user", "content": "again"}]
+import verifiers.v1 as vf
+from words import Config, tasks
 
 
-def turns(completion, **kwargs) -> float:
-    return float(sum(m["role"] == "assistant" for m in completion))
+class TurnsTask(vf.Task):
+    @vf.reward
+    async def turns(self, trace: vf.Trace) -> float:
+        return float(trace.num_turns)
 
 
-def load_environment(num_examples: int = 20) -> vf.Environment:
-    rows = [{"question": f"word{i}", "answer": ""} for i in range(num_examples)]
-    return TwoTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[turns]), max_turns=2)
+class TurnsTaskset(vf.Taskset[TurnsTask, Config]):
+    def load(self):
+        return tasks(TurnsTask, self.config, [f"word{i}" for i in range(self.config.num_examples)])
+
+
+class TwoTurnConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(max_turns=2)
+
+
+class TwoTurnEnv(vf.Env[TwoTurnConfig]):
+    async def run(self, task, agents):
+        async with agents.agent.interaction(task) as chat:
+            reply = await chat.turn()
+            if not reply.terminated:
+                await chat.turn("again")
+
+
+__all__ = ["TurnsTaskset", "TwoTurnEnv"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_server import FakeServer, Reply, user_text
+from fake_server import MODEL, FakeServer, Reply, user_text
 from prime_rl.environments import EnvError
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.advantages import AdvantageError
@@ -22,6 +22,7 @@ from prime_rl.transport.messages import MicroBatch
 def make_config(tmp_path: Path, server: FakeServer, **overrides) -> OrchestratorConfig:
     base = {
         "output_dir": str(tmp_path / "run"),
+        "model": {"name": MODEL},
         "max_steps": 3,
         "batch_size": 8,
         "max_async_level": 10,  # no trainer publishes weights here: never wait for them
@@ -240,8 +241,8 @@ def test_bad_env_id_and_bad_dataset_are_clear_errors(tmp_path):
     with FakeServer() as server:
         with pytest.raises(EnvError, match="env 'no-such-env' could not be loaded"):
             run(make_config(tmp_path, server, envs=[{"id": "no-such-env"}]))
-        with pytest.raises(EnvError, match="no-prompt-env"):
-            run(make_config(tmp_path, server, envs=[{"id": "no-prompt-env"}]))
+        with pytest.raises(EnvError, match="empty-env"):
+            run(make_config(tmp_path, server, envs=[{"id": "empty-env"}]))
 
 
 def test_unreachable_inference_is_a_clear_error_after_backoff(tmp_path):

@@ -82,7 +82,9 @@ class GameTaskset(vf.Taskset[GameTask, GameConfig]):
     def load(self):
         c = self.config
         if not 1 <= c.min_digits <= c.max_digits:
-            raise ValueError(f"digit-sum-feedback: need 1 <= min_digits <= max_digits, got {c.min_digits} and {c.max_digits}")
+            raise ValueError(
+                f"digit-sum-feedback: need 1 <= min_digits <= max_digits, got {c.min_digits} and {c.max_digits}"
+            )
         seed = c.seed if c.split == "train" else c.seed + 1
         for row in make_examples(c.num_examples, seed, c.min_digits, c.max_digits):
             data = GameData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=int(row["answer"]))

@@ -83,10 +83,14 @@ class SumTaskset(vf.Taskset[SumTask, SumConfig]):
     def load(self):
         c = self.config
         if not 1 <= c.min_digits <= c.max_digits:
-            raise ValueError(f"sum-digits: need 1 <= min_digits <= max_digits, got {c.min_digits} and {c.max_digits}")
+            raise ValueError(
+                f"sum-digits: need 1 <= min_digits <= max_digits, got {c.min_digits} and {c.max_digits}"
+            )
         seed = c.seed if c.split == "train" else c.seed + 1
         for row in make_examples(c.num_examples, seed, c.min_digits, c.max_digits):
-            yield SumTask(SumData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=row["answer"]), c.task)
+            yield SumTask(
+                SumData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=row["answer"]), c.task
+            )
 
 
 __all__ = ["SumTaskset"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.config import raise_problems
@@ -62,7 +61,9 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
     try:
         vf.resolve_env_config({"taskset": {"id": env_id, **args}})
     except Exception as e:
-        return f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {e}"
+        return (
+            f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {e}"
+        )
     return None
 
 

@@ -83,6 +83,8 @@ class Policy:
     args: SamplingArgs
     model: str
     first_turn: SharedFirstTurn | None = None
+    scorer: Any = None
+    """The env's `scoring.Scorer`."""
     audits: dict[str, TurnAudit] = field(default_factory=dict)
     """Per trace id."""
 
@@ -288,8 +290,7 @@ class Play:
             try:
                 async with boundary(TaskError, "task finalize"):
                     await invoke(self.task.finalize, {"trace": trace, "runtime": None})
-                async with boundary(TaskError, "scoring"):
-                    await self.task.score(trace, None)
+                await self.seat.policy.scorer.score(self.task, trace)
             except Exception as e:
                 self.fail(e)
         trace.is_completed = True
@@ -350,7 +351,9 @@ class Exchange:
 class Seat:
     """One role of a v1 env (`agents.<role>`), played by the policy in this process."""
 
-    def __init__(self, name: str, config, policy: Policy, args: SamplingArgs, completed: list, shared_tools: list):
+    def __init__(
+        self, name: str, config, policy: Policy, args: SamplingArgs, completed: list, shared_tools: list
+    ):
         self.name = name
         self.config = config
         self.policy = policy

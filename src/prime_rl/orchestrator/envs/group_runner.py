@@ -54,7 +54,9 @@ async def run_group(job: GroupRun, sampler, renderer, model: str, timeout_s: flo
     adapter), their prompts rendered by `renderer` (the policy's chat template)."""
 
     def failed(reason: str) -> list[Rollout]:
-        return [failed_rollout(job.env_name, job.example_id, job.policy_version, reason) for _ in range(job.size)]
+        return [
+            failed_rollout(job.env_name, job.example_id, job.policy_version, reason) for _ in range(job.size)
+        ]
 
     try:
         rollouts = await job.vf_env.run_group(

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Generic
 
 from prime_rl.environments import EnvError
+from prime_rl.orchestrator.envs.env_rewards import make_scorer
 from prime_rl.orchestrator.envs.reward_model import RewardModels
 from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.scoring import Scorer
 from prime_rl.orchestrator.envs.v1_env import V1Env, load_v1_env
 from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.messages import ConfigT, EnvView
@@ -50,6 +52,11 @@ def load_any_env(env_id: str, args: dict[str, Any]) -> V1Env:
         raise EnvError(f"env '{env_id}' could not be loaded: {type(e).__name__}: {e}") from None
 
 
+def own_hooks(task) -> set[str]:
+    """The names of a task's own rewards and metrics."""
+    return {fn.__name__ for kind in ("reward", "metric") for fn in task.hooks(kind)}
+
+
 def check_rows(rows, env_id: str, which: str) -> None:
     if len(rows) == 0:
         raise EnvError(f"env '{env_id}': its {which} taskset has no tasks")
@@ -63,16 +70,21 @@ def load_env(
     score: bool = True,
 ) -> LoadedEnv[EnvConfig]:
     """`key` names the env's config entry in errors, e.g. 'envs[1]'. Without `score`, only for its
-    dataset: no reward model is loaded (the env workers score), while the other reward functions
-    join the rubric so that it scores groups as the workers' does."""
+    tasks: no reward model is loaded (the env workers score), while the other reward functions are
+    built, so that it tells group scoring as the workers' does."""
     vf_env = load_any_env(config.id, config.args)
-    if config.rewards:
-        raise EnvError(f"{key}.rewards: not yet on verifiers v1 envs")  # TODO(v1): config rewards
     try:
         dataset = vf_env.get_dataset()
     except Exception as e:
         raise EnvError(f"env '{config.id}': its training tasks cannot be listed: {e}") from None
     check_rows(dataset, config.id, "training")
+    models = (reward_models or RewardModels()) if score else None
+    try:
+        vf_env.use(
+            make_scorer(config.rewards, f"{key}.rewards", rewards, models, own_hooks(dataset[0]["task"]))
+        )
+    except EnvError as e:
+        raise EnvError(f"env '{config.id}': {e}") from None
     return LoadedEnv(config, vf_env, dataset)
 
 
@@ -83,4 +95,6 @@ def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) ->
     except Exception as e:
         raise EnvError(f"eval env '{config.id}': its eval tasks cannot be listed: {e}") from None
     check_rows(dataset, config.id, "eval")
+    if rewards is not None:
+        vf_env.use(Scorer(rewards))
     return LoadedEnv(config, vf_env, dataset)

@@ -54,7 +54,9 @@ class Renderer:
 
         return cls(AutoTokenizer.from_pretrained(name))
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = True) -> list[int]:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, generation: bool = True
+    ) -> list[int]:
         """The conversation's tokens, as vLLM's chat layer renders them."""
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=generation, tokenize=False

@@ -16,6 +16,7 @@ rollout saying why.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,10 @@ from prime_rl.environments import EnvError
 from prime_rl.environments import load_v1_env as load_env
 from prime_rl.orchestrator.envs.agent import Policy, Seat, SharedFirstTurn, TurnAudit
 from prime_rl.orchestrator.envs.renderer import Renderer
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.scoring import RewardError, Scorer
 from prime_rl.orchestrator.envs.verifiers_adapter import from_trace
+from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
 
@@ -100,6 +104,12 @@ async def run_episode(env, task, policy: Policy, shared_tools: list):
     return episode
 
 
+@functools.cache
+def default_runner() -> RewardRunner:
+    """The reward runner of an env used without the orchestrator's (default `[rewards]`)."""
+    return RewardRunner(RewardsConfig())
+
+
 @dataclass
 class V1Env:
     """A loaded v1 env, with the surface the orchestrator's env side uses."""
@@ -107,7 +117,18 @@ class V1Env:
     env: Any
     rows: TaskRows
     shared_tools: list = field(default_factory=list)
-    requires_group_rollouts: bool = False  # a group is `size` independent episodes
+    scorer: Scorer | None = None
+
+    def use(self, scorer: Scorer) -> None:
+        """Score with `scorer` (the env's config adds rewards to it)."""
+        self.scorer = scorer
+
+    @property
+    def requires_group_rollouts(self) -> bool:
+        """Whether a group reward scores the group's traces together (then a failure fails all)."""
+        return (
+            self.scorer is not None and len(self.rows) > 0 and self.scorer.group_scoring(self.rows[0]["task"])
+        )
 
     async def close(self) -> None:
         pass  # nothing held between groups: seats, tools and renderers are per group or per process
@@ -138,6 +159,7 @@ class V1Env:
             args=args,
             model=model,
             first_turn=SharedFirstTurn(size) if merge_first_turns and size > 1 else None,
+            scorer=self.scorer or Scorer(default_runner()),
         )
         example_id = row["example_id"]
         episodes = await asyncio.gather(
@@ -147,12 +169,27 @@ class V1Env:
             ),
             return_exceptions=True,
         )
-        out: list[Rollout] = []
         for episode in episodes:
             if isinstance(episode, asyncio.CancelledError):
                 raise episode
-            out.append(self._rollout(episode, policy, env_name, example_id, policy_version, state_columns))
-        return out
+        out = [
+            self._rollout(e, policy, env_name, example_id, policy_version, state_columns) for e in episodes
+        ]
+        if not self.requires_group_rollouts:
+            return out
+        if any(r.failed for r in out):  # a group reward needs every trace of the group
+            reason = next(r.error for r in out if r.failed)
+            return [
+                failed_rollout(env_name, example_id, policy_version, f"group scoring: {reason}") for _ in out
+            ]
+        traces = [next(t for t in e.traces if t.agent.trainable) for e in episodes]
+        try:
+            await policy.scorer.score_group(row["task"], traces)
+        except RewardError as e:
+            return [failed_rollout(env_name, example_id, policy_version, f"reward error: {e}") for _ in out]
+        return [
+            self._rollout(e, policy, env_name, example_id, policy_version, state_columns) for e in episodes
+        ]
 
     @staticmethod
     def _rollout(episode, policy: Policy, env_name, example_id, policy_version, state_columns) -> Rollout:

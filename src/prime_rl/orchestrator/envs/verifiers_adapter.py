@@ -40,7 +40,11 @@ def openai_message(message: dict) -> dict:
     if not calls:
         return message
     nested = [
-        {"id": c.get("id"), "type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments")}}
+        {
+            "id": c.get("id"),
+            "type": "function",
+            "function": {"name": c.get("name"), "arguments": c.get("arguments")},
+        }
         if isinstance(c, dict) and "function" not in c
         else c
         for c in calls
@@ -127,6 +131,10 @@ def from_trace(
     routes: dict[int, Any] | None = None,
 ) -> Rollout:
     if trace.errors:
+        if trace.errors[-1].type == "RewardError":
+            return failed_rollout(
+                env_name, example_id, policy_version, f"reward error: {trace.errors[-1].message}"
+            )
         message = "; ".join(f"{e.type}: {e.message}" for e in trace.errors)
         return failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
     turns, problem = trace_turns(trace, routes)

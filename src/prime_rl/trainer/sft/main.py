@@ -78,7 +78,9 @@ def read_examples(config: SFTDataConfig) -> list[Example]:
                 raise SFTDataError(f"env '{config.env_id}': its tasks have no 'answer' field to train on")
             content = config.answer_format.replace("{answer}", str(answer))
             out.append(
-                Example(prompt_messages(task.data), [{"role": "assistant", "content": content}], f"env task {i}")
+                Example(
+                    prompt_messages(task.data), [{"role": "assistant", "content": content}], f"env task {i}"
+                )
             )
     if config.num_examples:
         out = out[: config.num_examples]

@@ -1,0 +1,173 @@
+"""Score v1 traces: the task's own `@vf.reward` / `@vf.metric` methods and judges, the rewards the
+env's config adds (`[[envs.rewards]]`), and group rewards, each call off the event loop and bounded.
+
+verifiers' `Task.score` awaits every hook on the caller's loop (a plain `def` hook cannot run at
+all, and one that computes blocks the loop). Here each hook goes through the `RewardRunner`
+(`rewards.py`): a plain function in a worker thread (or inline once shown to be fast), an async
+one on the loop, each under `rewards.timeout_s`.
+
+What a hook may ask for, by parameter name:
+- a task's methods, as in verifiers: `task` (the task's data) and `trace`;
+- an added reward function: also `prompt` and `completion` (the messages, as chat dicts), `answer`
+  (the task data's `answer` field), `info` (`trace.info`) and `state` (`trace.state`);
+- a group function, called once per group, the plurals: `traces`, `tasks`, `prompts`,
+  `completions`, `answers`, `infos`, `states`; it returns one float per trace. A task method that
+  takes `traces` is a group reward too.
+
+Invariants: a hook that raises or times out raises `RewardError` naming it (the trace fails, it is
+never trained on a made-up score); hooks that need a runtime are skipped (none runs here), once
+logged. A group with group functions is scored only when all of its traces succeeded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+
+log = logging.getLogger("prime_rl.orchestrator")
+
+GROUP_ARGS = {"traces", "tasks", "prompts", "completions", "answers", "infos", "states"}
+
+
+class RewardError(RuntimeError):
+    """A reward or metric function raised, or ran past its timeout."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One scoring function: what it records, under which name and weight."""
+
+    fn: Any
+    name: str
+    kind: str  # "reward" or "metric"
+    weight: float = 1.0
+
+    @property
+    def params(self) -> set[str]:
+        return set(inspect.signature(self.fn).parameters)
+
+    @property
+    def group(self) -> bool:
+        return bool(GROUP_ARGS & self.params)
+
+
+def _needs_runtime(fn) -> bool:
+    param = inspect.signature(fn).parameters.get("runtime")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def _messages(trace) -> tuple[list[dict], list[dict]]:
+    from prime_rl.orchestrator.envs.verifiers_adapter import openai_message, to_json
+
+    messages = [openai_message(to_json(m)) for m in trace.messages]
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return messages[:first], messages[first:]
+
+
+def arguments(task, trace) -> dict[str, Any]:
+    """Everything a hook may ask for about one trace (see the module docstring)."""
+    prompt, completion = _messages(trace)
+    return {
+        "task": task.data,
+        "trace": trace,
+        "prompt": prompt,
+        "completion": completion,
+        "answer": getattr(task.data, "answer", None),
+        "info": trace.info,
+        "state": trace.state,
+    }
+
+
+@dataclass
+class Scorer:
+    """How one env's traces are scored: the added rewards (`extra`) and the scale of the env's own
+    rewards (a reward model's `env_reward_weight`)."""
+
+    runner: RewardRunner
+    extra: list[Hook] = field(default_factory=list)
+    own_scale: float = 1.0
+    _skipped: set[str] = field(default_factory=set)
+    _judges: dict[int, list] = field(default_factory=dict)
+
+    def hooks(self, task) -> list[Hook]:
+        hooks = [Hook(fn, fn.__name__, "metric") for fn in task.hooks("metric")] + [
+            Hook(fn, fn.__name__, "reward", getattr(fn, "_vf_weight", 1.0) * self.own_scale)
+            for fn in task.hooks("reward")
+        ]
+        judges = self._judges.get(id(task.config))
+        if judges is None:  # loaded once per task config: every task of a taskset shares one
+            judges = self._judges[id(task.config)] = task.plugged_judges()
+        hooks += [
+            Hook(judge.score, judge.reward_name, "reward", judge.config.weight * self.own_scale)
+            for judge in judges
+        ]
+        runnable = []
+        for hook in hooks:
+            if _needs_runtime(hook.fn):
+                if hook.name not in self._skipped:
+                    self._skipped.add(hook.name)
+                    log.info("scoring: '%s' needs a runtime (a sandbox): skipped", hook.name)
+                continue
+            runnable.append(hook)
+        return runnable + self.extra
+
+    def group_scoring(self, task) -> bool:
+        return any(h.group for h in self.hooks(task))
+
+    async def _call(self, hook: Hook, available: dict[str, Any]) -> Any:
+        kwargs = {k: v for k, v in available.items() if k in hook.params}
+        fn = hook.fn
+        try:
+            return await self.runner.call(fn, inspect.iscoroutinefunction(fn), kwargs)
+        except TimeoutError:
+            raise RewardError(
+                f"reward function '{hook.name}' timed out after {self.runner.config.timeout_s:g}s"
+            ) from None
+        except Exception as e:
+            raise RewardError(f"reward function '{hook.name}' raised {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def _record(trace, hook: Hook, value: Any) -> None:
+        items = value.items() if isinstance(value, dict) else [(hook.name, value)]
+        for name, v in items:
+            if hook.kind == "metric":
+                trace.record_metric(name, float(v))
+            else:
+                trace.record_reward(name, float(v), hook.weight)
+
+    async def score(self, task, trace) -> None:
+        """The trace's own (per-trace) metrics and rewards; group functions come later."""
+        available = arguments(task, trace)
+        for hook in self.hooks(task):
+            if not hook.group:
+                self._record(trace, hook, await self._call(hook, available))
+
+    async def score_group(self, task, traces: list) -> None:
+        """The group functions over the group's traces (all of them succeeded)."""
+        hooks = [h for h in self.hooks(task) if h.group]
+        if not hooks:
+            return
+        each = [arguments(task, t) for t in traces]
+        available = {
+            "traces": traces,
+            "tasks": [a["task"] for a in each],
+            "prompts": [a["prompt"] for a in each],
+            "completions": [a["completion"] for a in each],
+            "answers": [a["answer"] for a in each],
+            "infos": [a["info"] for a in each],
+            "states": [a["state"] for a in each],
+            "task": task.data,
+        }
+        for hook in hooks:
+            values = await self._call(hook, available)
+            if not isinstance(values, list | tuple) or len(values) != len(traces):
+                raise RewardError(
+                    f"group reward function '{hook.name}' returned {values!r} for {len(traces)} traces "
+                    "(one float per trace expected)"
+                )
+            for trace, value in zip(traces, values, strict=True):
+                self._record(trace, hook, value)
