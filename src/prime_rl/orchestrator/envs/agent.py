@@ -46,8 +46,9 @@ class TurnAudit:
     drifted: int = 0
     """Bridged turns whose history, re-rendered from messages, differs from the tokens the model
     saw: the turns that would have split the rollout into several samples."""
-    versions: list[int] = field(default_factory=list)
-    """The policy version each completion finished at (where the server says)."""
+    versions: dict[int, int] = field(default_factory=dict)
+    """The policy version each call's completion finished at (where the server says), by the
+    call's assistant node."""
     routes: dict[int, Any] = field(default_factory=dict)
     """A MoE server's routed experts of each call, by the call's assistant node."""
 
@@ -230,8 +231,6 @@ class Play:
                 )
             )
             raise
-        if completion.version is not None:
-            self.audit.versions.append(completion.version)
         content, calls = parse_calls(completion.text) if self.tools.tools else (completion.text, [])
         message = vf.AssistantMessage(
             content=content,
@@ -260,6 +259,8 @@ class Play:
         node = turn.commit(response)
         if completion.routes is not None:
             self.audit.routes[node] = completion.routes
+        if completion.version is not None:
+            self.audit.versions[node] = completion.version
         self.trace.calls.append(
             vf.ModelCall(
                 node=node,

@@ -25,7 +25,7 @@ from typing import Any
 
 STAND_IN: list[dict[str, Any]] = [
     {"role": "user", "content": "a"},
-    {"role": "assistant", "content": "b"},
+    {"role": "assistant", "content": "Okay."},
 ]
 """The conversation new messages are rendered after: one exchange, so that tool results and user
 turns render as they do mid-conversation (some templates open a tool block only after an
@@ -68,14 +68,19 @@ class Renderer:
 
     @functools.cached_property
     def _bridge(self) -> Bridge | None:
-        """The template's turn close, or None when an assistant turn's content cannot be found in
-        its rendering (the template rewrites it)."""
-        head = self.render(STAND_IN[:1], generation=True)
+        """The template's turn close: what follows an assistant turn's content when later turns
+        come. None when the content cannot be found in the rendering (the template rewrites it)."""
+        user = self.render(STAND_IN[:1], generation=False)
         whole = self.render(STAND_IN, generation=False)
         content = self.tokenizer.encode(STAND_IN[1]["content"], add_special_tokens=False)
-        if whole[: len(head)] != head or whole[len(head) : len(head) + len(content)] != content:
+        if whole[: len(user)] != user:
             return None
-        return Bridge(close=tuple(whole[len(head) + len(content) :]))
+        # The content's last occurrence: a template may open the turn with a scaffold of its own
+        # (an empty think block), so the content is searched, not assumed right after the opener.
+        for start in range(len(whole) - len(content), len(user) - 1, -1):
+            if whole[start : start + len(content)] == content:
+                return Bridge(close=tuple(whole[start + len(content) :]))
+        return None
 
     def tail(self, messages: list[dict], tools: list[dict] | None = None) -> list[int] | None:
         """The tokens of `messages` rendered on their own after an assistant turn, with the

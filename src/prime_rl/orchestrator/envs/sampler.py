@@ -28,6 +28,10 @@ connections on its own timer (uvicorn's and vLLM's default: 5 s); reusing one at
 closes fails the request, so the client gives up first, with a margin for a busy event loop."""
 
 
+STEP_HEADER = "x-prime-rl-step"
+"""The header in which our inference server says the step it served (`inference/vllm_server.py`)."""
+
+
 class ConnectError(ConnectionError):
     """The server could not be reached (refused, reset, dropped)."""
 
@@ -99,14 +103,15 @@ class ServerSampler:
         return body
 
     async def sample(self, prompt_ids: list[int], args: SamplingArgs, n: int = 1) -> list[Completion]:
-        answer = msgspec.json.decode(await self._post(_JSON.encode(self.body(prompt_ids, args, n))))
+        body, step = await self._post(_JSON.encode(self.body(prompt_ids, args, n)))
+        answer = msgspec.json.decode(body)
         choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != n:
             raise InternalServerError(f"{self.url} answered {len(choices)} completions for n={n}")
-        return [self._completion(c) for c in choices]
+        return [self._completion(c, step) for c in choices]
 
     @staticmethod
-    def _completion(choice: dict) -> Completion:
+    def _completion(choice: dict, version: int | None) -> Completion:
         from prime_rl.orchestrator.envs.routes import decode_routes
 
         ids = choice.get("token_ids")
@@ -119,6 +124,7 @@ class ServerSampler:
             logprobs=[float(x) for x in logprobs],
             text=choice.get("text") or "",
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+            version=version,
             routes=routes[0] if routes else None,
         )
 
@@ -131,7 +137,9 @@ class ServerSampler:
             self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.headers)
         return self._session
 
-    async def _post(self, content: bytes) -> bytes:
+    async def _post(self, content: bytes) -> tuple[bytes, int | None]:
+        """The answer, and the step the server served when it answered (our servers say it in
+        `STEP_HEADER`; None from others)."""
         import aiohttp
 
         session = self._open()
@@ -142,6 +150,7 @@ class ServerSampler:
             try:
                 async with session.post(self.url, data=content) as response:
                     status, answer = response.status, await response.read()
+                    step = response.headers.get(STEP_HEADER)
             except TimeoutError:
                 error = TimeoutError(f"{self.url}: no answer within {self.timeout_s:g}s")
                 continue
@@ -149,7 +158,7 @@ class ServerSampler:
                 error = ConnectError(f"{self.url}: {type(e).__name__}: {e}")
                 continue
             if status < 400:
-                return answer
+                return answer, int(step) if step and step.lstrip("-").isdigit() else None
             message = _error_message(answer)
             if status >= 500 or status in self.RETRY_STATUS:
                 error = InternalServerError(f"{self.url}: HTTP {status}: {message}")

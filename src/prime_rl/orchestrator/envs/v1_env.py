@@ -208,7 +208,7 @@ class V1Env:
             )
         trace = trainable[0]
         audit = policy.audits.get(trace.id, TurnAudit())
-        return from_trace(trace, env_name, example_id, policy_version, state_columns, audit.routes)
+        return from_trace(trace, env_name, example_id, policy_version, state_columns, audit)
 
 
 def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:

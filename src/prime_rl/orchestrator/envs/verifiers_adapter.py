@@ -65,9 +65,12 @@ def count_tools(completion: Any) -> tuple[int, int]:
     return calls, errors
 
 
-def trace_turns(trace: Any, routes: dict[int, Any] | None = None) -> tuple[list[Turn], str | None]:
+def trace_turns(
+    trace: Any, routes: dict[int, Any] | None = None, versions: dict[int, int] | None = None
+) -> tuple[list[Turn], str | None]:
     """One `Turn` per model call of the trace, from its message graph; `routes` are a MoE server's
-    routed experts of each call (by its assistant node), over the call's prompt + completion."""
+    routed experts of each call and `versions` the policy version it finished at (both by the
+    call's assistant node)."""
     turns = []
     for i, call in enumerate(trace.calls):
         if call.node is None:
@@ -91,9 +94,15 @@ def trace_turns(trace: Any, routes: dict[int, Any] | None = None) -> tuple[list[
         if len(logprobs) != len(completion) or any(lp is None for lp in logprobs):
             return [], f"model call {i}: {len(completion)} completion tokens but {len(logprobs)} logprobs"
         prompt += list(last.token_ids[:first_sampled])
-        call_routes = (routes or {}).get(call.node)
         turns.append(
-            Turn(prompt, completion, [1] * len(completion), [float(x) for x in logprobs], routes=call_routes)
+            Turn(
+                prompt,
+                completion,
+                [1] * len(completion),
+                [float(x) for x in logprobs],
+                routes=(routes or {}).get(call.node),
+                version=(versions or {}).get(call.node),
+            )
         )
     if not turns:
         return [], "the trace made no model call"
@@ -128,8 +137,9 @@ def from_trace(
     example_id: int | str,
     policy_version: int,
     state_columns: list[str],
-    routes: dict[int, Any] | None = None,
+    audit: Any = None,
 ) -> Rollout:
+    """`audit`: what token-in recorded of the trace's turns (`agent.TurnAudit`)."""
     if trace.errors:
         if trace.errors[-1].type == "RewardError":
             return failed_rollout(
@@ -137,7 +147,7 @@ def from_trace(
             )
         message = "; ".join(f"{e.type}: {e.message}" for e in trace.errors)
         return failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
-    turns, problem = trace_turns(trace, routes)
+    turns, problem = trace_turns(trace, getattr(audit, "routes", None), getattr(audit, "versions", None))
     if problem:
         return failed_rollout(env_name, example_id, policy_version, problem)
     if any(r is None for r in trace.rewards.values()):
@@ -161,4 +171,6 @@ def from_trace(
         state=_state(trace, state_columns),
         tool_calls=tool_calls,
         tool_errors=tool_errors,
+        policy_end=max((t.version for t in turns if t.version is not None), default=None),
+        drifted_turns=getattr(audit, "drifted", 0),
     )
