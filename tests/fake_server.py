@@ -192,11 +192,16 @@ class FakeServer:
             for i, t in enumerate(texts):
                 choice = {"index": i, "text": t, "finish_reason": "stop"}
                 if not reply.truncate:
-                    ids = tokenizer().encode(t, add_special_tokens=False) + [tokenizer().eos_token_id]
+                    ids = [*tokenizer().encode(t, add_special_tokens=False), tokenizer().eos_token_id]
                     choice["token_ids"] = ids
                     choice["logprobs"] = {"token_logprobs": [-0.5] * len(ids)}
                 choices.append(choice)
-            return {"id": f"cmpl-{index}", "object": "text_completion", "model": body["model"], "choices": choices}
+            return {
+                "id": f"cmpl-{index}",
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": choices,
+            }
 
         self.app = app
 

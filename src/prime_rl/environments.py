@@ -48,12 +48,11 @@ def prompt_messages(data) -> list[dict]:
 
 
 def env_module_name(env_id: str) -> str:
-    """The module verifiers imports for an env id: dashes as underscores, any 'owner/' prefix dropped.
-
-    The same rule as verifiers' own `env_module_name`, which is not imported here: importing it loads
-    the whole of verifiers (seconds), and the preflights must stay cheap.
-    """
-    return env_id.replace("-", "_").split("/")[-1]
+    """The module verifiers imports for an env id: any 'owner/' prefix and '@version' dropped, dashes
+    as underscores, lowercase (verifiers v1's rule, which is not imported here: importing verifiers
+    takes seconds, and the preflights must stay cheap). verifiers first looks for it among its own
+    tasksets (`verifiers.v1.tasksets.<module>`)."""
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
 
 
 def exports_v1_taskset(module) -> bool:

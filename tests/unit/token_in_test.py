@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fake_server import MODEL
 
+from fake_server import MODEL
 from prime_rl.engine.sampling import Completion, SamplingArgs
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.v1_env import load_v1_env
@@ -30,7 +30,9 @@ QWEN3_LIKE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n" + THINK.replace("\n", "\\n") + "' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n"
+    + THINK.replace("\n", "\\n")
+    + "' }}{%- endif %}"
 )
 
 
@@ -55,7 +57,7 @@ class Scripted:
     async def sample(self, prompt_ids, args, n=1):
         self.prompts.append(list(prompt_ids))
         tok = self.renderer.tokenizer
-        ids = tok.encode(self.reply, add_special_tokens=False) + [tok.eos_token_id]
+        ids = [*tok.encode(self.reply, add_special_tokens=False), tok.eos_token_id]
         return [Completion(ids, [-0.25] * len(ids), self.reply, "stop", version=7) for _ in range(n)]
 
     async def close(self):
@@ -66,7 +68,9 @@ def five_turn_rollouts(renderer: Renderer, size: int = 2):
     env = load_v1_env("turns-env", {"turns": 5, "num_examples": 3})
     sampler = Scripted(renderer)
     rollouts = asyncio.run(
-        env.run_group(env.rows[0], size, sampler, renderer, "m", SamplingArgs(max_tokens=8), "turns", 3, [], 30)
+        env.run_group(
+            env.rows[0], size, sampler, renderer, "m", SamplingArgs(max_tokens=8), "turns", 3, [], 30
+        )
     )
     return rollouts, sampler
 
@@ -77,7 +81,9 @@ def test_a_five_turn_rollout_under_a_history_rewriting_template_is_one_sample(re
         assert not r.failed and len(r.turns) == 5
         # Every turn's prompt starts with the previous turn's prompt and completion ...
         for a, b in zip(r.turns, r.turns[1:], strict=False):
-            assert b.prompt_ids[: len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
+            assert (
+                b.prompt_ids[: len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
+            )
         # ... so the rollout is one sample, holding each turn's tokens once: O(turns) tokens.
         assert turn_stats(r).samples == 1 and len(segments(r)) == 1
         (sample,) = rollout_to_samples(r, 1.0)
@@ -103,7 +109,7 @@ def test_a_template_that_keeps_history_drifts_nowhere():
 def test_the_bridge_renders_only_the_new_messages(rewriting_renderer):
     r = rewriting_renderer
     previous = r.render([{"role": "user", "content": "x"}])
-    completion = r.tokenizer.encode("hi", add_special_tokens=False) + [r.tokenizer.eos_token_id]
+    completion = [*r.tokenizer.encode("hi", add_special_tokens=False), r.tokenizer.eos_token_id]
     bridged = r.bridge(previous, completion, [{"role": "user", "content": "again"}])
     assert bridged[: len(previous) + len(completion)] == previous + completion
     assert r.decode(bridged[len(previous) + len(completion) :]) == "\nuser\nagain\nassistant\n" + THINK

@@ -16,6 +16,7 @@ import re
 from typing import Literal
 
 import verifiers.v1 as vf
+from pydantic import model_validator
 
 SYSTEM_PROMPT = (
     "Add up the digits of the number. Reply as <answer>N</answer>. If told too low or too high, try again."
@@ -77,14 +78,18 @@ class GameConfig(vf.TasksetConfig):
     min_digits: int = 2
     max_digits: int = 3
 
+    @model_validator(mode="after")
+    def _digits(self):
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits, got {self.min_digits} and {self.max_digits}"
+            )
+        return self
+
 
 class GameTaskset(vf.Taskset[GameTask, GameConfig]):
     def load(self):
         c = self.config
-        if not 1 <= c.min_digits <= c.max_digits:
-            raise ValueError(
-                f"digit-sum-feedback: need 1 <= min_digits <= max_digits, got {c.min_digits} and {c.max_digits}"
-            )
         seed = c.seed if c.split == "train" else c.seed + 1
         for row in make_examples(c.num_examples, seed, c.min_digits, c.max_digits):
             data = GameData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=int(row["answer"]))
@@ -99,14 +104,16 @@ class GameEnvConfig(vf.EnvConfig):
 class GameEnv(vf.Env[GameEnvConfig]):
     async def run(self, task, agents):
         async with agents.player.interaction(task) as game:
-            reply, tries = await game.turn(), 0
-            while not reply.terminated:
+            reply = await game.turn()
+            for tries in range(len(TURN_REWARDS)):
+                if reply.terminated:
+                    break
                 said = feedback(parse_answer(reply.last_reply), task.data.answer)
                 if said is None:
                     game.trace.info["solved_at"] = tries
                     break
-                tries += 1
-                reply = await game.turn(said)
+                if tries + 1 < len(TURN_REWARDS):  # the game ends after the last try, answered or not
+                    reply = await game.turn(said)
 
 
 __all__ = ["GameEnv", "GameTaskset"]

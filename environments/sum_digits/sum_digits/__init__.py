@@ -12,6 +12,7 @@ import re
 from typing import Literal
 
 import verifiers.v1 as vf
+from pydantic import model_validator
 
 SYSTEM_PROMPT = "Add up the digits of the number. Reply as <answer>N</answer>."
 ANSWER = re.compile(r"<answer>(\d+)</answer>")
@@ -78,14 +79,18 @@ class SumConfig(vf.TasksetConfig):
     min_digits: int = 2
     max_digits: int = 3
 
+    @model_validator(mode="after")
+    def _digits(self):
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits, got {self.min_digits} and {self.max_digits}"
+            )
+        return self
+
 
 class SumTaskset(vf.Taskset[SumTask, SumConfig]):
     def load(self):
         c = self.config
-        if not 1 <= c.min_digits <= c.max_digits:
-            raise ValueError(
-                f"sum-digits: need 1 <= min_digits <= max_digits, got {c.min_digits} and {c.max_digits}"
-            )
         seed = c.seed if c.split == "train" else c.seed + 1
         for row in make_examples(c.num_examples, seed, c.min_digits, c.max_digits):
             yield SumTask(

@@ -17,6 +17,7 @@ import re
 from typing import Literal
 
 import verifiers.v1 as vf
+from pydantic import Field
 
 SYSTEM_PROMPT = "Add the numbers with the add tool. Reply as <answer>N</answer>."
 ANSWER = re.compile(r"<answer>(-?\d+)</answer>")
@@ -77,14 +78,12 @@ class AddConfig(vf.TasksetConfig):
     """'eval' gives the held-out sums (their own seed)."""
     num_examples: int = 5000
     seed: int = 0
-    digits: int = 4
+    digits: int = Field(4, ge=1)
 
 
 class AddTaskset(vf.Taskset[AddTask, AddConfig]):
     def load(self):
         c = self.config
-        if c.digits < 1:
-            raise ValueError(f"tool-add: digits must be >= 1, got {c.digits}")
         seed = c.seed if c.split == "train" else c.seed + 1
         for row in make_examples(c.num_examples, seed, c.digits):
             data = AddData(

@@ -10,9 +10,9 @@ import argparse
 import json
 
 import verifiers.v1 as vf
-from tool_add import SYSTEM_PROMPT, AddTools, make_examples
 
 from prime_rl.orchestrator.envs.tools import ToolBox
+from tool_add import SYSTEM_PROMPT, AddTools, make_examples
 
 
 def tool_schemas() -> list[dict]:

@@ -37,6 +37,9 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
     name = env_module_name(env_id)
     try:
         spec = importlib.util.find_spec(name)
+        if spec is None:  # one of verifiers' own tasksets?
+            spec = importlib.util.find_spec(f"verifiers.v1.tasksets.{name}")
+            name = f"verifiers.v1.tasksets.{name}" if spec is not None else name
     except (ImportError, ValueError):  # a dotted name whose parent package is missing; an empty name
         spec = None
     if spec is None:
@@ -57,13 +60,15 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
             )
         return f"{where}: module '{name}' ({spec.origin}) exports no verifiers.v1 Taskset in __all__"
     import verifiers.v1 as vf  # imported already: the module exports a v1 Taskset
+    from pydantic import ValidationError
 
     try:
         vf.resolve_env_config({"taskset": {"id": env_id, **args}})
+    except ValidationError as e:  # one clause per wrong key, named as in `args`
+        why = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or 'args'}: {err['msg']}" for err in e.errors())
+        return f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {why}"
     except Exception as e:
-        return (
-            f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {e}"
-        )
+        return f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {e}"
     return None
 
 

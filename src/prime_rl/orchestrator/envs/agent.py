@@ -69,10 +69,17 @@ class SharedFirstTurn:
         if self.answer is None:
             self.key = key
             self.answer = asyncio.ensure_future(sampler.sample(prompt_ids, args, self.size))
+            # Its failure reaches every caller; retrieved here too, for when none is left to see it.
+            self.answer.add_done_callback(lambda f: f.cancelled() or f.exception())
         if key != self.key or self.handed >= self.size:
             return (await sampler.sample(prompt_ids, args, 1))[0]
         i, self.handed = self.handed, self.handed + 1
         return (await asyncio.shield(self.answer))[i]
+
+    def close(self) -> None:
+        """The group is over (or cancelled): a request still out is of no use to anyone."""
+        if self.answer is not None and not self.answer.done():
+            self.answer.cancel()
 
 
 @dataclass

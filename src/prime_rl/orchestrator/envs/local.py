@@ -41,6 +41,7 @@ class LocalEnvs:
         self.rewards: RewardRunner | None = None
         self.reward_models: RewardModels | None = None
         self.teacher: Teacher | None = None
+        self.renderer: Renderer | None = None
         self.clients = Clients(config.client, config.model.name, engine)
 
     def load(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
@@ -49,6 +50,13 @@ class LocalEnvs:
         if self.rollouts:
             self.rewards = RewardRunner(c.rewards)
             self.reward_models = RewardModels()
+            try:  # the policy's chat template renders every turn: a model without one cannot play
+                self.renderer = Renderer.for_model(c.model.name)
+            except Exception as e:
+                raise EnvError(
+                    f"model.name = {c.model.name!r}: its tokenizer (the chat template every turn is "
+                    f"rendered with) cannot be loaded: {type(e).__name__}: {e}"
+                ) from None
         for i, e in enumerate(c.envs):
             env = load_env(e, self.rewards, self.reward_models, f"envs[{i}]", score=self.rollouts)
             self.train[env.name] = env
@@ -107,8 +115,7 @@ class LocalEnvs:
         model = job.model or c.model.name
         try:
             sampler = self.clients.get(job.base_url, model)
-            renderer = Renderer.for_model(c.model.name)
-            rollouts = await run_group(run, sampler, renderer, model, c.client.timeout_s)
+            rollouts = await run_group(run, sampler, self.renderer, model, c.client.timeout_s)
             if self.teacher and not job.eval:
                 rollouts = await self.teacher.score_group(rollouts)
         except Exception as e:  # never expected (both fail rollouts instead), but never a lost job

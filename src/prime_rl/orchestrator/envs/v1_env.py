@@ -162,13 +162,17 @@ class V1Env:
             scorer=self.scorer or Scorer(default_runner()),
         )
         example_id = row["example_id"]
-        episodes = await asyncio.gather(
-            *(
-                asyncio.wait_for(run_episode(self.env, row["task"], policy, self.shared_tools), timeout_s)
-                for _ in range(size)
-            ),
-            return_exceptions=True,
-        )
+        try:
+            episodes = await asyncio.gather(
+                *(
+                    asyncio.wait_for(run_episode(self.env, row["task"], policy, self.shared_tools), timeout_s)
+                    for _ in range(size)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            if policy.first_turn is not None:
+                policy.first_turn.close()
         for episode in episodes:
             if isinstance(episode, asyncio.CancelledError):
                 raise episode
