@@ -2,8 +2,8 @@
 fails only the groups it was running, which are counted, while the run goes on."""
 
 import json
-import re
 import os
+import re
 import signal
 from pathlib import Path
 

@@ -251,6 +251,7 @@ def test_unreachable_inference_is_a_clear_error_after_backoff(tmp_path):
 
     config = OrchestratorConfig(
         output_dir=str(tmp_path),
+        model={"name": MODEL},
         client={"base_urls": ["http://127.0.0.1:9/v1"], "health_timeout_s": 1.5},
     )
     with pytest.raises(InferenceUnavailable, match=r"127.0.0.1:9 was not healthy after 2 s"):

@@ -3,13 +3,13 @@ first call that forwarded it, a rollout without routes is one line naming the ke
 cannot return them is refused before anything starts."""
 
 import base64
-from pathlib import Path
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.scripted import play
 
+from helpers.scripted import play
 from prime_rl.config import ConfigError
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import server_command

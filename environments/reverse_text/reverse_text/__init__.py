@@ -55,6 +55,8 @@ class ReverseConfig(vf.TasksetConfig):
     seed: int = 0
     min_len: int = 3
     max_len: int = 8
+    system: bool = True
+    """Whether the tasks carry the system prompt (without: the string alone)."""
 
 
 class ReverseTaskset(vf.Taskset[ReverseTask, ReverseConfig]):
@@ -62,7 +64,11 @@ class ReverseTaskset(vf.Taskset[ReverseTask, ReverseConfig]):
         c = self.config
         seed = c.seed if c.split == "train" else c.seed + 1
         for row in make_examples(c.num_examples, seed, c.min_len, c.max_len):
-            data = ReverseData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=row["answer"])
+            data = ReverseData(
+                prompt=row["question"],
+                system_prompt=SYSTEM_PROMPT if c.system else None,
+                answer=row["answer"],
+            )
             yield ReverseTask(data, c.task)
 
 

@@ -255,7 +255,10 @@ class Requests:
             # weights finished it (the orchestrator stamps its episodes with it).
             if message["type"] == "http.response.start":
                 step = getattr(getattr(Requests.app, "state", None), "prime_rl_step", 0)
-                message = {**message, "headers": [*message.get("headers", []), (STEP_HEADER, str(step).encode())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (STEP_HEADER, str(step).encode())],
+                }
             await send(message)
 
         try:

@@ -66,9 +66,13 @@ def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
         vf.resolve_env_config({"taskset": {"id": env_id, **args}})
     except ValidationError as e:  # one clause per wrong key, named as in `args`
         why = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or 'args'}: {err['msg']}" for err in e.errors())
-        return f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {why}"
+        return (
+            f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {why}"
+        )
     except Exception as e:
-        return f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {e}"
+        return (
+            f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {e}"
+        )
     return None
 
 

@@ -143,7 +143,9 @@ def from_trace(
     failed_call = next((c for c in trace.calls if c.error is not None), None)
     if failed_call is not None:  # the server's failure (it may be retried elsewhere), not the env's
         error = failed_call.error
-        return failed_rollout(env_name, example_id, policy_version, f"model call failed: {error.type}: {error.message}")
+        return failed_rollout(
+            env_name, example_id, policy_version, f"model call failed: {error.type}: {error.message}"
+        )
     if trace.errors:
         if trace.errors[-1].type == "RewardError":
             return failed_rollout(
