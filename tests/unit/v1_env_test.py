@@ -15,7 +15,7 @@ def test_a_v1_group_is_one_request_and_its_rollouts_carry_tokens_reward_and_stat
     (request,) = server.requests  # the three identical first turns: one request for n = 3
     assert request["n"] == 3 and request["logprobs"] == 0 and request["return_token_ids"] is True
     assert len(rollouts) == 3 and len({id(r) for r in rollouts}) == 3
-    reply = tokenizer().encode(row["prompt"][::-1], add_special_tokens=False) + [tokenizer().eos_token_id]
+    reply = [*tokenizer().encode(row["prompt"][::-1], add_special_tokens=False), tokenizer().eos_token_id]
     for r in rollouts:
         assert not r.failed, r.error
         assert r.reward == 1.0 and r.metrics == {"reversed_word": 1.0, "reply_length": 5.0}

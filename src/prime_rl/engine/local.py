@@ -121,6 +121,7 @@ class LocalEngine:
         """`n` completions of the prompt `prompt_ids` sampled with `args`, each with the step served
         when it finished; a request vLLM refuses (a prompt past the context) is a `BadRequestError`."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         if self.broken:
@@ -150,9 +151,7 @@ class LocalEngine:
 
         try:
             output = await self._unless_stopped(final())
-        except (EngineStopped, EngineBroken):
-            raise
-        except ValueError as e:  # vLLM's validation: a prompt longer than the model's context
+        except (ValueError, VLLMClientError) as e:  # a prompt past the model's context, a bad argument
             raise BadRequestError(str(e)) from None
         step = self.step
         return [

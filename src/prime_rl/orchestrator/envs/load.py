@@ -14,7 +14,7 @@ from prime_rl.orchestrator.envs.env_rewards import make_scorer
 from prime_rl.orchestrator.envs.reward_model import RewardModels
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.scoring import Scorer
-from prime_rl.orchestrator.envs.v1_env import V1Env, load_v1_env
+from prime_rl.orchestrator.envs.v1_env import V1Env, default_runner, load_v1_env
 from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.messages import ConfigT, EnvView
 
@@ -81,7 +81,13 @@ def load_env(
     models = (reward_models or RewardModels()) if score else None
     try:
         vf_env.use(
-            make_scorer(config.rewards, f"{key}.rewards", rewards, models, own_hooks(dataset[0]["task"]))
+            make_scorer(
+                config.rewards,
+                f"{key}.rewards",
+                rewards or default_runner(),
+                models,
+                own_hooks(dataset[0]["task"]),
+            )
         )
     except EnvError as e:
         raise EnvError(f"env '{config.id}': {e}") from None
@@ -95,6 +101,5 @@ def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) ->
     except Exception as e:
         raise EnvError(f"eval env '{config.id}': its eval tasks cannot be listed: {e}") from None
     check_rows(dataset, config.id, "eval")
-    if rewards is not None:
-        vf_env.use(Scorer(rewards))
+    vf_env.use(Scorer(rewards or default_runner()))
     return LoadedEnv(config, vf_env, dataset)
