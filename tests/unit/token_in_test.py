@@ -116,3 +116,16 @@ def test_the_bridge_renders_only_the_new_messages(rewriting_renderer):
     # A completion cut by max_tokens (no end of turn sampled) gets the whole close of the turn.
     cut = r.bridge(previous, completion[:-1], [{"role": "user", "content": "again"}])
     assert cut[len(previous) + len(completion) - 1] == r.tokenizer.eos_token_id
+
+
+def test_the_step_shows_what_token_in_kept_from_drifting(rewriting_renderer):
+    from prime_rl.orchestrator.loop.records import turn_metrics
+    from prime_rl.orchestrator.loop.step_metrics import drift_part
+
+    rollouts, _ = five_turn_rollouts(rewriting_renderer)
+    m = turn_metrics("turns", rollouts)
+    assert m["drifted_turns/turns"] == 4.0 and m["samples_per_rollout/turns"] == 1.0
+    assert m["policy_span/turns/mean"] == 4.0  # dispatched at 3, finished at 7
+    assert drift_part(m, ["turns"]) == " | history drift per rollout: turns 4.00 (kept one sample)"
+    kept, _ = five_turn_rollouts(Renderer.for_model(MODEL))
+    assert drift_part(turn_metrics("turns", kept), ["turns"]) == ""  # nothing to say

@@ -28,6 +28,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import verifiers.v1 as vf
+from verifiers.v1 import graph
+from verifiers.v1.dialects import parse_message
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.errors import TaskError, ToolsetError, boundary
+from verifiers.v1.session import RolloutLimits, call_hook, hook_boundary
+from verifiers.v1.state import state_cls
+from verifiers.v1.utils.decorators import invoke
+
 from prime_rl.engine.sampling import Completion, SamplingArgs
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.tools import ToolBox, parse_calls
@@ -99,8 +108,6 @@ class Policy:
 
 def _initial_messages(task) -> list:
     """System prompt and prompt of a task, as the chat harness sends them."""
-    import verifiers.v1 as vf
-
     data = task.data
     messages: list = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
     if isinstance(data.prompt, str):
@@ -114,9 +121,6 @@ class Play:
     """One trace's conversation: `open`, then segments (`segment`), then `close`."""
 
     def __init__(self, seat: Seat, task, has_user: bool):
-        import verifiers.v1 as vf
-        from verifiers.v1.session import RolloutLimits, hook_boundary
-        from verifiers.v1.state import state_cls
 
         self.seat, self.task, self.has_user = seat, task, has_user
         self.trace = vf.Trace(
@@ -145,8 +149,6 @@ class Play:
         self.trace.record_error(error)
 
     async def open(self) -> bool:
-        from verifiers.v1.errors import TaskError, ToolsetError, boundary
-        from verifiers.v1.utils.decorators import invoke
 
         self.trace.timing.setup.start = time.time()
         try:
@@ -165,9 +167,6 @@ class Play:
 
     async def _refused(self) -> str | None:
         """The seat's limits and the task's trace stops, before a model call."""
-        import verifiers.v1 as vf
-        from verifiers.v1.errors import TaskError
-        from verifiers.v1.session import call_hook
 
         if (limit := self.limits.reached(self.trace)) is not None:
             return limit
@@ -194,18 +193,12 @@ class Play:
                     return
                 for call in reply.tool_calls:
                     result, _ = await self.tools.call(call.name, call.arguments)
-                    import verifiers.v1 as vf
-
                     self.messages.append(vf.ToolMessage(tool_call_id=call.id, content=result, name=call.name))
         except Exception as e:
             self.fail(e)
 
     async def _turn(self):
         """One model call on the conversation so far, committed to the trace graph."""
-        import verifiers.v1 as vf
-        from verifiers.v1 import graph
-        from verifiers.v1.dialects.chat import message_to_wire
-        from verifiers.v1.session import call_hook
 
         policy, renderer = self.seat.policy, self.seat.policy.renderer
         tools = self.tools.wire()
@@ -286,8 +279,6 @@ class Play:
 
     async def close(self):
         """Finish the trace: the task's finalize and scoring (unless it failed), then the verdict."""
-        from verifiers.v1.errors import TaskError, boundary
-        from verifiers.v1.utils.decorators import invoke
 
         if self.closed:
             return self.trace
@@ -323,8 +314,6 @@ class Exchange:
     async def turn(self, message=None):
         """One user turn (a string, or messages), answered; a `Segment` of what the seat said,
         `terminated` when the conversation ended instead (a limit, a stop, a failure)."""
-        import verifiers.v1 as vf
-        from verifiers.v1.dialects import parse_message
 
         play = self.play
         if self.over or play.closed:

@@ -23,6 +23,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+import verifiers.v1 as vf
+from verifiers.v1.utils.decorators import discover_decorated
+
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -52,9 +55,6 @@ class ToolBox:
 
     @classmethod
     def of(cls, toolsets: list) -> ToolBox:
-        import verifiers.v1 as vf
-        from verifiers.v1.utils.decorators import discover_decorated
-
         box = cls()
         for toolset in toolsets:
             prefix = toolset.server_name

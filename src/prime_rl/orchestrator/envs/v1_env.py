@@ -20,6 +20,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+import verifiers.v1 as vf
+
 from prime_rl.engine.sampling import SamplingArgs
 from prime_rl.environments import EnvError
 from prime_rl.environments import load_v1_env as load_env
@@ -71,8 +73,6 @@ class Episode:
 async def run_episode(env, task, policy: Policy, shared_tools: list):
     """One episode of `task`: the env's `setup`, `run` and `finalize` with `Seat`s as its agents
     (verifiers' `Env.run_episode`, played in this process)."""
-    import verifiers.v1 as vf
-
     episode = vf.Episode(
         env=vf.EnvInfo(id=env.config.env_id),
         task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
