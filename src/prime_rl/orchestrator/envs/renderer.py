@@ -61,7 +61,20 @@ class Renderer:
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=generation, tokenize=False
         )
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s token ids, no special tokens added: straight from a fast tokenizer's backend
+        when it has one (transformers' `encode` costs ~0.15 ms more per call, building the dict
+        of masks and offsets it then drops)."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def _backend(self):
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        return backend if hasattr(backend, "encode") else None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -72,7 +85,7 @@ class Renderer:
         come. None when the content cannot be found in the rendering (the template rewrites it)."""
         user = self.render(STAND_IN[:1], generation=False)
         whole = self.render(STAND_IN, generation=False)
-        content = self.tokenizer.encode(STAND_IN[1]["content"], add_special_tokens=False)
+        content = self.encode(STAND_IN[1]["content"])
         if whole[: len(user)] != user:
             return None
         # The content's last occurrence: a template may open the turn with a scaffold of its own

@@ -21,6 +21,7 @@ logged. A group with group functions is scored only when all of its traces succe
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -47,12 +48,19 @@ class Hook:
     weight: float = 1.0
 
     @property
-    def params(self) -> set[str]:
-        return set(inspect.signature(self.fn).parameters)
+    def params(self) -> frozenset[str]:
+        return _params(getattr(self.fn, "__func__", self.fn))
 
     @property
     def group(self) -> bool:
         return bool(GROUP_ARGS & self.params)
+
+
+@functools.cache
+def _params(fn) -> frozenset[str]:
+    """The parameter names of a function (of a method: without `self`), once per function."""
+    names = list(inspect.signature(fn).parameters)
+    return frozenset(names[1:] if names and names[0] == "self" else names)
 
 
 def _needs_runtime(fn) -> bool:

@@ -29,6 +29,7 @@ from prime_rl.orchestrator.envs.agent import Policy, Seat, SharedFirstTurn, Turn
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.scoring import RewardError, Scorer
+from prime_rl.orchestrator.envs.speedups import cache_default_factory_signatures
 from prime_rl.orchestrator.envs.verifiers_adapter import from_trace
 from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
@@ -218,6 +219,7 @@ class V1Env:
 def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:
     """The v1 env `env_id` (its taskset, and its own `Env` class if it exports one) with `args` as
     its taskset config."""
+    cache_default_factory_signatures()  # before the first trace is built
     env = load_env(env_id, args)
     shared = type(env.taskset).toolsets(env.taskset.config)
     return V1Env(env, TaskRows(list(env.taskset)), shared)
