@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -104,6 +105,24 @@ class Policy:
     """The env's `scoring.Scorer`."""
     audits: dict[str, TurnAudit] = field(default_factory=dict)
     """Per trace id."""
+    first_prompts: dict[str, list[int]] = field(default_factory=dict)
+    """The first turns rendered in this group, by their messages: every episode of a group starts
+    from the same task, so its first prompt is rendered once, not once per rollout."""
+
+    def render(self, wire: list[dict], tools: list[dict] | None, first: bool) -> list[int]:
+        if not first:
+            return self.renderer.render(wire, tools)
+        key = json.dumps([wire, tools], sort_keys=True, default=str)
+        ids = self.first_prompts.get(key)
+        if ids is None:
+            ids = self.first_prompts[key] = self.renderer.render(wire, tools)
+        return ids
+
+
+def _overrides(task, hook: str) -> bool:
+    """Whether the task's class has its own `hook` (the base one does nothing; verifiers' `invoke`
+    inspects the signature on every call)."""
+    return getattr(type(task), hook) is not getattr(vf.Task, hook)
 
 
 def _initial_messages(task) -> list:
@@ -155,7 +174,8 @@ class Play:
             if self.task.data.prompt is None and not self.has_user:
                 raise TaskError("task has no prompt and no user to open the conversation")
             async with boundary(TaskError, "task setup"):
-                await invoke(self.task.setup, {"trace": self.trace, "runtime": None})
+                if _overrides(self.task, "setup"):
+                    await invoke(self.task.setup, {"trace": self.trace, "runtime": None})
             async with boundary(ToolsetError, "building tool servers"):
                 self.tools = ToolBox.of([*self.task.toolsets(self.task.config), *self.seat.shared_tools])
         except Exception as e:
@@ -199,7 +219,6 @@ class Play:
 
     async def _turn(self):
         """One model call on the conversation so far, committed to the trace graph."""
-
         policy, renderer = self.seat.policy, self.seat.policy.renderer
         tools = self.tools.wire()
         turn = graph.prepare_turn(self.trace, self.messages, self.tools.tools)
@@ -209,7 +228,7 @@ class Play:
             prompt_ids = renderer.bridge(*previous, [message_to_wire(m) for m in turn.tail], tools)
         wire = [message_to_wire(m) for m in self.messages]
         if prompt_ids is None:
-            prompt_ids = renderer.render(wire, tools)
+            prompt_ids = policy.render(wire, tools, first=previous is None)
             self.audit.rendered += 1
         elif renderer.render(wire, tools) != prompt_ids:
             self.audit.drifted += 1
@@ -288,7 +307,8 @@ class Play:
         if not self.failed:
             try:
                 async with boundary(TaskError, "task finalize"):
-                    await invoke(self.task.finalize, {"trace": trace, "runtime": None})
+                    if _overrides(self.task, "finalize"):
+                        await invoke(self.task.finalize, {"trace": trace, "runtime": None})
                 await self.seat.policy.scorer.score(self.task, trace)
             except Exception as e:
                 self.fail(e)

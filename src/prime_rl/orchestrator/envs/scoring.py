@@ -76,18 +76,28 @@ def _messages(trace) -> tuple[list[dict], list[dict]]:
     return messages[:first], messages[first:]
 
 
-def arguments(task, trace) -> dict[str, Any]:
-    """Everything a hook may ask for about one trace (see the module docstring)."""
-    prompt, completion = _messages(trace)
-    return {
-        "task": task.data,
-        "trace": trace,
-        "prompt": prompt,
-        "completion": completion,
-        "answer": getattr(task.data, "answer", None),
-        "info": trace.info,
-        "state": trace.state,
-    }
+class Arguments(dict):
+    """Everything a hook may ask for about one trace (see the module docstring), each computed when
+    first asked: most hooks want the trace alone, and the messages cost a walk of its graph."""
+
+    def __init__(self, task, trace):
+        super().__init__(task=task.data, trace=trace, info=trace.info, state=trace.state)
+        self.trace, self.data = trace, task.data
+
+    def __missing__(self, key: str) -> Any:
+        if key in ("prompt", "completion"):
+            self["prompt"], self["completion"] = _messages(self.trace)
+        elif key == "answer":
+            self["answer"] = getattr(self.data, "answer", None)
+        else:
+            raise KeyError(key)
+        return self[key]
+
+    def __contains__(self, key) -> bool:
+        return dict.__contains__(self, key) or key in LAZY
+
+
+LAZY = ("prompt", "completion", "answer")
 
 
 @dataclass
@@ -100,11 +110,25 @@ class Scorer:
     own_scale: float = 1.0
     _skipped: set[str] = field(default_factory=set)
     _judges: dict[int, list] = field(default_factory=dict)
+    _found: dict[tuple, list[Hook]] = field(default_factory=dict)
 
     def hooks(self, task) -> list[Hook]:
-        hooks = [Hook(fn, fn.__name__, "metric") for fn in task.hooks("metric")] + [
-            Hook(fn, fn.__name__, "reward", getattr(fn, "_vf_weight", 1.0) * self.own_scale)
+        """The task's hooks bound to it, and the added ones; what to run is found once per task
+        class and config (verifiers scans the class for decorated methods on every call)."""
+        key = (type(task), id(task.config))
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = self._find(task)
+        return [
+            Hook(getattr(task, h.name) if h.fn is None else h.fn, h.name, h.kind, h.weight) for h in found
+        ]
+
+    def _find(self, task) -> list[Hook]:
+        """Like `hooks`, with `fn = None` for the task's own methods (bound per task)."""
+        hooks = [Hook(None, fn.__name__, "metric") for fn in task.hooks("metric") if self._runs(fn)] + [
+            Hook(None, fn.__name__, "reward", getattr(fn, "_vf_weight", 1.0) * self.own_scale)
             for fn in task.hooks("reward")
+            if self._runs(fn)
         ]
         judges = self._judges.get(id(task.config))
         if judges is None:  # loaded once per task config: every task of a taskset shares one
@@ -112,22 +136,24 @@ class Scorer:
         hooks += [
             Hook(judge.score, judge.reward_name, "reward", judge.config.weight * self.own_scale)
             for judge in judges
+            if self._runs(judge.score)
         ]
-        runnable = []
-        for hook in hooks:
-            if _needs_runtime(hook.fn):
-                if hook.name not in self._skipped:
-                    self._skipped.add(hook.name)
-                    log.info("scoring: '%s' needs a runtime (a sandbox): skipped", hook.name)
-                continue
-            runnable.append(hook)
-        return runnable + self.extra
+        return hooks + self.extra
+
+    def _runs(self, fn) -> bool:
+        """Whether the hook can run here: not one that needs a runtime (none runs here), logged once."""
+        if not _needs_runtime(fn):
+            return True
+        if fn.__name__ not in self._skipped:
+            self._skipped.add(fn.__name__)
+            log.info("scoring: '%s' needs a runtime (a sandbox): skipped", fn.__name__)
+        return False
 
     def group_scoring(self, task) -> bool:
         return any(h.group for h in self.hooks(task))
 
     async def _call(self, hook: Hook, available: dict[str, Any]) -> Any:
-        kwargs = {k: v for k, v in available.items() if k in hook.params}
+        kwargs = {k: available[k] for k in hook.params if k in available}
         fn = hook.fn
         try:
             return await self.runner.call(fn, inspect.iscoroutinefunction(fn), kwargs)
@@ -149,7 +175,7 @@ class Scorer:
 
     async def score(self, task, trace) -> None:
         """The trace's own (per-trace) metrics and rewards; group functions come later."""
-        available = arguments(task, trace)
+        available = Arguments(task, trace)
         for hook in self.hooks(task):
             if not hook.group:
                 self._record(trace, hook, await self._call(hook, available))
@@ -159,7 +185,7 @@ class Scorer:
         hooks = [h for h in self.hooks(task) if h.group]
         if not hooks:
             return
-        each = [arguments(task, t) for t in traces]
+        each = [Arguments(task, t) for t in traces]
         available = {
             "traces": traces,
             "tasks": [a["task"] for a in each],
