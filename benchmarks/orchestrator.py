@@ -77,7 +77,7 @@ class InstantSampler:
                 self.calls % 2,
             )
             if key not in self._cache:
-                ids = [*[int(t) for t in prompt_ids[-8:]][::1 if self.calls % 2 else -1], 2]
+                ids = [*[int(t) for t in prompt_ids[-8:]][:: 1 if self.calls % 2 else -1], 2]
                 self._cache[key] = Completion(ids, [-0.5] * len(ids), "x" * (len(ids) - 1), "stop")
             out.append(self._cache[key])
         return out

@@ -20,6 +20,7 @@ with `previous_prompt + previous_completion`, or None when the template cannot b
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ class Renderer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._stand_ins: dict[str, list[int]] = {}
 
     @classmethod
     @functools.cache
@@ -98,7 +100,10 @@ class Renderer:
     def tail(self, messages: list[dict], tools: list[dict] | None = None) -> list[int] | None:
         """The tokens of `messages` rendered on their own after an assistant turn, with the
         generation prompt; None when the template does not render them as a suffix."""
-        before = self.render(STAND_IN, tools, generation=False)
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        before = self._stand_ins.get(key)
+        if before is None:  # the same for every turn with these tools: rendered once
+            before = self._stand_ins[key] = self.render(STAND_IN, tools, generation=False)
         after = self.render(STAND_IN + messages, tools, generation=True)
         if after[: len(before)] != before:
             return None
