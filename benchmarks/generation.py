@@ -8,16 +8,16 @@ Workloads (16 examples x 8 rollouts = 128 rollouts per round, float32 everywhere
 
 Per workload, in one run:
 1. `uv run inference` (the real vLLM server) is started, and the orchestrator's group runner
-   (`group_runner.run_group`: verifiers' `run_rollout`, the OpenAI client, scoring and conversion to
-   training rollouts) runs the 16 groups concurrently, as a synchronous step does: once with one
-   request per rollout (`client.group_requests = false`, the path before group requests) and once
-   with the group's requests merged into one `n = 8` request (the default).
+   (`group_runner.run_group`: the env's seats played in-process, token-in turns, one
+   `/v1/completions` call per turn with the prompt as token ids, scoring, conversion to training
+   rollouts) runs the 16 groups concurrently, as a synchronous step does: once with one request per
+   rollout (`client.group_requests = false`) and once with each group's identical first turns as
+   one `n = 8` request (the default).
 2. The server is stopped, and the same group runner runs the groups on vLLM's engine in this process
-   (`engine/local.py`: the orchestrator as vLLM's front end, no HTTP, no API server process), placed
-   as `rl` places an async run: the model on the first half of the cores, the front end (this
-   process's other threads) on the second half, where `rl` puts the trainer;
-   then its parts: the chat bodies the groups sent, replayed without the client, and the engine
-   alone on their prompt token ids.
+   (`engine/local.py`: token ids straight to the engine, no HTTP, no API server process), placed as
+   `rl` places an async run: the model on the first half of the cores, the front end (this
+   process's other threads) on the second half, where `rl` puts the trainer; then the engine alone
+   (`AsyncLLM.generate`) on the same prompt token ids.
 3. `vllm.LLM.generate` runs in this process on the same prompt token ids (taken from the rollouts)
    with `n = 8` and the same sampling: the limit.
 Each timing is the median of `--rounds` rounds after one warm-up round; the ratios compare rows of
@@ -45,7 +45,7 @@ EXAMPLES, GROUP = 16, 8
 
 WORKLOADS = {
     "A": {"args": {}, "temperature": 1.0, "max_tokens": 16},
-    "B": {"args": {"system_prompt": "", "min_len": 5, "max_len": 12}, "temperature": 1.0, "max_tokens": 24},
+    "B": {"args": {"system": False, "min_len": 5, "max_len": 12}, "temperature": 1.0, "max_tokens": 24},
 }
 
 
@@ -82,21 +82,19 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
 
-    clients = Clients(ClientConfig(base_urls=[base_url], group_requests=group_requests))
+    clients = Clients(ClientConfig(base_urls=[base_url]), model)
     try:
-        return await time_groups(env, rows, clients.get(base_url), base_url, model, sampling, rounds)
+        return await time_groups(env, rows, clients.get(base_url), model, sampling, rounds, group_requests)
     finally:
         await clients.aclose()
 
 
 async def time_in_process(env, rows, model: str, max_model_len: int, sampling, rounds: int, out: Path):
-    """On vLLM's engine in this process: `time_path` (groups merged), then the parts of it, each the
-    median of `rounds` rounds of the 16 groups at once: the chat bodies the groups sent (the chat
-    serving layer and the engine, no client), and the engine alone on their prompt token ids."""
+    """On vLLM's engine in this process: `time_path` (groups merged), then the engine alone on the
+    prompt token ids the groups sent, each the median of `rounds` rounds of the 16 groups at once."""
     from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.local import LocalEngine
-    from prime_rl.orchestrator.config import ClientConfig
-    from prime_rl.orchestrator.envs.client import make_vf_client
+    from prime_rl.orchestrator.envs.sampler import EngineSampler
 
     config = InferenceConfig(
         model={"name": model, "dtype": "float32", "max_model_len": max_model_len}, output_dir=out
@@ -108,23 +106,12 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[:half])))
     restore = pin_threads(cores[half:] or cores)
     engine = await LocalEngine(config).start()
-    sent: list[bytes] = []
-
-    async def exchange(content: bytes) -> tuple[int, bytes]:
-        sent.append(content)
-        return await engine.exchange(content)
-
-    url = "http://in-process/v1"  # never connected to: every chat request is an engine call
-    client = make_vf_client(url, ClientConfig(base_urls=[url], group_requests=True), exchange=exchange)
     try:
-        runner, rollouts = await time_groups(env, rows, client, url, model, sampling, rounds)
-        bodies = sent[-len(rows) :]  # the last round's: one `n` request per group
-        chat = await time_rounds(rounds, lambda: asyncio.gather(*(engine.exchange(b) for b in bodies)))
+        runner, rollouts = await time_groups(env, rows, EngineSampler(engine), model, sampling, rounds, True)
         prompts = {r.example_id: r.turns[0].prompt_ids for r in rollouts if not r.failed}
         alone = await time_rounds(rounds, lambda: generate(engine.engine, list(prompts.values()), sampling))
-        return runner, chat, alone
+        return runner, alone
     finally:
-        await client.close()
         engine.close()
         restore()
 
@@ -175,18 +162,18 @@ async def generate(engine, prompts: list[list[int]], sampling) -> None:
     await asyncio.gather(*(one(p) for p in prompts))
 
 
-async def time_groups(env, rows, client, base_url: str, model: str, sampling, rounds: int):
+async def time_groups(env, rows, sampler, model: str, sampling, rounds: int, merge: bool):
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-    from prime_rl.orchestrator.envs.load import rollout_input
+    from prime_rl.orchestrator.envs.renderer import Renderer
 
+    renderer = Renderer.for_model(model)
     times, rollouts = [], []
     for i in range(rounds + 1):
         jobs = [
-            GroupRun(env.name, env.vf_env, rollout_input(r), r["example_id"], GROUP, 0, sampling)
-            for r in rows
+            GroupRun(env.name, env.vf_env, r, r["example_id"], GROUP, 0, sampling, (), merge) for r in rows
         ]
         t0 = time.perf_counter()
-        groups = await asyncio.gather(*(run_group(job, client, base_url, model, 120.0) for job in jobs))
+        groups = await asyncio.gather(*(run_group(job, sampler, renderer, model, 120.0) for job in jobs))
         if i:
             times.append(time.perf_counter() - t0)
         rollouts = [r for g in groups for r in g]
@@ -226,17 +213,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=512)
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
+    from prime_rl.environments import prompt_messages
     from prime_rl.logging_setup import adopt_verifiers_logging
     from prime_rl.orchestrator.envs.load import load_env
-    from prime_rl.orchestrator.envs.speedups import speed_up_verifiers
+    from prime_rl.orchestrator.envs.renderer import Renderer
     from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
 
     adopt_verifiers_logging()
-    speed_up_verifiers()  # as the orchestrator's env side does (`LocalEnvs.start`)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    renderer = Renderer.for_model(args.model)
     results = {}
     for name in args.workloads:
         w = WORKLOADS[name]
@@ -256,10 +241,7 @@ def main() -> None:
             local = asyncio.run(
                 time_in_process(env, rows, args.model, args.max_model_len, sampling, args.rounds, Path(tmp))
             )
-        prompts = [
-            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
-            for row in rows
-        ]
+        prompts = [renderer.render(prompt_messages(row["task"].data)) for row in rows]
         ok = {r.example_id: r.turns[0].prompt_ids for r in rollouts if not r.failed}
         assert all(ok.get(row["example_id"], p) == p for row, p in zip(rows, prompts, strict=True))
         tokens = sum(r.num_completion_tokens for r in rollouts)
@@ -269,18 +251,16 @@ def main() -> None:
         print(f"workload {name} done", flush=True)
 
     print("server: the group runner on `uv run inference`, one request per rollout, then one per group;")
-    print(
-        "in-process: on vLLM's engine in this process: the group runner, its chat bodies alone, the engine alone"
-    )
-    print(f"{'workload':>8}{'offline s':>10}{'server':>16}{'ratios':>12}{'in-process':>22}{'ratios':>18}"
+    print("in-process: on vLLM's engine in this process: the group runner (token-in), the engine alone")
+    print(f"{'workload':>8}{'offline s':>10}{'server':>16}{'ratios':>12}{'in-process':>16}{'ratios':>12}"
           f"{'tokens':>8}{'empty':>7}")  # fmt: skip
-    for name, (alone, merged, (runner, chat, gen), engine, tokens, empty) in results.items():
+    for name, (alone, merged, (runner, gen), engine, tokens, empty) in results.items():
         server = f"{alone:.3f} {merged:.3f}"
-        local = f"{runner:.3f} {chat:.3f} {gen:.3f}"
+        local = f"{runner:.3f} {gen:.3f}"
         ratios = f"{alone / engine:.2f} {merged / engine:.2f}"
-        local_ratios = f"{runner / engine:.2f} {chat / engine:.2f} {gen / engine:.2f}"
+        local_ratios = f"{runner / engine:.2f} {gen / engine:.2f}"
         print(
-            f"{name:>8}{engine:>10.3f}{server:>16}{ratios:>12}{local:>22}{local_ratios:>18}{tokens:>8}{empty:>7}"
+            f"{name:>8}{engine:>10.3f}{server:>16}{ratios:>12}{local:>16}{local_ratios:>12}{tokens:>8}{empty:>7}"
         )
 
 

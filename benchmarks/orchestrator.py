@@ -6,19 +6,18 @@ process spends per rollout on the real rollout path, in process and with env wor
 
 Part 1, the loop alone (this process pinned to one core, zmq to a sink subprocess that drops what it
 receives):
-1. Orchestrator alone: the env's `run_rollout` returns a verifiers-shaped output at once (64 prompt
-   and 32 completion tokens, half right, half wrong, so every rollout is packed and sent).
+1. Orchestrator alone: the env's `run_group` returns finished rollouts at once (64 prompt and 32
+   completion tokens, half right, half wrong, so every rollout is packed and sent).
 2. Event-loop lag: the same, but each rollout takes 0.5-1.5 s, with `max_inflight_rollouts` = 1000.
    A probe task sleeps 10 ms in a loop and records how late it wakes up (from step 1 on).
 3. The real path (reverse-text) with a second reward function that burns 50 ms of CPU per rollout,
    run by the reward runner's worker threads (`orchestrator.rewards`), `--slow-batch-size` rollouts
    per step: rollouts/s is then the reward's bound, and the loop lag is what the rest sees.
 
-Part 2, CPU per rollout by process (not pinned: CPU time is what counts): the real orchestrator,
-verifiers and the OpenAI client against a fake vLLM server in its own process (HTTP on loopback,
-each distinct reply built once, its CPU not counted), single-turn (reverse-text) and 3-turn
-(digit-sum-feedback, whose replies are never in the answer format), each:
-- before: in process, with verifiers' per-rollout costs as they come (`PRIME_RL_VERIFIERS_SPEEDUPS=0`);
+Part 2, CPU per rollout by process (not pinned: CPU time is what counts): the real orchestrator (its
+seats, token-in turns, scoring, its server sampler) against a fake vLLM server in its own process
+(`/v1/completions` on loopback, each distinct reply built once, its CPU not counted), single-turn
+(reverse-text) and 3-turn (digit-sum-feedback, whose replies are never in the answer format), each:
 - in process (`env_workers = 0`);
 - with `--workers` env workers.
 The modes take turns `--repeats` times, and each keeps its least-CPU run. CPU is counted over steps 1.. (step 0 includes start-up): this process's `process_time` (the loop,
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import random
@@ -39,17 +37,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx2
-
+from prime_rl.engine.sampling import Completion
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import client as client_module
 from prime_rl.orchestrator.envs import local as local_module
 from prime_rl.orchestrator.envs.local import LocalEnvs
+from prime_rl.orchestrator.envs.scoring import Hook
 from prime_rl.orchestrator.loop import servers as servers_module
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.workers import WorkerPool
+from prime_rl.orchestrator.rollout import Rollout, Turn
 
 SINK = """
 import sys, zmq
@@ -61,50 +60,30 @@ while True:
 """
 
 
-class InstantServer:
-    """Answers chat completions the way vLLM does with token ids and logprobs, from a cache."""
+class InstantSampler:
+    """Answers every model call at once from a cache: half right, half wrong (by call count)."""
 
-    def __init__(self, delay_s: float = 0.0):
-        self.delay_s = delay_s
-        self.requests = 0
-        self._cache: dict[tuple[str, bool], bytes] = {}
+    def __init__(self):
+        self.calls = 0
+        self._cache: dict[tuple, Completion] = {}
 
-    def reply(self, body: dict, right: bool) -> bytes:
-        user = body["messages"][-1]["content"]
-        key = (user, right)
-        if key not in self._cache:
-            text = user[::-1] if right else user[: len(user) // 2]
-            ids = list(text.encode())
-            prompt = "".join(str(m.get("content")) for m in body["messages"])
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop",
-                "token_ids": ids,
-                "logprobs": {"content": [{"token": chr(t), "logprob": -0.5, "bytes": [t], "top_logprobs": []} for t in ids]},
-            }  # fmt: skip
-            out = {
-                "id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": body["model"],
-                "choices": [choice], "prompt_token_ids": list(prompt.encode()),
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
-            }  # fmt: skip
-            self._cache[key] = json.dumps(out).encode()
-        return self._cache[key]
+    async def sample(self, prompt_ids, args, n=1):
+        out = []
+        for _ in range(n):
+            self.calls += 1
+            key = (
+                len(prompt_ids),
+                prompt_ids[-3:] if len(prompt_ids) > 3 else tuple(prompt_ids),
+                self.calls % 2,
+            )
+            if key not in self._cache:
+                ids = [*[int(t) for t in prompt_ids[-8:]][:: 1 if self.calls % 2 else -1], 2]
+                self._cache[key] = Completion(ids, [-0.5] * len(ids), "x" * (len(ids) - 1), "stop")
+            out.append(self._cache[key])
+        return out
 
-    async def handle(self, request: httpx2.Request) -> httpx2.Response:
-        self.requests += 1
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        body = json.loads(request.content)
-        data = self.reply(body, right=self.requests % 2 == 0)
-        return httpx2.Response(200, content=data, headers={"content-type": "application/json"})
-
-    def client(self, base_url: str, config):
-        import verifiers as vf
-        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
-        http = DefaultAsyncHttpxClient(transport=httpx2.MockTransport(self.handle), base_url=base_url)
-        return vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=base_url, api_key="x", http_client=http))
+    async def close(self):
+        pass
 
 
 def make_config(
@@ -113,6 +92,7 @@ def make_config(
 ) -> OrchestratorConfig:  # fmt: skip
     return OrchestratorConfig(
         output_dir=str(out),
+        model={"name": str(Path(__file__).resolve().parents[1] / "models" / "reverse_text-tiny")},
         max_steps=steps,
         batch_size=batch_size,
         max_async_level=1000,  # no trainer publishes weights: never wait for them
@@ -127,24 +107,30 @@ def make_config(
 
 
 class InstantEnv:
-    """Stands in for a verifiers env: `run_rollout` returns a finished output after `delay_s`."""
+    """Stands in for a loaded env: `run_group` returns finished rollouts after `delay_s`."""
+
+    requires_group_rollouts = False
 
     def __init__(self, delay_s: tuple[float, float] = (0.0, 0.0)):
         self.delay_s = delay_s
         self.calls = 0
 
-    async def run_rollout(self, inp, client, model, args, state_columns=()):
-        self.calls += 1
-        if self.delay_s[1]:
-            await asyncio.sleep(random.uniform(*self.delay_s))
-        ids = [self.calls % 1000 + i for i in range(32)]
-        return {
-            "example_id": inp["example_id"], "reward": float(self.calls % 2), "metrics": {},
-            "prompt": inp["prompt"], "completion": [{"role": "assistant", "content": "x" * 32}],
-            "is_truncated": False, "stop_condition": "stop",
-            "trajectory": [{"tokens": {"prompt_ids": list(range(64)), "completion_ids": ids,
-                                       "completion_mask": [1] * 32, "completion_logprobs": [-0.5] * 32}}],
-        }  # fmt: skip
+    async def close(self):
+        pass
+
+    async def run_group(self, row, size, sampler, renderer, model, args, env_name, policy_version, *rest):
+        out = []
+        for _ in range(size):
+            self.calls += 1
+            if self.delay_s[1]:
+                await asyncio.sleep(random.uniform(*self.delay_s))
+            ids = [self.calls % 1000 + i for i in range(32)]
+            out.append(
+                Rollout(env_name, row["example_id"], policy_version, reward=float(self.calls % 2),
+                        turns=[Turn(list(range(64)), ids, [1] * 32, [-0.5] * 32)], prompt=row["prompt"],
+                        completion=[{"role": "assistant", "content": "x" * 32}], stop_condition="stop")
+            )  # fmt: skip
+        return out
 
 
 def burn_50ms(completion, **kwargs) -> float:
@@ -155,7 +141,7 @@ def burn_50ms(completion, **kwargs) -> float:
 
 
 def use_env(env_factory, extra_reward=None) -> None:
-    """Make the in-process env side run rollouts with `env_factory()` (None: the real env), or give
+    """Make the in-process env side run groups with `env_factory()` (None: the real env), or give
     the real env one more (zero-weight) reward function, run by the orchestrator's reward runner."""
     real = local_module.__dict__.setdefault("_real_load_env", local_module.load_env)
 
@@ -164,8 +150,7 @@ def use_env(env_factory, extra_reward=None) -> None:
         if env_factory is not None:
             env.vf_env = env_factory()
         if extra_reward is not None:
-            env.vf_env.rubric.add_reward_func(extra_reward, weight=0.0)
-            rewards.install(env.vf_env)
+            env.vf_env.scorer.extra.append(Hook(extra_reward, extra_reward.__name__, "reward", 0.0))
         return env
 
     local_module.load_env = load
@@ -180,24 +165,18 @@ cache, count = {}, [0]
 
 def answer(body):
     n = body.get("n", 1)
-    user = body["messages"][-1]["content"]
-    prompt = "".join(str(m.get("content")) for m in body["messages"])
+    prompt = body["prompt"]
     choices = []
     for i in range(n):
         count[0] += 1
         right = count[0] % 2 == 0
-        key = (user, right)
+        key = (len(prompt), tuple(prompt[-4:]), right)
         if key not in cache:
-            text = user[::-1] if right else user[: len(user) // 2]
-            ids = list(text.encode())
-            lps = [{"token": chr(t), "logprob": -0.5, "bytes": [t], "top_logprobs": []} for t in ids]
-            cache[key] = {"message": {"role": "assistant", "content": text}, "finish_reason": "stop",
-                          "token_ids": ids, "logprobs": {"content": lps}}
+            ids = prompt[-8:][:: -1 if right else 1] + [2]
+            cache[key] = {"text": "x" * 8, "finish_reason": "stop", "token_ids": ids,
+                          "logprobs": {"token_logprobs": [-0.5] * len(ids)}}
         choices.append({"index": i, **cache[key]})
-    ids = list(prompt.encode())
-    usage = {"prompt_tokens": len(ids), "completion_tokens": 8, "total_tokens": len(ids) + 8}
-    return {"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": choices, "prompt_token_ids": ids, "usage": usage}
+    return {"id": "cmpl-0", "object": "text_completion", "model": body["model"], "choices": choices}
 
 
 async def app(scope, receive, send):
@@ -295,10 +274,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def loop_alone(args, port: int, tmp: str) -> None:
-    """Part 1: the loop's own rate and lag, against the in-process fake (httpx2 mock transport)."""
-    server = InstantServer()
-    real_client, real_wait = client_module.make_vf_client, servers_module.ServerPool.wait_healthy
-    client_module.make_vf_client = server.client  # every server of the pool is the fake
+    """Part 1: the loop's own rate and lag, against an in-process fake sampler."""
+    sampler = InstantSampler()
+    real_get, real_wait = client_module.Clients.get, servers_module.ServerPool.wait_healthy
+    client_module.Clients.get = lambda self, base_url, model=None: sampler  # every server is the fake
     servers_module.ServerPool.wait_healthy = lambda self: asyncio.sleep(0)
     try:
         bs, steps = args.batch_size, args.steps
@@ -311,7 +290,7 @@ def loop_alone(args, port: int, tmp: str) -> None:
         burn, burn_lags = run(make_config(Path(tmp) / "burn", port, sbs, steps, inflight=sbs))
         use_env(None)
     finally:
-        client_module.make_vf_client, servers_module.ServerPool.wait_healthy = real_client, real_wait
+        client_module.Clients.get, servers_module.ServerPool.wait_healthy = real_get, real_wait
 
     def ms(values, q):
         return f"{percentile(values, q) * 1e3:.1f}"
@@ -331,44 +310,38 @@ def loop_alone(args, port: int, tmp: str) -> None:
 
 
 def cpu_by_process(args, port: int, tmp: str) -> None:
-    """Part 2: CPU per rollout of each process, before, in process and with env workers."""
+    """Part 2: CPU per rollout of each process, in process and with env workers."""
     http_port = free_port()
     fake = subprocess.Popen([sys.executable, "-c", FAKE_VLLM, str(http_port)])
     base_url = f"http://127.0.0.1:{http_port}/v1"
     try:
         asyncio.run(servers_module.wait_healthy(base_url.removesuffix("/v1"), 60))
         rows = []
-        modes = (
-            ("before", 0, "0"),
-            ("in process", 0, "1"),
-            (f"{args.workers} env workers", args.workers, "1"),
-        )
+        modes = (("in process", 0), (f"{args.workers} env workers", args.workers))
         for env, label in (("reverse-text", "single-turn"), ("digit-sum-feedback", "3-turn")):
             results: dict[str, dict[str, float]] = {}
             # The modes take turns, `--repeats` times; each keeps its run with the least CPU in all,
             # the one least disturbed by the rest of this shared machine.
             for r in range(args.repeats):
-                for mode, workers, speedups in modes:
-                    os.environ["PRIME_RL_VERIFIERS_SPEEDUPS"] = speedups
-                    out = Path(tmp) / f"cpu-{env}-{workers}-{speedups}-{r}"
+                for mode, workers in modes:
+                    out = Path(tmp) / f"cpu-{env}-{workers}-{r}"
                     config = make_config(out, port, args.batch_size, args.steps, inflight=args.batch_size,
                                          env=env, base_url=base_url, env_workers=workers)  # fmt: skip
                     cpu = cpu_per_rollout(config)
                     if mode not in results or sum(cpu.values()) < sum(results[mode].values()):
                         results[mode] = cpu
-            before = sum(results["before"].values())
+            before = sum(results["in process"].values())
             for mode, cpu in results.items():
                 workers = " / ".join(f"{v:.2f}" for k, v in cpu.items() if k != "loop") or "-"
                 total = sum(cpu.values())
                 rows.append(
                     f"| {label} | {mode} | {cpu['loop']:.2f} | {workers} | {total:.2f} | {total / before:.2f} |"
                 )
-        os.environ.pop("PRIME_RL_VERIFIERS_SPEEDUPS")
     finally:
         fake.kill()
     print(f"\nPart 2: CPU per rollout by process (ms), groups of 8, {args.batch_size} rollouts per step, "
           f"{args.steps} steps (CPU over steps 1..)\n")  # fmt: skip
-    print("| env | mode | orchestrator process | each env worker | all processes | ratio to before |")
+    print("| env | mode | orchestrator process | each env worker | all processes | ratio to in process |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
 

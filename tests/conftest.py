@@ -21,6 +21,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Test-only verifiers environments and plugins (importable by name, as users' packages would be).
 sys.path.insert(0, str(Path(__file__).parent / "envs"))
 
+# No model hub here: a model name that is not a local folder fails at once instead of retrying.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 def pytest_configure(config) -> None:
     # The suite starts some 400 Python processes that import prime_rl, its environments and these

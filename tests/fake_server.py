@@ -1,6 +1,7 @@
 """A fake OpenAI-compatible inference server for orchestrator unit tests.
 
-It speaks the chat-completions route the way vLLM does when asked for token ids and logprobs, plus
+It speaks vLLM's completions route as the orchestrator calls it (the prompt as token ids of the
+policy's chat template, answered with token ids and logprobs), its chat-completions route, plus
 /health and the weight-reload route. A `script(request, index)` decides, per request, whether to
 answer, fail (HTTP status), delay, or truncate (drop the token ids and logprobs). Answers are the
 reversed user text (right for reverse-text), or text chosen by the script.
@@ -9,11 +10,13 @@ reversed user text (right for reverse-text), or text chosen by the script.
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -43,6 +46,30 @@ def user_text(request: dict) -> str:
 
 def encode(text: str) -> list[int]:
     return list(text.encode())
+
+
+MODEL = str(Path(__file__).parents[1] / "models" / "reverse_text-tiny")
+"""The policy of orchestrators run against the fake server: the orchestrator renders prompts with its
+tokenizer, and the fake reads them with it (the shipped tiny models share one tokenizer)."""
+
+
+@functools.cache
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+def chatml_messages(ids: list[int]) -> list[dict]:
+    """The messages of a ChatML prompt (as the tiny models' template renders them)."""
+    text = tokenizer().decode(ids, skip_special_tokens=False)
+    messages = []
+    for part in text.split("<|im_start|>")[1:]:
+        role, _, content = part.partition("\n")
+        messages.append({"role": role, "content": content.split("<|im_end|>")[0]})
+    if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+        messages.pop()  # the generation prompt
+    return messages
 
 
 @dataclass
@@ -144,6 +171,37 @@ class FakeServer:
                     }
                 out["prompt_token_ids"] = encode(prompt)
             return out
+
+        @app.post("/v1/completions")
+        async def completions(req: Request):
+            # The orchestrator's route: the prompt as token ids of the policy's chat template.
+            body = await req.json()
+            body["messages"] = chatml_messages(body["prompt"])
+            index = len(self.requests)
+            self.requests.append(body)
+            self.events.append("chat")
+            reply = self.script(body, index)
+            if reply.delay_s:
+                await asyncio.sleep(reply.delay_s)
+            if reply.status != 200:
+                return JSONResponse({"error": {"message": "injected failure"}}, status_code=reply.status)
+            text = user_text(body)[::-1] if reply.text is None else reply.text
+            n = 1 if self.ignore_n else body.get("n", 1)
+            texts = [text + "+" * i if self.distinct_choices else text for i in range(n)]
+            choices = []
+            for i, t in enumerate(texts):
+                choice = {"index": i, "text": t, "finish_reason": "stop"}
+                if not reply.truncate:
+                    ids = [*tokenizer().encode(t, add_special_tokens=False), tokenizer().eos_token_id]
+                    choice["token_ids"] = ids
+                    choice["logprobs"] = {"token_logprobs": [-0.5] * len(ids)}
+                choices.append(choice)
+            return {
+                "id": f"cmpl-{index}",
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": choices,
+            }
 
         self.app = app
 

@@ -1,5 +1,5 @@
-"""Load a verifiers environment by id, for the orchestrator (RL) and the trainer (SFT data) alike,
-and tell which module an env id names, and whether it is a `verifiers.v1` env, without loading it.
+"""Load a verifiers v1 environment by id, for the orchestrator (RL) and the trainer (SFT data)
+alike, and tell which module an env id names, and whether it is a v1 env, without loading it.
 
 Invariant: a failure to load raises `EnvError` whose message names the env and says what an env id
 must be, without verifiers' own traceback-like log line. `env_module_name` and `exports_v1_taskset`
@@ -17,32 +17,42 @@ class EnvError(ValueError):
     """An environment cannot be loaded or used; the message names it."""
 
 
-def load_vf_env(env_id: str, args: dict[str, Any]):
-    """`verifiers.load_environment`, with failures turned into an `EnvError` naming the env."""
-    import verifiers as vf
+def load_v1_env(env_id: str, args: dict[str, Any]):
+    """verifiers v1's env for `env_id` (its taskset's own `Env` class, else the single-seat one)
+    with `args` as its taskset config; failures turned into an `EnvError` naming the env."""
+    import verifiers.v1 as vf
 
-    # verifiers logs a traceback-like error before raising; our message says it better.
-    logging.getLogger("verifiers").setLevel(logging.CRITICAL)
+    logging.getLogger("verifiers").setLevel(logging.CRITICAL)  # our message says it better
     try:
-        env = vf.load_environment(env_id, **args)
+        return vf.load_environment(vf.resolve_env_config({"taskset": {"id": env_id, **args}}))
     except Exception as e:
         cause = e.__cause__ or e
         raise EnvError(
-            f"env '{env_id}' could not be loaded: {type(cause).__name__}: {cause}. "
-            f"It must be an installed package or importable module exposing load_environment(**args)."
+            f"env '{env_id}' could not be loaded: {type(cause).__name__}: {cause}. It must be an "
+            "installed package or importable module exporting a verifiers.v1 Taskset in __all__."
         ) from None
     finally:
         logging.getLogger("verifiers").setLevel(logging.WARNING)
-    return env
+
+
+def prompt_messages(data) -> list[dict]:
+    """A v1 task's opening messages (its system prompt, then its prompt) as chat dicts."""
+    messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(data.prompt, str):
+        messages.append({"role": "user", "content": data.prompt})
+    elif data.prompt:
+        messages += [
+            m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in data.prompt
+        ]
+    return messages
 
 
 def env_module_name(env_id: str) -> str:
-    """The module verifiers imports for an env id: dashes as underscores, any 'owner/' prefix dropped.
-
-    The same rule as verifiers' own `env_module_name`, which is not imported here: importing it loads
-    the whole of verifiers (seconds), and the preflights must stay cheap.
-    """
-    return env_id.replace("-", "_").split("/")[-1]
+    """The module verifiers imports for an env id: any 'owner/' prefix and '@version' dropped, dashes
+    as underscores, lowercase (verifiers v1's rule, which is not imported here: importing verifiers
+    takes seconds, and the preflights must stay cheap). verifiers first looks for it among its own
+    tasksets (`verifiers.v1.tasksets.<module>`)."""
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
 
 
 def exports_v1_taskset(module) -> bool:

@@ -1,14 +1,23 @@
-"""A broken test env: it loads and generates, but its reward function raises for every rollout, as an
-env with a bug would. A run on it must stop with one line, not spin on failures."""
+"""A broken test env: it loads and generates, but its reward raises for every rollout, as an env
+with a bug would. A run on it must stop with one line, not spin on failures."""
 
-import verifiers as vf
-from datasets import Dataset
-
-
-def broken_reward(completion, **kwargs) -> float:
-    raise ValueError("broken_reward has a bug")
+import verifiers.v1 as vf
+from words import Config, tasks
 
 
-def load_environment(num_examples: int = 100) -> vf.Environment:
-    rows = [{"question": f"Reverse: {i}", "answer": str(i)[::-1]} for i in range(num_examples)]
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[broken_reward]))
+class BrokenTask(vf.Task):
+    @vf.reward
+    async def broken_reward(self, trace: vf.Trace) -> float:
+        raise ValueError("broken_reward has a bug")
+
+
+class BrokenConfig(Config):
+    num_examples: int = 100
+
+
+class BrokenTaskset(vf.Taskset[BrokenTask, BrokenConfig]):
+    def load(self):
+        return tasks(BrokenTask, self.config, [f"Reverse: {i}" for i in range(self.config.num_examples)])
+
+
+__all__ = ["BrokenTaskset"]

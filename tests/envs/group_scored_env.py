@@ -1,15 +1,25 @@
-"""A test env whose rubric scores the whole group together (a plural-parameter reward function)."""
+"""A test env whose reward scores the whole group together: a task reward that takes `traces`."""
 
-import verifiers as vf
-from datasets import Dataset
-
-
-def relative_length(completions, **kwargs) -> list[float]:
-    lengths = [len(c[-1]["content"]) for c in completions]
-    top = max(lengths) or 1
-    return [n / top for n in lengths]
+import verifiers.v1 as vf
+from words import Config, tasks
 
 
-def load_environment(num_examples: int = 50) -> vf.Environment:
-    rows = [{"question": f"item {i} " + "x" * (i % 5), "answer": ""} for i in range(num_examples)]
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[relative_length]))
+class RelativeTask(vf.Task):
+    @vf.reward
+    async def relative_length(self, traces: list[vf.Trace]) -> list[float]:
+        lengths = [len(t.last_reply) for t in traces]
+        top = max(lengths) or 1
+        return [n / top for n in lengths]
+
+
+class RelativeConfig(Config):
+    num_examples: int = 50
+
+
+class RelativeTaskset(vf.Taskset[RelativeTask, RelativeConfig]):
+    def load(self):
+        n = self.config.num_examples
+        return tasks(RelativeTask, self.config, [f"item {i} " + "x" * (i % 5) for i in range(n)])
+
+
+__all__ = ["RelativeTaskset"]

@@ -1,10 +1,12 @@
-"""A single-turn test env whose reward is slow, raises or hangs, chosen by `load_environment(mode=...)`:
-for the tests that reward functions run off the event loop, bounded and timed."""
+"""A single-turn test env whose reward is slow, raises or hangs, chosen by `mode`: for the tests that
+reward functions run off the event loop, bounded and timed. Its reward is a plain `def` (verifiers'
+own scoring would refuse it; the orchestrator runs it in a thread)."""
 
 import time
+from typing import Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
+from words import Config, tasks
 
 
 def burn(seconds: float) -> None:
@@ -13,15 +15,33 @@ def burn(seconds: float) -> None:
         pass
 
 
-def load_environment(mode: str = "burn", seconds: float = 0.05, num_examples: int = 20) -> vf.Environment:
-    def slow_reward(completion, answer, **kwargs) -> float:
-        if mode == "raise":
+class SlowConfig(Config):
+    mode: Literal["burn", "raise", "hang"] = "burn"
+    seconds: float = 0.05
+
+
+class SlowData(vf.TaskData):
+    mode: str
+    seconds: float
+
+
+class SlowTask(vf.Task[SlowData]):
+    @vf.reward
+    def slow_reward(self, trace: vf.Trace) -> float:
+        if self.data.mode == "raise":
             raise ValueError("judge said no")
-        if mode == "hang":
-            time.sleep(seconds)
+        if self.data.mode == "hang":
+            time.sleep(self.data.seconds)
         else:
-            burn(seconds)
+            burn(self.data.seconds)
         return 1.0
 
-    rows = [{"question": f"word{i}", "answer": f"{i}"} for i in range(num_examples)]
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[slow_reward]))
+
+class SlowTaskset(vf.Taskset[SlowTask, SlowConfig]):
+    def load(self):
+        c = self.config
+        prompts = [f"word{i}" for i in range(c.num_examples)]
+        return tasks(SlowTask, c, prompts, mode=c.mode, seconds=c.seconds)
+
+
+__all__ = ["SlowTaskset"]

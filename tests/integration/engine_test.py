@@ -1,8 +1,8 @@
-"""vLLM's engine in the caller's process (`engine/local.py`), on the reverse-text model: it answers a
-chat body as the server's route does (token ids, logprobs, n choices; bad input as a status and a
-message), its logprobs are the policy's (the trainer's, `min_tokens` notwithstanding), and after
-`load_weights` it serves the new weights. Run in a child process, as the orchestrator runs it: the
-engine's processes are that process's children and inherit its settings."""
+"""vLLM's engine in the caller's process (`engine/local.py`), on the reverse-text model: token ids in,
+`n` completions out (token ids, one logprob each, the policy version; a prompt past the context as
+a refused request), its logprobs are the policy's (the trainer's, `min_tokens` notwithstanding),
+and after `load_weights` it serves the new weights. Run in a child process, as the orchestrator
+runs it: the engine's processes are that process's children and inherit its settings."""
 
 import contextlib
 import json
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from openai.types.chat import ChatCompletion
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from helpers.cores import server_env
 from prime_rl.engine.server import is_cpu_build
@@ -35,10 +34,24 @@ PROBE = textwrap.dedent(
 
     model, out, new_weights, report = sys.argv[1:5]
 
-    def body(content, **kw):
-        request = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 12,
-                   "logprobs": True, "return_token_ids": True, **kw}
-        return json.dumps(request).encode()
+    from transformers import AutoTokenizer
+    from prime_rl.engine.sampling import BadRequestError, SamplingArgs
+
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def prompt(content):
+        return tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+
+    async def generate(engine, content, n=1, **extra):
+        args = SamplingArgs(temperature=extra.pop("temperature", 1.0), max_tokens=12, extra=extra)
+        try:
+            out = await engine.generate(prompt(content), args, n)
+        except BadRequestError as e:
+            return {"refused": str(e)}
+        return {"prompt": prompt(content), "completions": [
+            {"ids": c.token_ids, "logprobs": c.logprobs, "finish": c.finish_reason, "version": c.version}
+            for c in out]}
 
     def sockets(folder):
         return sorted(p.name for p in Path(folder).iterdir() if stat.S_ISSOCK(p.lstat().st_mode))
@@ -52,18 +65,15 @@ PROBE = textwrap.dedent(
         engine_processes = [
             sorted(p.cpu_affinity()) for p in me.children(recursive=True) if p.cmdline() == me.cmdline()
         ]
-        answers = {
-            "chat": await engine.exchange(body("Reverse the text: hello", n=3, min_tokens=12)),
-            "overlong": await engine.exchange(body("word " * 400)),
-            "malformed": await engine.exchange(b"{not json"),
+        result = {
+            "n": await generate(engine, "Reverse the text: hello", n=3, min_tokens=12),
+            "overlong": await generate(engine, "word " * 400),
         }
         # The model answers "cba" and wants to stop: min_tokens bans the end of turn where it is likely.
-        forced = dict(max_tokens=12, min_tokens=12, temperature=2.0)
-        before = await engine.exchange(body("Reverse the text: abc", **forced))
+        forced = dict(min_tokens=12, temperature=2.0)
+        result["before"] = await generate(engine, "Reverse the text: abc", **forced)
         reload = await engine.load_weights(Path(new_weights), 1)
-        answers["after"] = await engine.exchange(body("Reverse the text: abc", **forced))
-        answers["before"] = before
-        result = {k: [status, text.decode()] for k, (status, text) in answers.items()}
+        result["after"] = await generate(engine, "Reverse the text: abc", **forced)
         result["step"], result["reload_s"] = engine.step, reload.seconds
         result["engine_processes"] = engine_processes
         result["ipc_sockets"] = ipc_sockets
@@ -110,34 +120,19 @@ def probed(tmp_path_factory) -> tuple[dict, Path]:
     return {**json.loads(report.read_text()), "bind": env["VLLM_CPU_OMP_THREADS_BIND"]}, new
 
 
-def logprobs_of(answer: str) -> tuple[list[int], list[int], torch.Tensor]:
-    resp = ChatCompletion.model_validate_json(answer)
-    choice = resp.choices[0]
-    served = torch.tensor([t.logprob for t in choice.logprobs.content])
-    return resp.model_extra["prompt_token_ids"], choice.model_extra["token_ids"], served
-
-
-def test_a_chat_body_gets_the_servers_answer_token_ids_logprobs_and_n_choices(probed):
+def test_token_ids_in_give_n_completions_with_one_logprob_per_token(probed):
     answers, _ = probed
-    status, text = answers["chat"]
-    assert status == 200, text
-    resp = ChatCompletion.model_validate_json(text)
-    assert len(resp.choices) == 3
-    for choice in resp.choices:
-        assert len(choice.model_extra["token_ids"]) == len(choice.logprobs.content) == 12
-        assert all(t.logprob <= 0.0 for t in choice.logprobs.content)
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    messages = [{"role": "user", "content": "Reverse the text: hello"}]
-    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert resp.model_extra["prompt_token_ids"] == list(expected)
+    completions = answers["n"]["completions"]
+    assert len(completions) == 3
+    for c in completions:
+        assert len(c["ids"]) == len(c["logprobs"]) == 12 and c["finish"] == "length" and c["version"] == 0
+        assert all(lp <= 0.0 for lp in c["logprobs"])
+    assert len({tuple(c["ids"]) for c in completions}) > 1  # three samples, not one copied
 
 
-def test_bad_input_is_a_status_and_a_message_as_from_the_server(probed):
+def test_a_prompt_past_the_context_is_a_refused_request_that_says_so(probed):
     answers, _ = probed
-    status, text = answers["overlong"]
-    assert status == 400 and "256" in json.loads(text)["error"]["message"], text
-    status, text = answers["malformed"]
-    assert status == 400 and json.loads(text)["error"]["message"], text
+    assert "256" in answers["overlong"]["refused"]
 
 
 def test_after_load_weights_the_new_weights_are_served_with_the_policys_logprobs(probed):
@@ -146,7 +141,9 @@ def test_after_load_weights_the_new_weights_are_served_with_the_policys_logprobs
     answers, new = probed
     assert answers["step"] == 1
     for key, weights in (("before", MODEL), ("after", new)):
-        prompt, completion, served = logprobs_of(answers[key][1])
+        (c,) = answers[key]["completions"]
+        prompt, completion, served = answers[key]["prompt"], c["ids"], torch.tensor(c["logprobs"])
+        assert c["version"] == (1 if key == "after" else 0)
         m = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
         ids = torch.tensor(prompt + completion)
         with torch.no_grad():

@@ -1,8 +1,9 @@
-"""Multi-turn rollouts against a real vLLM server: every training sample holds exactly the tokens the
-server received and sampled on each turn (checked on the wire, and by re-scoring the sample with the
-HF model), env tokens carry loss mask 0, and a chat template that re-renders earlier turns
-differently splits the rollout into one sample per turn instead of training on re-tokenized text."""
+"""Multi-turn rollouts against a real vLLM server, token-in: every turn's prompt extends the tokens the
+model saw, so a rollout trains as one sample holding exactly the tokens the server received and
+sampled on each turn (checked on the wire, and by re-scoring the sample with the HF model), env
+tokens with loss mask 0, even under a chat template that rewrites earlier turns."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,26 +11,35 @@ import torch
 from token_checks import check_exact, rollouts_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.model.tiny import CHAT_TEMPLATE
+from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs_config import SamplingConfig
-from prime_rl.orchestrator.loop.samples import turn_stats
+from prime_rl.orchestrator.loop.samples import rollout_to_samples, turn_stats
 
 pytestmark = pytest.mark.slow
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "digit_sum_feedback-tiny"
 
-# As Qwen3's template does for turns without reasoning: earlier assistant turns are re-rendered with
-# an empty think block that the model never sampled, so a later prompt does not extend the earlier one.
-THINK_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}",
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+# As Qwen3's template does for turns without reasoning: the generation prompt opens the assistant
+# turn with an empty think block, and earlier assistant turns are re-rendered without it. A prompt
+# re-rendered from messages then never extends the tokens of the turn before.
+THINK = "<think>\\n\\n</think>\\n\\n"
+QWEN3_LIKE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- set content = message['content'] or '' %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n" + THINK + "' }}{%- endif %}"
 )
 
 
 @pytest.fixture
 def served(digit_sum_server):
-    return digit_sum_server  # MODEL, accepting the request's chat template
+    return digit_sum_server  # MODEL
 
 
 @pytest.fixture(scope="module")
@@ -39,27 +49,48 @@ def hf():
     )
 
 
+@pytest.fixture
+def rewriting(tmp_path) -> Renderer:
+    """MODEL's tokenizer with the history-rewriting template (the server needs no template: the
+    orchestrator sends token ids)."""
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(MODEL / name, folder / name)
+    (folder / "chat_template.jinja").write_text(QWEN3_LIKE)
+    return Renderer(AutoTokenizer.from_pretrained(folder))
+
+
 def test_a_three_turn_rollout_is_one_sample_with_the_exact_tokens_of_each_turn(served, hf):
     sampling = SamplingConfig(temperature=1.0, max_tokens=24)
 
-    def has_merged_three_turns(rollouts):
-        return any(len(r.turns) == 3 and turn_stats(r).samples == 1 for r in rollouts)
+    def has_three_turns(rollouts):
+        return any(len(r.turns) == 3 for r in rollouts)
 
-    rollouts, wire, _ = rollouts_of(served, "digit-sum-feedback", sampling, 6, until=has_merged_three_turns)
-    assert has_merged_three_turns(rollouts)
+    rollouts, wire, _ = rollouts_of(served, "digit-sum-feedback", sampling, 6, until=has_three_turns)
+    assert has_three_turns(rollouts)
     for r in rollouts:
-        check_exact(r, wire, hf, None)
-    merged = next(r for r in rollouts if len(r.turns) == 3 and turn_stats(r).samples == 1)
-    assert turn_stats(merged).env_tokens > 0 and [m["role"] for m in merged.completion] == [
+        assert turn_stats(r).samples == 1 and r.drifted_turns == 0  # ChatML keeps history as it was
+        check_exact(r, wire, hf)
+    three = next(r for r in rollouts if len(r.turns) == 3)
+    assert turn_stats(three).env_tokens > 0 and [m["role"] for m in three.completion] == [
         "assistant", "user", "assistant", "user", "assistant",
     ]  # fmt: skip
 
 
-def test_a_template_that_rerenders_earlier_turns_gives_one_sample_per_turn(served, hf):
-    sampling = SamplingConfig(temperature=1.0, max_tokens=24, extra_body={"chat_template": THINK_TEMPLATE})
-    rollouts, wire, _ = rollouts_of(served, "digit-sum-feedback", sampling, 2)
-    multi = [r for r in rollouts if len(r.turns) > 1]
-    assert multi, "no multi-turn rollout in 16"
+def test_five_turns_under_a_history_rewriting_template_train_as_one_exact_sample(served, hf, rewriting):
+    sampling = SamplingConfig(temperature=1.0, max_tokens=16)
+    rollouts, wire, _ = rollouts_of(
+        served, "turns-env", sampling, 1, size=4, renderer=rewriting, args={"turns": 5}
+    )
     for r in rollouts:
-        assert turn_stats(r).samples == len(r.turns)  # never merged across a re-rendered turn
-        check_exact(r, wire, hf, THINK_TEMPLATE)
+        assert len(r.turns) == 5
+        # One sample per rollout (samples_per_rollout 1.0), though the template rewrote history at
+        # each of the four later turns: re-rendering would have split it into five.
+        assert turn_stats(r).samples == 1 and r.drifted_turns == 4
+        check_exact(r, wire, hf, renderer=rewriting)  # logprobs to 1e-3 under the HF model
+        # The trainer's tokens: O(turns), the last turn's context once, not every turn's again.
+        (sample,) = rollout_to_samples(r, 1.0)
+        assert len(sample) == len(r.turns[-1].prompt_ids) + len(r.turns[-1].completion_ids)
+        assert sum(len(t.prompt_ids) + len(t.completion_ids) for t in r.turns) > 2.5 * len(sample)
+        assert THINK.replace("\\n", "\n") in rewriting.decode(sample.prompt_ids)

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from prime_rl import secret
 from prime_rl.net import free_port
 from prime_rl.transport.messages import MicroBatch
 from prime_rl.transport.zmq_transport import ZmqReceiver
@@ -100,10 +102,13 @@ sampling = {{ temperature = 1.0, max_tokens = 24 }}
 def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_choice(server):
     import asyncio
 
+    from token_checks import Wire
+
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-    from prime_rl.orchestrator.envs.load import load_env, rollout_input
+    from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.envs.renderer import Renderer
     from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
 
@@ -112,31 +117,32 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
     env = load_env(EnvConfig(id="reverse-text", group_size=8, sampling=sampling))
     row = ExampleSource(env.dataset, 0).next()
     url = f"{base}/v1"
-    client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
-    sent = []
-
-    exchange = client.client._exchange
-
-    async def counting(url, content):
-        sent.append(json.loads(content).get("n", 1))
-        return await exchange(url, content)
-
-    client.client._exchange = counting
-    job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], 8, 0, sampling)
+    job = GroupRun(env.name, env.vf_env, row, row["example_id"], 8, 0, sampling)
 
     async def go():
-        return await run_group(job, client, url, model, 60.0)
+        wire = Wire(Clients(ClientConfig(base_urls=[url], timeout_s=60), model).get(url))
+        try:
+            return await run_group(job, wire, Renderer.for_model(model), model, 60.0), wire
+        finally:
+            await wire.close()
 
-    rollouts = asyncio.run(go())
-    assert sent == [8]
+    rollouts, wire = asyncio.run(go())
+    assert [len(choices) for _, choices in wire.seen] == [8]  # one request, n = 8
+    # The server said which step it served when it answered: every rollout carries it.
+    served = httpx.get(f"{base}/prime_rl/weights", headers=secret.headers()).json()["step"]
+    assert {(r.turns[0].version, r.policy_span) for r in rollouts} == {(served, (0, served))}
     assert not [r.error for r in rollouts if r.failed]
     tok = AutoTokenizer.from_pretrained(model)
-    prompt_ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
+    messages = [
+        {"role": "system", "content": row["task"].data.system_prompt},
+        {"role": "user", "content": row["prompt"]},
+    ]
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     for r in rollouts:
         (turn,) = r.turns
         assert turn.prompt_ids == prompt_ids
         assert len(turn.completion_ids) == len(turn.completion_logprobs) >= 2
-        # The tokens, their logprobs and the text scored by the rubric are one choice's (the server
+        # The tokens, their logprobs and the text scored by the reward are one choice's (the server
         # leaves out a trailing incomplete UTF-8 sequence from the text).
         text = tok.decode(turn.completion_ids, skip_special_tokens=True)
         assert text.rstrip("\ufffd") == r.completion[-1]["content"].rstrip("\ufffd")
@@ -151,7 +157,8 @@ def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(s
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-    from prime_rl.orchestrator.envs.load import load_env, rollout_input
+    from prime_rl.orchestrator.envs.load import load_env
+    from prime_rl.orchestrator.envs.renderer import Renderer
     from prime_rl.orchestrator.envs.teacher import Teacher
     from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig, TeacherConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
@@ -164,9 +171,10 @@ def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(s
 
     async def go():
         url = f"{base}/v1"
-        client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
-        job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], 4, 0, sampling)
-        rollouts = await run_group(job, client, url, model, 60.0)
+        clients = Clients(ClientConfig(base_urls=[url], timeout_s=60), model)
+        job = GroupRun(env.name, env.vf_env, row, row["example_id"], 4, 0, sampling)
+        rollouts = await run_group(job, clients.get(url), Renderer.for_model(model), model, 60.0)
+        await clients.aclose()
         teacher = Teacher(TeacherConfig(base_url=f"{base}/v1", model=model))
         await teacher.check()
         try:

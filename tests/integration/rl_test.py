@@ -208,7 +208,7 @@ def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_a
 
 def test_a_failing_process_stops_everything(tiny_model, tmp_path):
     # An env that imports (so `rl`'s checks pass and everything starts) but fails to load.
-    toml = write_config(tmp_path, tiny_model, "no-prompt-env", steps=3)
+    toml = write_config(tmp_path, tiny_model, "empty-env", steps=3)
     env = {**os.environ, "PYTHONPATH": ENVS}
     proc = subprocess.Popen(
         [RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -221,7 +221,7 @@ def test_a_failing_process_stops_everything(tiny_model, tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode not in (0, None), out + err
     assert "orchestrator exited with status 2" in err  # an env that does not load: a restart would repeat it
-    assert "no-prompt-env" in (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
+    assert "empty-env" in (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
     assert seen and not alive(sorted(seen))  # no orphans: vLLM and the trainer are gone too
 
 

@@ -3,15 +3,14 @@ orchestrator's group runner while recording what the server received and sampled
 every training sample holds exactly those tokens."""
 
 import asyncio
-import json
 
 import torch
 
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-from prime_rl.orchestrator.envs.load import load_env, rollout_input
-from prime_rl.orchestrator.envs.v1_env import V1Env
+from prime_rl.orchestrator.envs.load import load_env
+from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
 from prime_rl.orchestrator.loop.examples import ExampleSource
 from prime_rl.orchestrator.loop.samples import rollout_to_samples, segments
@@ -19,86 +18,79 @@ from prime_rl.trainer.logprobs import forward_logprobs
 
 
 class Wire:
-    """Records what the server received and sampled: (prompt ids, [(token ids, logprobs)] per choice),
-    by wrapping the client's HTTP exchange (under the group merging: what the server really got)."""
+    """Records what the server received and sampled: (prompt ids, [(token ids, logprobs)] per
+    completion), by wrapping the sampler (under the group merging: what the server really got)."""
 
-    def __init__(self, exchange):
-        self.exchange, self.seen = exchange, []
+    def __init__(self, sampler):
+        self.sampler, self.seen = sampler, []
 
-    async def __call__(self, url, content):
-        status, body = await self.exchange(url, content)
-        data = json.loads(body)
-        choices = [
-            (c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]]) for c in data["choices"]
-        ]
-        self.seen.append((data["prompt_token_ids"], choices))
-        return status, body
+    async def sample(self, prompt_ids, args, n=1):
+        completions = await self.sampler.sample(prompt_ids, args, n)
+        self.seen.append((list(prompt_ids), [(c.token_ids, c.logprobs) for c in completions]))
+        return completions
+
+    async def close(self):
+        await self.sampler.close()
 
 
-def rollouts_of(served, env_id: str, sampling: SamplingConfig, groups: int, until=None, size: int = 8):
-    """Up to `groups` groups of `size` rollouts (fewer once `until(rollouts)` holds), and the wire."""
-    env = load_env(EnvConfig(id=env_id, group_size=size, sampling=sampling))
+def rollouts_of(
+    served,
+    env_id: str,
+    sampling: SamplingConfig,
+    groups: int,
+    until=None,
+    size: int = 8,
+    renderer=None,
+    args=None,
+):
+    """Up to `groups` groups of `size` rollouts (fewer once `until(rollouts)` holds), the wire and the
+    env; `renderer`: the chat template the orchestrator renders with (default: the served model's)."""
+    env = load_env(EnvConfig(id=env_id, args=args or {}, group_size=size, sampling=sampling))
     examples = ExampleSource(env.dataset, 0)
     url = f"{served.base}/v1"
-    client = Clients(ClientConfig(base_urls=[url], timeout_s=60)).get(url)
-    wire = client.client._exchange = Wire(client.client._exchange)
+    renderer = renderer or Renderer.for_model(served.model)
 
-    async def go():  # one event loop for all groups: the client's connections belong to it
+    async def go():  # one event loop for all groups: the sampler's connections belong to it
+        wire = Wire(Clients(ClientConfig(base_urls=[url], timeout_s=60), served.model).get(url))
         out = []
         try:
             for _ in range(groups):
                 row = examples.next()
-                job = GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, sampling)
-                out += await run_group(job, client, url, served.model, 60.0)
+                job = GroupRun(env.name, env.vf_env, row, row["example_id"], size, 0, sampling)
+                out += await run_group(job, wire, renderer, served.model, 60.0)
                 if until is not None and until(out):
                     break
         finally:
-            if isinstance(env.vf_env, V1Env):  # its interception servers live on this loop
-                await env.vf_env._teardown()
-        return out
+            await wire.close()
+        return out, wire
 
-    out = asyncio.run(go())
+    out, wire = asyncio.run(go())
     assert not [r.error for r in out if r.failed]
     return out, wire, env
-
-
-def as_served(message: dict) -> dict:
-    """A message as vLLM hands it to the chat template: tool-call arguments parsed to objects."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    parsed = []
-    for call in calls:
-        f = dict(call["function"])
-        try:
-            f["arguments"] = json.loads(f["arguments"]) if isinstance(f["arguments"], str) else f["arguments"]
-        except ValueError:
-            f["arguments"] = {}
-        parsed.append({**call, "function": f})
-    return {**message, "tool_calls": parsed}
 
 
 def turn_messages(rollout, k: int) -> list[dict]:
     """The messages the k-th model call was prompted with."""
     assistant = [i for i, m in enumerate(rollout.completion) if m["role"] == "assistant"]
-    return [as_served(m) for m in list(rollout.prompt) + list(rollout.completion[: assistant[k]])]
+    return list(rollout.prompt) + list(rollout.completion[: assistant[k]])
 
 
-def check_exact(
-    rollout, wire: Wire | None, hf, template: str | None = None, tools: list | None = None
-) -> None:
+def check_exact(rollout, wire: Wire, hf, renderer=None, tools: list | None = None) -> None:
+    """Each turn is what the server got and sampled; the first is the chat template over the prompt,
+    each later one extends the one before (token-in); the samples score back to the sampling logprobs
+    under the HF model."""
     model, tok = hf
+    first = rollout.turns[0]
+    rendered = (renderer or Renderer(tok)).render(turn_messages(rollout, 0), tools)
+    assert first.prompt_ids == rendered
     for k, turn in enumerate(rollout.turns):
-        # What the server received is the chat template over the conversation so far ...
-        rendered = tok.apply_chat_template(
-            turn_messages(rollout, k), tools=tools, add_generation_prompt=True, chat_template=template,
-            return_dict=False,
-        )  # fmt: skip
-        assert turn.prompt_ids == rendered
-        # ... and the turn holds one of its answers exactly: tokens and sampling logprobs.
-        if wire is not None:  # (v1 envs call the server through verifiers' own client)
-            sampled = [c for p, cs in wire.seen if p == turn.prompt_ids for c in cs]
-            assert (turn.completion_ids, turn.completion_logprobs) in sampled
+        sampled = [c for p, cs in wire.seen if p == turn.prompt_ids for c in cs]
+        assert (turn.completion_ids, turn.completion_logprobs) in sampled, k
+        if k:
+            before = rollout.turns[k - 1]
+            assert turn.prompt_ids[: len(before.prompt_ids) + len(before.completion_ids)] == (
+                before.prompt_ids + before.completion_ids
+            )
     for sample, seg in zip(rollout_to_samples(rollout, 1.0), segments(rollout), strict=True):
         ids = sample.prompt_ids + sample.completion_ids
         n_prompt = len(sample.prompt_ids)

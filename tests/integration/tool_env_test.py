@@ -1,13 +1,14 @@
-"""A tool-use rollout against a real vLLM server with its hermes tool-call parser: the model's call is
-parsed into `tool_calls`, verifiers' ToolEnv runs the Python tool, the model answers with the result,
-and the rollout trains as one sample holding exactly the sampled tokens (the tool's response in
-between with loss mask 0)."""
+"""A tool-use rollout against a real vLLM server: the orchestrator reads the model's hermes tool call
+from its tokens, runs the task's tool in-process, the model answers with the result, and the
+rollout trains as one sample holding exactly the sampled tokens (the tool's response in between
+with loss mask 0)."""
 
 from pathlib import Path
 
 import pytest
 import torch
 from token_checks import check_exact, rollouts_of
+from tool_add.transcripts import tool_schemas
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.orchestrator.envs_config import SamplingConfig
@@ -22,7 +23,7 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "tool_add-tiny"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, start_vllm):
     out = tmp_path_factory.mktemp("tool-inference")
-    with start_vllm(MODEL, out, 512, tool_call_parser="hermes") as s:
+    with start_vllm(MODEL, out, 512) as s:  # no tool parser: the orchestrator reads the calls
         yield s
 
 
@@ -32,10 +33,9 @@ def test_a_tool_call_rollout_runs_the_tool_and_trains_on_the_exact_tokens(served
     def called(rollouts):
         return any(r.tool_calls and len(r.turns) == 2 and turn_stats(r).samples == 1 for r in rollouts)
 
-    rollouts, wire, env = rollouts_of(served, "tool-add", sampling, 4, until=called)
+    rollouts, wire, _env = rollouts_of(served, "tool-add", sampling, 4, until=called)
     assert called(rollouts)
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                               "parameters": t.parameters}} for t in env.vf_env.tool_defs]  # fmt: skip
+    tools = tool_schemas()  # what the orchestrator renders into the prompt
     hf = (
         AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
         AutoTokenizer.from_pretrained(MODEL),
@@ -46,12 +46,12 @@ def test_a_tool_call_rollout_runs_the_tool_and_trains_on_the_exact_tokens(served
     call, result = r.completion[0], r.completion[1]
     assert call["role"] == "assistant" and call["tool_calls"][0]["function"]["name"] == "add"
     assert result["role"] == "tool"  # the tool ran on the model's arguments
-    assert r.metrics["total_tool_calls"] == 1.0 and r.tool_errors == 0
+    assert r.tool_calls == 1 and r.tool_errors == 0
 
 
 def test_a_tool_env_runs_in_an_env_worker(served, tmp_path):
-    """The same tool rollouts through `orchestrator.env_workers`: the worker process runs verifiers'
-    ToolEnv and the tool, and the rollouts come back over zmq with their tool calls and turns."""
+    """The same tool rollouts through `orchestrator.env_workers`: the worker process plays the env and
+    runs the tool, and the rollouts come back over zmq with their tool calls and turns."""
     import asyncio
 
     from prime_rl.orchestrator.config import OrchestratorConfig
@@ -88,5 +88,5 @@ def test_a_tool_env_runs_in_an_env_worker(served, tmp_path):
     rollouts = asyncio.run(go())
     assert not [r.error for r in rollouts if r.failed]
     r = next(r for r in rollouts if r.tool_calls and len(r.turns) == 2)
-    assert r.completion[1]["role"] == "tool" and r.metrics["total_tool_calls"] == 1.0
+    assert r.completion[1]["role"] == "tool" and r.tool_calls == 1
     assert turn_stats(r).samples == 1 and r.reward is not None

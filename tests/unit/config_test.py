@@ -222,10 +222,10 @@ def test_max_model_len_and_completion_budgets_beyond_it_are_named(short_context_
 
 
 def test_env_module_name_follows_verifiers():
-    from verifiers.legacy.utils.env_utils import env_module_name as verifiers_rule
+    import verifiers.v1 as vf
 
-    for env_id in ("reverse-text", "owner/reverse-text", "a/b/c-d", "plain", "dotted.pkg-x"):
-        assert env_module_name(env_id) == verifiers_rule(env_id)
+    for env_id in ("reverse-text", "owner/reverse-text", "owner/Reverse-Text@0.1.0", "tool_add"):
+        assert vf.import_taskset(env_id).__name__ == env_module_name(env_id)
 
 
 @pytest.mark.parametrize(
@@ -324,17 +324,16 @@ def test_an_orchestrator_with_the_engine_in_its_process_names_what_conflicts(con
         OrchestratorConfig(**config)
 
 
-def test_engine_mode_refuses_a_verifiers_v1_env_which_calls_its_model_over_http():
-    v1 = [{"id": "v1_test_env", "sampling": {"max_tokens": 16}}]
+def test_a_classic_env_is_named_with_the_way_to_port_it():
+    classic = [{"id": "classic-env", "sampling": {"max_tokens": 16}}]
     with pytest.raises(
-        ConfigError, match=r"orchestrator\.envs\[0\]\.id = 'v1_test_env' is a verifiers\.v1 env"
+        ConfigError,
+        match=r"envs\[0\]\.id = 'classic-env': module 'classic_env' .* is a classic verifiers env",
     ):
-        check_rl(RLConfig(deployment=ENGINE, orchestrator={"envs": v1}))
-    with pytest.raises(
-        ConfigError, match=r"^envs\[0\]\.id = 'v1_test_env' is a verifiers\.v1 env, which calls its"
-    ):
-        check_orchestrator(OrchestratorConfig(engine={}, envs=v1))
-    check_rl(RLConfig(orchestrator={"envs": v1}))  # served by a server: nothing to say
+        check_orchestrator(OrchestratorConfig(envs=classic))
+    check_orchestrator(
+        OrchestratorConfig(engine={}, envs=[{"id": "v1_test_env"}])
+    )  # the engine plays v1 envs
 
 
 def test_the_teacher_may_not_take_a_policy_servers_port():

@@ -95,16 +95,17 @@ def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_pat
     from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.server import server_env
     from prime_rl.orchestrator.config import ClientConfig
-    from prime_rl.orchestrator.envs.client import KEEPALIVE_EXPIRY_S, make_vf_client
+    from prime_rl.orchestrator.envs.client import Clients
+    from prime_rl.orchestrator.envs.sampler import KEEPALIVE_EXPIRY_S
 
-    client = make_vf_client("http://127.0.0.1:9/v1", ClientConfig())
+    sampler = Clients(ClientConfig(), "m").get("http://127.0.0.1:9/v1")
 
     async def keepalive() -> float:
-        session = client.client._open()  # the chat requests' aiohttp session (`DirectPost`)
+        session = sampler._open()  # the model calls' aiohttp session
         try:
             return session.connector._keepalive_timeout
         finally:
-            await client.close()
+            await sampler.close()
 
     assert asyncio.run(keepalive()) == KEEPALIVE_EXPIRY_S <= 5 - 2
     env = server_env(InferenceConfig(output_dir=tmp_path), base={})

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_test import micro_batches
 
-from fake_server import FakeServer
+from fake_server import MODEL, FakeServer
 from prime_rl.monitor import read_metrics
 from prime_rl.transport.file_transport import FileSender
 from small_disk import small_disk
@@ -70,7 +70,7 @@ def test_the_trainer_on_a_full_disk_stops_with_one_line_and_resumes_once_space_i
 
 def test_the_orchestrator_on_a_full_disk_stops_with_one_line_and_resumes_once_space_is_freed(tmp_path):
     def orchestrator(out: Path, server: FakeServer) -> subprocess.CompletedProcess:
-        args = ["--output-dir", str(out), "--max-steps", "6", "--batch-size", "16", "--seq-len", "256",
+        args = ["--model.name", MODEL, "--output-dir", str(out), "--max-steps", "6", "--batch-size", "16", "--seq-len", "256",
                 "--max-async-level", "10", "--envs", '[{id = "reverse-text", group_size = 4}]',
                 "--client.base-urls", f'["{server.base_url}"]', "--transport.type", "filesystem",
                 "--transport.run-id", "d", "--resume", "true", "--filters", "[]"]  # fmt: skip

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from fake_server import FakeServer, Reply
+from fake_server import MODEL, FakeServer, Reply
 from prime_rl import activity
 from prime_rl.layout import READY
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -87,6 +87,7 @@ def test_a_dead_engine_is_restarted_loaded_with_the_current_weights_then_gets_wo
 
 def make(server: FakeServer, again=(), cursors=None) -> Scheduler:
     config = OrchestratorConfig(
+        model={"name": MODEL},
         batch_size=8,
         max_async_level=10,
         max_steps=100,

@@ -1,5 +1,6 @@
 """The example environments shipped in environments/: their rewards, datasets and configs."""
 
+import json
 from pathlib import Path
 
 import digit_sum_feedback
@@ -7,51 +8,84 @@ import pytest
 import reverse_text
 import sum_digits
 
+from helpers.scripted import play
 from prime_rl.config.cli import parse_config
+from prime_rl.environments import EnvError, load_v1_env
 from prime_rl.rl.config import RLConfig
 from prime_rl.trainer.sft.config import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def reply(text: str) -> list[dict]:
-    return [{"role": "assistant", "content": text}]
+MODELS = REPO / "models"
+
+
+def reward(env: str, replies: list[str], **args) -> tuple[float, dict]:
+    """The reward and metrics of a rollout of `env`'s first task whose model says `replies`."""
+    (rollout,), _ = play(env, replies, str(MODELS / "reverse_text-tiny"), **args)
+    assert not rollout.failed, rollout.error
+    return rollout.reward, rollout.metrics
 
 
 def test_reverse_text_gives_partial_credit():
-    assert reverse_text.reversal_reward(reply("cba"), "cba") == 1.0
-    assert reverse_text.reversal_reward(reply("cxa"), "cba") == pytest.approx(2 / 3)
-    assert reverse_text.reversal_reward(reply(""), "cba") == 0.0
-    assert reverse_text.reversal_reward([], "cba") == 0.0  # a failed rollout has no messages
+    (_rollout,), task = play("reverse-text", ["?"], str(MODELS / "reverse_text-tiny"))
+    answer = task.data.answer
+    assert reward("reverse-text", [answer])[0] == 1.0
+    assert reward("reverse-text", ["x" + answer[1:]])[0] == pytest.approx(1 - 1 / len(answer))
+    assert reward("reverse-text", [""])[0] == 0.0
+    assert reverse_text.lcs_ratio("cxa", "cba") == pytest.approx(2 / 3)
 
 
 def test_sum_digits_is_exact_match_with_a_separate_format_metric():
-    assert sum_digits.correct_answer(reply("<answer>12</answer>"), "12") == 1.0
-    assert sum_digits.correct_answer(reply("<answer>13</answer>"), "12") == 0.0
-    assert sum_digits.correct_answer(reply("12"), "12") == 0.0  # the format is part of the task
-    assert sum_digits.answer_format(reply("<answer>13</answer>")) == 1.0
-    assert sum_digits.answer_format(reply("so <answer>12</answer>")) == 0.0
-    assert sum_digits.correct_answer([], "12") == 0.0 and sum_digits.answer_format([]) == 0.0
+    _, task = play("sum-digits", ["?"], str(MODELS / "reverse_text-tiny"))
+    right, wrong = task.data.answer, str(int(task.data.answer) + 1)
+    assert reward("sum-digits", [f"<answer>{right}</answer>"]) == (
+        1.0,
+        {"answer_format": 1.0, "correct_answer": 1.0},
+    )
+    assert reward("sum-digits", [f"<answer>{wrong}</answer>"]) == (
+        0.0,
+        {"answer_format": 1.0, "correct_answer": 0.0},
+    )
+    assert reward("sum-digits", [right])[0] == 0.0  # the format is part of the task
+    assert reward("sum-digits", [f"so <answer>{right}</answer>"]) == (
+        1.0,
+        {"answer_format": 0.0, "correct_answer": 1.0},
+    )
 
 
 def test_digit_sum_feedback_rewards_the_first_right_answer_by_its_turn():
-    def game(*answers):
-        out = []
-        for a in answers:
-            out += [
-                {"role": "assistant", "content": f"<answer>{a}</answer>"},
-                {"role": "user", "content": "x"},
-            ]
-        return out[:-1]
+    _, task = play("digit-sum-feedback", ["?"], str(MODELS / "reverse_text-tiny"))
+    a = task.data.answer
 
-    reward = digit_sum_feedback.make_reward([1.0, 0.5, 0.25])
-    assert reward(game(12), "12") == 1.0
-    assert reward(game(10, 12), "12") == 0.5
-    assert reward(game(10, 11, 12), "12") == 0.25
-    assert reward(game(10, 11, 13), "12") == 0.0
-    assert reward([], "12") == 0.0  # a failed rollout has no messages
-    assert digit_sum_feedback.solved(game(10, 12), "12") == 1.0
-    assert digit_sum_feedback.first_turn_correct(game(10, 12), "12") == 0.0
+    def game(*answers):
+        return reward("digit-sum-feedback", [f"<answer>{x}</answer>" for x in answers])
+
+    assert game(a) == (1.0, {"feedback_reward": 1.0, "first_turn_correct": 1.0, "solved": 1.0})
+    assert game(a - 2, a) == (0.5, {"feedback_reward": 0.5, "first_turn_correct": 0.0, "solved": 1.0})
+    assert game(a - 2, a - 1, a)[0] == 0.25
+    assert game(a - 2, a - 1, a + 1, a) == (
+        0.0,
+        {"feedback_reward": 0.0, "first_turn_correct": 0.0, "solved": 0.0},
+    )
+    (rollout,), _ = play("digit-sum-feedback", ["<answer>0</answer>"], str(MODELS / "reverse_text-tiny"))
+    assert len(rollout.turns) == 3 and not rollout.is_truncated  # the game ends after the third try
+
+
+def test_tool_add_calls_its_tool_and_rewards_the_sum():
+    _, task = play("tool-add", ["?"], str(MODELS / "tool_add-tiny"))
+    a, b = task.data.a, task.data.b
+    args = json.dumps({"a": a, "b": b})
+    call = f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>'
+    (rollout,), _ = play("tool-add", [call, f"<answer>{a + b}</answer>"], str(MODELS / "tool_add-tiny"))
+    assert rollout.reward == 1.0 and rollout.metrics["called_with_the_numbers"] == 1.0
+    assert rollout.tool_calls == 1 and rollout.tool_errors == 0
+    assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
+    assert rollout.completion[1]["content"] == str(a + b)
+    # A call with a wrong argument comes back as an error the model reads.
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "c": 2}}\n</tool_call>'
+    (rollout,), _ = play("tool-add", [bad, "<answer>3</answer>"], str(MODELS / "tool_add-tiny"))
+    assert rollout.tool_errors == 1 and rollout.completion[1]["content"].startswith("Error:")
 
 
 def test_digit_sum_feedback_replies_with_the_direction_or_the_format():
@@ -81,8 +115,8 @@ def test_sum_digits_dataset_is_seeded_and_correct():
     a = sum_digits.make_examples(50, seed=3, min_digits=2, max_digits=3)
     assert a == sum_digits.make_examples(50, seed=3, min_digits=2, max_digits=3)
     assert all(2 <= len(r["question"]) <= 3 and int(r["answer"]) == sum(map(int, r["question"])) for r in a)
-    with pytest.raises(ValueError, match="min_digits"):
-        sum_digits.load_environment(min_digits=0)
+    with pytest.raises(EnvError, match="min_digits"):
+        load_v1_env("sum-digits", {"min_digits": 0})
 
 
 @pytest.mark.parametrize("env", ["reverse_text", "sum_digits", "digit_sum_feedback", "tool_add"])
@@ -92,9 +126,3 @@ def test_example_configs_parse(env):
     # RL starts from the model the documented SFT command saves.
     assert Path(rl.model) == Path(sft.save_dir)
     assert (REPO / rl.model / "config.json").is_file()
-
-
-def test_the_v1_example_config_parses_and_plays_on_the_classic_games_model():
-    rl = parse_config(RLConfig, ["@", str(REPO / "configs" / "digit_sum_feedback_v1" / "rl.toml")])
-    classic = parse_config(RLConfig, ["@", str(REPO / "configs" / "digit_sum_feedback" / "rl.toml")])
-    assert rl.model == classic.model and rl.orchestrator.envs[0].id == "digit-sum-feedback-v1"

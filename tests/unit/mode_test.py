@@ -20,6 +20,9 @@ def test_a_one_machine_run_is_served_by_the_engine_and_the_line_says_so():
         "(deployment.inference_mode = auto: one machine, nothing against the engine)"
     )
     assert RLConfig().deployment.inference_mode == "auto"  # the given config is not changed
+    # verifiers v1 envs included: the orchestrator plays their seats, token ids straight to the engine.
+    config, _ = resolve(RLConfig(orchestrator={"envs": V1, "eval": {"envs": V1}}))
+    assert config.deployment.inference_mode == "engine"
 
 
 @pytest.mark.parametrize(
@@ -30,8 +33,6 @@ def test_a_one_machine_run_is_served_by_the_engine_and_the_line_says_so():
         ({"trainer": {"lora": {"rank": 8}}}, r"\[trainer.lora\] is set"),
         ({"deployment": {"inference_urls": ["http://10.0.0.5:8000"]}}, "deployment.inference_urls is set"),
         ({"trainer": {"weight_broadcast": {"type": "collective"}}}, "weight_broadcast.type = 'collective'"),
-        ({"orchestrator": {"envs": V1}}, "env 'v1_test_env' is a verifiers v1 env"),
-        ({"orchestrator": {"eval": {"envs": V1}}}, "env 'v1_test_env' is a verifiers v1 env"),
     ],
 )
 def test_a_run_the_engine_cannot_serve_gets_a_server_and_the_line_names_why(config, why):

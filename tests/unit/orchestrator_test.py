@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_server import FakeServer, Reply, user_text
+from fake_server import MODEL, FakeServer, Reply, tokenizer, user_text
 from prime_rl.environments import EnvError
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.advantages import AdvantageError
@@ -22,6 +22,7 @@ from prime_rl.transport.messages import MicroBatch
 def make_config(tmp_path: Path, server: FakeServer, **overrides) -> OrchestratorConfig:
     base = {
         "output_dir": str(tmp_path / "run"),
+        "model": {"name": MODEL},
         "max_steps": 3,
         "batch_size": 8,
         "max_async_level": 10,  # no trainer publishes weights here: never wait for them
@@ -83,12 +84,13 @@ def test_steps_stream_micro_batches_and_log(tmp_path, env_workers):
     # Rollouts log: one line per rollout with the env's state column.
     recs = rollouts(config, 0)
     assert len(recs) >= 8 and all(r["answer"] == r["prompt"][-1]["content"][::-1] for r in recs)
-    # Every request asked for what training needs.
+    # Every request asked for what training needs: token ids in (the prompt), ids and logprobs out.
     req = server.requests[0]
     assert (
-        req["logprobs"] is True
+        all(isinstance(t, int) for t in req["prompt"])
+        and req["logprobs"] == 0
         and req["return_token_ids"] is True
-        and req.get("max_completion_tokens", req.get("max_tokens")) == 16
+        and req["max_tokens"] == 16
     )
 
 
@@ -240,8 +242,8 @@ def test_bad_env_id_and_bad_dataset_are_clear_errors(tmp_path):
     with FakeServer() as server:
         with pytest.raises(EnvError, match="env 'no-such-env' could not be loaded"):
             run(make_config(tmp_path, server, envs=[{"id": "no-such-env"}]))
-        with pytest.raises(EnvError, match="no-prompt-env"):
-            run(make_config(tmp_path, server, envs=[{"id": "no-prompt-env"}]))
+        with pytest.raises(EnvError, match="empty-env"):
+            run(make_config(tmp_path, server, envs=[{"id": "empty-env"}]))
 
 
 def test_unreachable_inference_is_a_clear_error_after_backoff(tmp_path):
@@ -249,6 +251,7 @@ def test_unreachable_inference_is_a_clear_error_after_backoff(tmp_path):
 
     config = OrchestratorConfig(
         output_dir=str(tmp_path),
+        model={"name": MODEL},
         client={"base_urls": ["http://127.0.0.1:9/v1"], "health_timeout_s": 1.5},
     )
     with pytest.raises(InferenceUnavailable, match=r"127.0.0.1:9 was not healthy after 2 s"):
@@ -286,6 +289,7 @@ def test_a_multi_turn_env_trains_merged_samples_and_logs_its_turns(tmp_path, env
             server,
             env_workers=env_workers,
             max_steps=2,
+            seq_len=512,
             envs=[{"id": "digit-sum-feedback", "group_size": 4}],
         )
         metrics = run(config)
@@ -312,8 +316,8 @@ def test_a_multi_turn_env_trains_merged_samples_and_logs_its_turns(tmp_path, env
             if not mask.any():
                 continue  # filler
             samples += 1
-            env_text = bytes(int(t) for t, m in zip(ids, mask, strict=True) if not m).decode()
-            model_text = bytes(int(t) for t, m in zip(ids, mask, strict=True) if m).decode()
+            env_text = tokenizer().decode([int(t) for t, m in zip(ids, mask, strict=True) if not m])
+            model_text = tokenizer().decode([int(t) for t, m in zip(ids, mask, strict=True) if m])
             # the system prompt says it once, the env twice
             assert env_text.count(hint) == 3 and hint not in model_text
     assert samples == sum(m["rollouts/all/trained"] for m in metrics) > 0
@@ -371,7 +375,12 @@ def test_difficulty_filter_skips_always_solved_examples_and_resumes_with_its_mem
     with FakeServer(uniform_or_mixed) as server:
         client = {"base_urls": [server.base_url], "timeout_s": 10, "group_requests": False}
         envs = [
-            {"id": "reverse-text", "args": {"num_train": 6}, "group_size": 4, "sampling": {"max_tokens": 16}}
+            {
+                "id": "reverse-text",
+                "args": {"num_examples": 6},
+                "group_size": 4,
+                "sampling": {"max_tokens": 16},
+            }
         ]
         config = make_config(
             tmp_path, server, max_steps=6, client=client, envs=envs, max_inflight_rollouts=4,

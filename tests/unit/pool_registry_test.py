@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fake_server import FakeServer, Reply
+from fake_server import MODEL, FakeServer, Reply
 from prime_rl import secret
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.inference.member import Member, door
@@ -45,6 +45,7 @@ def publish(run: Path, step: int) -> None:
 
 async def pool_with(first: FakeServer, run: Path, batch_size: int = 8):
     config = OrchestratorConfig(
+        model={"name": MODEL},
         output_dir=run,
         batch_size=batch_size,
         max_async_level=10,

@@ -3,23 +3,25 @@ path with its kwargs, and the built-in `length`, land in the rollouts' rewards b
 path that does not load, kwargs the function does not take and the old `reward_model` key stop at
 start-up with one line naming the key; --help lists the built-ins."""
 
-import asyncio
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-import verifiers as vf
 from bad_input_test import assert_clear_error, run_until_error
 from config_test import parse_error
 from custom_rewards import answer_bonus, chars_over, group_rank
 from orchestrator_test import make_config, rollouts, run
 
-from fake_server import FakeServer, Reply, user_text
+from fake_server import FakeServer, Reply, tokenizer, user_text
+from helpers.scripted import play
 from prime_rl.config.cli import parse_config
 from prime_rl.environments import EnvError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.load import load_env
-from prime_rl.orchestrator.envs_config import EnvConfig
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.scoring import Hook
+from prime_rl.orchestrator.envs_config import EnvConfig, RewardsConfig
 from prime_rl.orchestrator.rewards import bind
 from prime_rl.orchestrator.rewards.length import length
 from prime_rl.rl.config import RLConfig
@@ -34,20 +36,13 @@ def dapo(n: int, max_tokens: int, buffer: int) -> float:
     return -1.0
 
 
-def state_with_turns(*completion_lengths: int) -> dict:
-    return {"trajectory": [{"tokens": {"completion_ids": [7] * n}} for n in completion_lengths]}
-
-
 def test_length_is_0_up_to_the_soft_zone_then_falls_linearly_to_minus_1_at_max_tokens():
-    scores = {n: length(state_with_turns(n), max_tokens=10, buffer=4) for n in range(0, 13)}
+    def trace(n: int):  # the trace's sampled tokens, over all turns
+        return SimpleNamespace(num_output_tokens=n)
+
+    scores = {n: length(trace(n), max_tokens=10, buffer=4) for n in range(0, 13)}
     assert scores == {n: dapo(n, 10, 4) for n in range(0, 13)}
     assert [scores[n] for n in (6, 7, 8, 9, 10, 11)] == [0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
-    # The tokens the model generated over all turns count; without token ids there is no score.
-    assert length(state_with_turns(4, 4), max_tokens=10, buffer=4) == -0.5
-    with pytest.raises(ValueError, match="turn 1 has no completion token ids"):
-        length(
-            {"trajectory": [{"tokens": {"completion_ids": [1]}}, {"tokens": None}]}, max_tokens=10, buffer=4
-        )
 
 
 @pytest.mark.parametrize("env_workers", [0, 1], ids=["in-process", "env-workers"])
@@ -77,7 +72,7 @@ def test_custom_and_builtin_reward_functions_add_to_the_reward_by_their_weights(
         text, m = r["completion"][-1]["content"], r["metrics"]
         assert m["chars_over"] == 0.25 * max(0, len(text) - 2)
         assert m["starts_right"] == (0.5 if text[0] == r["answer"][0] else 0.0) == 0.5
-        assert m["length"] == dapo(len(text.encode()), 4, 2)  # the fake server's token ids are bytes
+        assert m["length"] == dapo(len(tokenizer().encode(text)) + 1, 4, 2)  # + the end-of-turn token
         own = m["reversal_reward"]
         assert r["reward"] == pytest.approx(
             own + 0.5 * m["chars_over"] + 2.0 * m["starts_right"] + m["length"]
@@ -85,8 +80,7 @@ def test_custom_and_builtin_reward_functions_add_to_the_reward_by_their_weights(
     assert {0.0, -0.5, -1.0} <= {r["metrics"]["length"] for r in recs}  # before, in and past the soft zone
 
 
-def test_bound_kwargs_keep_verifiers_argument_matching_and_group_detection():
-    rubric = vf.Rubric()
+def test_bound_kwargs_keep_the_argument_matching_and_group_detection():
     funcs = [
         bind(chars_over, {"limit": 1}, "chars_over"),
         bind(answer_bonus, {"bonus": 3.0, "answer": "ignored"}, "bonus"),  # a bound value wins
@@ -94,38 +88,42 @@ def test_bound_kwargs_keep_verifiers_argument_matching_and_group_detection():
     ]
     assert [list(inspect.signature(f).parameters) for f in funcs] == [["completion", "per_char"], ["completion", "kwargs"],
                                                                      ["completions"]]  # fmt: skip
-    assert [rubric._is_group_func(f) for f in funcs] == [False, False, True]
+    assert [Hook(f, f.__name__, "reward").group for f in funcs] == [False, False, True]
     assert inspect.iscoroutinefunction(funcs[1]) and not inspect.iscoroutinefunction(funcs[0])
-    for f, w in zip(funcs, [1.0, 1.0, 0.5], strict=True):
-        rubric.add_reward_func(f, w)
-    states = [
-        {
-            "prompt": [],
-            "completion": [{"role": "assistant", "content": t}],
-            "answer": "x",
-            "input": {},
-            "trajectory": [],
-        }
-        for t in ("ab", "ignored", "a")
+    rewards = [
+        {"type": "custom_rewards:chars_over", "kwargs": {"limit": 1}},
+        {"type": "custom_rewards:answer_bonus", "kwargs": {"bonus": 3.0}, "name": "bonus"},
+        {"type": "custom_rewards:group_rank", "kwargs": {"scale": 2.0}, "weight": 0.5, "name": "rank"},
     ]
-    asyncio.run(rubric.score_group(states))
-    assert [s["metrics"] for s in states] == [
-        {"chars_over": 1.0, "bonus": 0.0, "rank": 2.0},
-        {"chars_over": 6.0, "bonus": 3.0, "rank": 4.0},
-        {"chars_over": 0.0, "bonus": 0.0, "rank": 0.0},
-    ]
-    assert [s["reward"] for s in states] == [2.0, 11.0, 0.0]
+    env = load_env(EnvConfig(id="reverse-text", rewards=rewards), rewards=RewardRunner(RewardsConfig()))
+    assert env.group_scoring  # a group function: the group is scored together
+    model = str(Path(__file__).parents[2] / "models" / "reverse_text-tiny")
+    _, task = play("reverse-text", ["ab"], model, env=env.vf_env)
+    answer = task.data.answer
+    replies = [answer[0] + "xxxxxxx", answer[0], "?" + answer]
+    rollouts, _ = play("reverse-text", replies, model, size=3, env=env.vf_env, merge=False)
+    lengths = [len(r.completion[0]["content"]) for r in rollouts]
+    assert sorted(lengths) == [1, 1 + len(answer), 8] and len(set(lengths)) == 3
+    assert sorted(r.metrics["bonus"] for r in rollouts) == [0.0, 3.0, 3.0]  # two start as the answer does
+    assert [r.metrics["rank"] for r in rollouts] == [2.0 * sorted(lengths).index(n) for n in lengths]
+    for r in rollouts:
+        m = r.metrics
+        assert r.reward == pytest.approx(
+            m["reversal_reward"] + m["chars_over"] + m["bonus"] + 0.5 * m["rank"]
+        )
 
 
 def test_two_functions_with_one_name_are_refused_unless_named():
     same = {"type": "custom_rewards:chars_over", "kwargs": {"limit": 1}}
     with pytest.raises(
-        EnvError, match=r"envs\[0\].rewards\[1\]: the env's rubric already has a function named 'chars_over'"
+        EnvError, match=r"envs\[0\].rewards\[1\]: the env already has a reward or metric named 'chars_over'"
     ):
         load_env(EnvConfig(id="reverse-text", rewards=[same, same]))
     env = load_env(EnvConfig(id="reverse-text", rewards=[same, {**same, "name": "chars_over_2"}]))
-    first = env.vf_env.rubric.rubrics[0]  # verifiers adds to the first rubric of a group
-    assert [f.__name__ for f in first.funcs] == ["reversal_reward", "chars_over", "chars_over_2"]
+    assert [h.name for h in env.vf_env.scorer.extra] == ["chars_over", "chars_over_2"]
+    own = {**same, "name": "reversal_reward"}  # nor may one take the name of the env's own reward
+    with pytest.raises(EnvError, match="already has a reward or metric named 'reversal_reward'"):
+        load_env(EnvConfig(id="reverse-text", rewards=[own]))
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,11 @@ from transformers import AutoModel, AutoTokenizer
 
 from fake_server import FakeServer
 from prime_rl.inference.reward_server import RewardServerConfig, make_server
-from prime_rl.model.reward import RewardModelError, init_reward_model, load_reward_model
+from prime_rl.model.reward import init_reward_model, load_reward_model
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.envs.reward_model import Batcher, RemoteScorer, reward_function
-from prime_rl.orchestrator.envs.rewards import REWARD_ERROR, RewardRunner
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.scoring import Hook, RewardError, Scorer
 from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
 from prime_rl.trainer.batch import PackedBatch
@@ -382,21 +383,20 @@ def test_a_failing_reward_server_fails_the_rollout_with_the_reason_after_its_ret
     )
     runner = RewardRunner(RewardsConfig())
     scorer = RemoteScorer(config, "envs[0].rewards[0]")
-    func = runner.wrap(reward_function(Batcher(scorer.score_batch, 8, 0.001)), group=False)
-    state = {}
+    hook = Hook(reward_function(Batcher(scorer.score_batch, 8, 0.001)), "reward_model", "reward")
 
     async def go():
         try:
-            await func(prompt=PROMPT, completion=completion("cba"), state=state)
+            await Scorer(runner)._call(hook, {"prompt": PROMPT, "completion": completion("cba")})
         finally:
             await scorer.aclose()
 
-    with pytest.raises(RewardModelError):
+    with pytest.raises(RewardError, match="reward function 'reward_model' raised RewardModelError") as e:
         asyncio.run(go())
     server.shutdown()
     runner.close()
     assert FailingServer.posts == 2  # the request and one retry
-    assert "failed 2 time(s), last: HTTP 503" in state[REWARD_ERROR]
+    assert "failed 2 time(s), last: HTTP 503" in str(e.value)
 
 
 @pytest.mark.parametrize("env_workers", [0, 1], ids=["in-process", "env-workers"])

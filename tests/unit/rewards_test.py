@@ -7,13 +7,9 @@ import time
 import pytest
 
 from fake_server import FakeServer
-from prime_rl.orchestrator.config import ClientConfig
-from prime_rl.orchestrator.envs.client import Clients
-from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-from prime_rl.orchestrator.envs.load import load_env, rollout_input
+from helpers.groups import run_groups as run_env_groups
 from prime_rl.orchestrator.envs.rewards import RewardRunner
-from prime_rl.orchestrator.envs_config import EnvConfig, RewardsConfig, SamplingConfig
-from prime_rl.orchestrator.loop.examples import ExampleSource
+from prime_rl.orchestrator.envs_config import RewardsConfig
 
 
 async def lag_probe(lags: list[float], stop: asyncio.Event, period: float = 0.005) -> None:
@@ -23,27 +19,24 @@ async def lag_probe(lags: list[float], stop: asyncio.Event, period: float = 0.00
         lags.append(time.perf_counter() - t - period)
 
 
-def run_groups(server: FakeServer, env_args: dict, groups: int, size: int, runner: RewardRunner | None):
+def run_groups(server: FakeServer, env_args: dict, groups: int, size: int, runner: RewardRunner):
     """`groups` groups of `size` rollouts at once; returns their rollouts and the loop lags meanwhile."""
-    env = load_env(EnvConfig(id="slow_reward_env", args=env_args, group_size=size), rewards=runner)
-    examples = ExampleSource(env.dataset, 0)
-    jobs = []
-    for _ in range(groups):
-        row = examples.next()
-        jobs.append(
-            GroupRun(env.name, env.vf_env, rollout_input(row), row["example_id"], size, 0, SamplingConfig())
-        )
+    lags, stop = [], asyncio.Event()
+    probe = []
 
-    async def go():
-        lags, stop = [], asyncio.Event()
-        probe = asyncio.create_task(lag_probe(lags, stop))
-        client = Clients(ClientConfig(base_urls=[server.base_url])).get(server.base_url)
-        out = await asyncio.gather(*(run_group(job, client, server.base_url, "m", 30.0) for job in jobs))
-        stop.set()
-        await probe
-        return [r for group in out for r in group], lags
+    def start_probe():
+        probe.append(asyncio.ensure_future(lag_probe(lags, stop)))
 
-    return asyncio.run(go())
+    _, _, rollouts = run_env_groups(
+        server.base_url,
+        "slow_reward_env",
+        env_args,
+        size=size,
+        groups=groups,
+        runner=runner,
+        on_loop=start_probe,
+    )
+    return rollouts, lags
 
 
 def p99(values: list[float]) -> float:
@@ -62,20 +55,16 @@ def test_a_reward_burning_50ms_of_cpu_per_rollout_keeps_loop_lag_under_50ms():
     assert p99(lags) < 0.05, f"p99 loop lag {p99(lags) * 1e3:.1f} ms"
 
 
-def test_without_the_runner_the_same_reward_stalls_the_loop():
-    # The measurement above can fail: verifiers alone runs the reward on the loop.
-    with FakeServer() as server:
-        _, lags = run_groups(server, {"mode": "burn", "seconds": 0.05}, groups=1, size=8, runner=None)
-    assert max(lags) >= 0.045
-
-
 def test_a_raising_reward_fails_the_rollout_with_the_reason():
     runner = RewardRunner(RewardsConfig())
     with FakeServer() as server:
         rollouts, _ = run_groups(server, {"mode": "raise"}, groups=1, size=4, runner=runner)
     runner.close()
     assert len(rollouts) == 4 and all(r.failed for r in rollouts)
-    assert all("slow_reward" in r.error and "ValueError: judge said no" in r.error for r in rollouts)
+    assert all(
+        r.error == "reward error: reward function 'slow_reward' raised ValueError: judge said no"
+        for r in rollouts
+    )
 
 
 def test_a_reward_past_its_timeout_fails_the_rollout_and_frees_nothing_early():
@@ -87,31 +76,6 @@ def test_a_reward_past_its_timeout_fails_the_rollout_and_frees_nothing_early():
     runner.close()
     assert all(r.failed and "timed out after 0.2s" in r.error for r in rollouts)
     assert took < 1.0  # the rollouts did not wait for the hung function
-
-
-def test_the_wrapper_keeps_verifiers_view_of_the_function():
-    runner = RewardRunner(RewardsConfig())
-
-    def per_rollout(completion, answer) -> float:
-        return 1.0
-
-    def per_group(completions, states) -> list[float]:
-        return [1.0] * len(completions)
-
-    import inspect
-
-    import verifiers as vf
-
-    rubric = vf.Rubric(funcs=[per_rollout, per_group])
-    wrapped = [runner.wrap(f, rubric._is_group_func(f)) for f in rubric.funcs]
-    assert [w.__name__ for w in wrapped] == ["per_rollout", "per_group"]
-    assert [rubric._is_group_func(w) for w in wrapped] == [False, True]
-    # The state is passed so that a failure can be recorded, and is not passed on to the function.
-    assert list(inspect.signature(wrapped[0]).parameters) == ["completion", "answer", "state"]
-    assert list(inspect.signature(wrapped[1]).parameters) == ["completions", "states"]
-    state = {}
-    assert asyncio.run(wrapped[0](completion="x", answer="y", state=state)) == 1.0 and state == {}
-    runner.close()
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
@@ -132,10 +96,8 @@ def test_no_more_than_concurrency_reward_calls_run_at_once(concurrency):
             running -= 1
         return 1.0
 
-    wrapped = runner.wrap(reward, False)
-
     async def go():
-        await asyncio.gather(*(wrapped(completion="c", state={}) for _ in range(8)))
+        await asyncio.gather(*(runner.call(reward, False, {"completion": "c"}) for _ in range(8)))
 
     asyncio.run(go())
     runner.close()
@@ -155,9 +117,8 @@ def test_a_fast_reward_runs_inline_after_32_fast_calls_and_a_slow_call_sends_it_
         return 1.0
 
     async def calls(runner, n: int) -> None:
-        wrapped = runner.wrap(reward)
         for _ in range(n):
-            assert await wrapped(completion="x", state={}) == 1.0
+            assert await runner.call(reward, False, {"completion": "x"}) == 1.0
 
     runner = RewardRunner(RewardsConfig(inline_below_ms=50))
     asyncio.run(calls(runner, INLINE_AFTER + 3))

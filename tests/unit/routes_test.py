@@ -4,16 +4,17 @@ cannot return them is refused before anything starts."""
 
 import base64
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers.scripted import play
 from prime_rl.config import ConfigError
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import server_command
 from prime_rl.inference.preflight import inference_problems
 from prime_rl.orchestrator.envs.routes import decode_routes
-from prime_rl.orchestrator.envs.verifiers_adapter import _turns
 from prime_rl.orchestrator.loop.samples import RoutesMissing, rollout_to_samples
 from prime_rl.orchestrator.rollout import Rollout, Turn
 from prime_rl.rl.config import RLConfig
@@ -52,13 +53,24 @@ def test_both_encodings_decode():
         decode_routes(npy_b64(np.zeros((3, 2))))
 
 
-def test_the_adapter_keeps_each_turns_routes():
-    step = {"tokens": {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "completion_mask": [1, 1],
-                       "completion_logprobs": [-0.1, -0.2], "routed_experts": npy_b64(table(4, 0))}}  # fmt: skip
-    [turn], error = _turns({"trajectory": [step]})
-    assert error is None and turn.routes.shape == (4, LAYERS, K) and turn.routes_start == 0
-    step["tokens"]["routed_experts"] = "not base64 of an npy file"
-    assert _turns({"trajectory": [step]})[1].startswith("turn 0: ")
+def test_a_servers_routes_reach_the_turn_and_unreadable_ones_fail_the_call():
+    from prime_rl.orchestrator.envs.sampler import ServerSampler
+
+    choice = {"token_ids": [4, 5], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "text": "ab",
+              "finish_reason": "stop", "routed_experts": npy_b64(table(4, 0))}  # fmt: skip
+    completion = ServerSampler._completion(choice, 3)
+    assert completion.routes.shape == (4, LAYERS, K) and completion.version == 3
+    choice["routed_experts"] = "not base64 of an npy file"
+    with pytest.raises(ValueError):
+        ServerSampler._completion(choice, 3)
+    # Through a rollout: each call's routes on its turn.
+    (rollout,), _ = play(
+        "reverse-text",
+        ["abc"],
+        str(Path(__file__).parents[2] / "models" / "reverse_text-tiny"),
+        routes=table(40, 0),
+    )
+    assert rollout.turns[0].routes.shape == (40, LAYERS, K)
 
 
 def test_multi_turn_tokens_take_the_routes_of_the_call_that_first_forwarded_them():

@@ -3,7 +3,7 @@
 import asyncio
 import random
 
-from fake_server import FakeServer, Reply
+from fake_server import MODEL, FakeServer, Reply
 from prime_rl.layout import READY
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
@@ -15,6 +15,7 @@ from prime_rl.orchestrator.loop.weights import WeightSync
 def make(server: FakeServer, **overrides) -> Scheduler:
     config = OrchestratorConfig(
         **{
+            "model": {"name": MODEL},
             "batch_size": 8,
             "max_async_level": 1,
             "max_steps": 100,
@@ -98,7 +99,7 @@ def test_finished_groups_become_stale_too():
 def test_weight_sync_loads_the_newest_ready_step_on_every_server(tmp_path):
     async def scenario():
         with FakeServer() as a, FakeServer() as b:
-            config = OrchestratorConfig(client={"base_urls": [a.base_url, b.base_url]})
+            config = OrchestratorConfig(model={"name": MODEL}, client={"base_urls": [a.base_url, b.base_url]})
             sync = WeightSync(tmp_path, ServerPool(config.client))
             assert await sync.poll() == 0 and not a.loads
             for step in (1, 2, 3):

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fake_server import MODEL
 from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
@@ -95,6 +96,7 @@ def server(request):
 def config(run: Path, server: ServerProcess, **overrides) -> OrchestratorConfig:
     base = {
         "output_dir": str(run),
+        "model": {"name": MODEL},
         "max_steps": 6,
         "batch_size": 8,
         "max_async_level": 1,

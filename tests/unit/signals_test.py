@@ -20,6 +20,7 @@ import psutil
 import pytest
 from server_health_test import ServerProcess, wait_for
 
+from fake_server import MODEL
 from prime_rl.net import free_port
 from prime_rl.shutdown import GRACE_S
 
@@ -54,6 +55,7 @@ output_dir = "{tmp_path / "run"}"
 max_steps = 5
 batch_size = 8
 seq_len = 256
+model = {{ name = "{MODEL}" }}
 filters = []
 client = {{ base_urls = ["{slow_server.url}/v1"] }}
 transport = {{ type = "filesystem", run_id = "signals" }}

@@ -55,6 +55,8 @@ def samples(step: int, n: int = 8) -> list[TrainingSample]:
                 advantage=rng.uniform(-1, 1),
                 reward=0.0,
                 env_name=rng.choice(["rev", "sum"]),
+                policy_version=step,
+                policy_end=step + len(out) % 2,  # (not from rng: the samples stay those other tests know)
             )
         )
     return out
@@ -157,6 +159,8 @@ def test_trainer_over_zmq_trains_publishes_exports_and_resumes(tiny_model, tmp_p
     assert (tokens / "READY").exists()
     lines = [json.loads(line) for line in (tokens / "rank_0.jsonl").read_text().splitlines()]
     assert len(lines) == len(samples(1)) and {"ratio", "trainer_logprobs", "loss_mask"} <= set(lines[0])
+    # Each sample says which policies sampled it (its rollout's span).
+    assert sorted(tuple(line["policy"]) for line in lines) == sorted((1, s.policy_end) for s in samples(1))
     # Published weights load in transformers and differ from the start.
     for step in (1, 2, 3):
         assert (out / "weights" / f"step_{step}" / "READY").exists()

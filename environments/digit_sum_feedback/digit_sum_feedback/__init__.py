@@ -1,26 +1,29 @@
 """digit-sum-feedback: a multi-turn game. The model gives a number's digit sum as `<answer>N</answer>`;
 after a wrong answer the env says "Too low." or "Too high." (or restates the format), and the model
-tries again, up to `max_turns` answers.
+tries again, up to three answers.
 
-Reward = `turn_rewards[k]` for the first correct answer at turn k (1.0, 0.5, 0.25 by default), 0 if
-none is right: it depends on every turn, and rewards getting it right early. Zero-weight metrics
-report the first answer's correctness and whether any answer was right. Data is generated from a
-seed: no download.
+A verifiers v1 taskset of `GameTask`s and a `GameEnv` whose `run` plays the game turn by turn through
+the player's interaction. Reward = 1, 0.5 or 0.25 for the first right answer at try 1, 2 or 3, 0 if
+none is right: it depends on every turn, and rewards getting it right early. Metrics report the
+first answer's correctness and whether any answer was right. The numbers are generated from a seed
+(no download); `split = "eval"` gives the held-out ones.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from typing import Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
+from pydantic import model_validator
 
 SYSTEM_PROMPT = (
     "Add up the digits of the number. Reply as <answer>N</answer>. If told too low or too high, try again."
 )
 ANSWER = re.compile(r"<answer>(\d+)</answer>")
 FORMAT_HINT = "Reply as <answer>N</answer>."
+TURN_REWARDS = (1.0, 0.5, 0.25)
 
 
 def make_examples(n: int, seed: int, min_digits: int, max_digits: int) -> list[dict]:
@@ -47,73 +50,70 @@ def feedback(guess: int | None, answer: int) -> str | None:
     return "Too low." if guess < answer else "Too high."
 
 
-def assistant_texts(completion) -> list[str]:
-    if not isinstance(completion, list):  # a failed rollout is still scored by verifiers, with no messages
-        return [completion or ""]
-    return [m["content"] or "" for m in completion if m["role"] == "assistant"]
+class GameData(vf.TaskData):
+    answer: int
 
 
-def first_correct_turn(completion, answer: str) -> int | None:
-    for k, text in enumerate(assistant_texts(completion)):
-        if parse_answer(text) == int(answer):
-            return k
-    return None
+class GameTask(vf.Task[GameData]):
+    @vf.reward(weight=1.0)
+    async def feedback_reward(self, trace: vf.Trace) -> float:
+        """`TURN_REWARDS[k]` for the first right answer at try k (the env records it), else 0."""
+        k = trace.info.get("solved_at")
+        return TURN_REWARDS[k] if k is not None and k < len(TURN_REWARDS) else 0.0
+
+    @vf.metric
+    async def first_turn_correct(self, trace: vf.Trace) -> float:
+        return float(trace.info.get("solved_at") == 0)
+
+    @vf.metric
+    async def solved(self, trace: vf.Trace) -> float:
+        return float(trace.info.get("solved_at") is not None)
 
 
-class DigitSumFeedbackEnv(vf.MultiTurnEnv):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+class GameConfig(vf.TasksetConfig):
+    split: Literal["train", "eval"] = "train"
+    """'eval' gives the held-out numbers (their own seed)."""
+    num_examples: int = 5000
+    seed: int = 0
+    min_digits: int = 2
+    max_digits: int = 3
 
-    @vf.stop
-    async def solved(self, state) -> bool:
-        trajectory = state["trajectory"]
-        if not trajectory:
-            return False
-        last = trajectory[-1]["completion"]
-        return bool(last) and parse_answer(last[-1]["content"]) == int(state["answer"])
-
-    async def env_response(self, messages, state, **kwargs):
-        reply = feedback(parse_answer(messages[-1]["content"]), int(state["answer"]))
-        return [vf.UserMessage(content=reply or "Correct.")]
-
-
-def make_reward(turn_rewards: list[float]):
-    def feedback_reward(completion, answer, **kwargs) -> float:
-        """`turn_rewards[k]` for the first correct answer at turn k, else 0."""
-        k = first_correct_turn(completion, answer)
-        return turn_rewards[k] if k is not None and k < len(turn_rewards) else 0.0
-
-    return feedback_reward
+    @model_validator(mode="after")
+    def _digits(self):
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits, got {self.min_digits} and {self.max_digits}"
+            )
+        return self
 
 
-def first_turn_correct(completion, answer, **kwargs) -> float:
-    return float(first_correct_turn(completion, answer) == 0)
+class GameTaskset(vf.Taskset[GameTask, GameConfig]):
+    def load(self):
+        c = self.config
+        seed = c.seed if c.split == "train" else c.seed + 1
+        for row in make_examples(c.num_examples, seed, c.min_digits, c.max_digits):
+            data = GameData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=int(row["answer"]))
+            yield GameTask(data, c.task)
 
 
-def solved(completion, answer, **kwargs) -> float:
-    return float(first_correct_turn(completion, answer) is not None)
+class GameEnvConfig(vf.EnvConfig):
+    player: vf.AgentConfig = vf.AgentConfig(max_turns=len(TURN_REWARDS))
+    """The model: at most three answers."""
 
 
-def load_environment(
-    num_train: int = 5000,
-    num_eval: int = 200,
-    seed: int = 0,
-    min_digits: int = 2,
-    max_digits: int = 3,
-    max_turns: int = 3,
-    turn_rewards: list[float] | None = None,
-    system_prompt: str | None = SYSTEM_PROMPT,
-) -> vf.Environment:
-    if not 1 <= min_digits <= max_digits:
-        raise ValueError(
-            f"digit-sum-feedback: need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}"
-        )
-    if max_turns < 1:
-        raise ValueError(f"digit-sum-feedback: max_turns must be >= 1, got {max_turns}")
-    turn_rewards = turn_rewards or [1.0, 0.5, 0.25]
-    train = Dataset.from_list(make_examples(num_train, seed, min_digits, max_digits))
-    evals = Dataset.from_list(make_examples(num_eval, seed + 1, min_digits, max_digits))
-    rubric = vf.Rubric(funcs=[make_reward(turn_rewards), first_turn_correct, solved], weights=[1.0, 0.0, 0.0])
-    return DigitSumFeedbackEnv(
-        dataset=train, eval_dataset=evals, system_prompt=system_prompt, rubric=rubric, max_turns=max_turns
-    )
+class GameEnv(vf.Env[GameEnvConfig]):
+    async def run(self, task, agents):
+        async with agents.player.interaction(task) as game:
+            reply = await game.turn()
+            for tries in range(len(TURN_REWARDS)):
+                if reply.terminated:
+                    break
+                said = feedback(parse_answer(reply.last_reply), task.data.answer)
+                if said is None:
+                    game.trace.info["solved_at"] = tries
+                    break
+                if tries + 1 < len(TURN_REWARDS):  # the game ends after the last try, answered or not
+                    reply = await game.turn(said)
+
+
+__all__ = ["GameEnv", "GameTaskset"]

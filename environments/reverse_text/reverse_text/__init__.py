@@ -1,17 +1,17 @@
 """reverse-text: reverse a short string of lowercase letters.
 
 Reward = similarity of the answer to the reversed string (longest-common-subsequence ratio), so a
-partly right answer earns partial credit and a tiny model has a gradient to climb. The dataset is
-generated from a seed: no download.
+partly right answer earns partial credit and a tiny model has a gradient to climb. The tasks are
+generated from a seed: no download. `split = "eval"` gives the held-out strings.
 """
 
 from __future__ import annotations
 
 import random
 import string
+from typing import Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
 
 SYSTEM_PROMPT = "Reverse the text character by character. Answer with the reversed text only."
 
@@ -38,22 +38,38 @@ def lcs_ratio(a: str, b: str) -> float:
     return 2 * prev[-1] / (len(a) + len(b))
 
 
-def reversal_reward(completion, answer, **kwargs) -> float:
-    text = completion
-    if isinstance(completion, list):  # a failed rollout is still scored by verifiers, with no messages
-        text = completion[-1]["content"] if completion else ""
-    return lcs_ratio((text or "").strip(), answer)
+class ReverseData(vf.TaskData):
+    answer: str
 
 
-def load_environment(
-    num_train: int = 2000,
-    num_eval: int = 100,
-    seed: int = 0,
-    min_len: int = 3,
-    max_len: int = 8,
-    system_prompt: str | None = SYSTEM_PROMPT,
-) -> vf.Environment:
-    train = Dataset.from_list(make_examples(num_train, seed, min_len, max_len))
-    evals = Dataset.from_list(make_examples(num_eval, seed + 1, min_len, max_len))
-    rubric = vf.Rubric(funcs=[reversal_reward], weights=[1.0])
-    return vf.SingleTurnEnv(dataset=train, eval_dataset=evals, system_prompt=system_prompt, rubric=rubric)
+class ReverseTask(vf.Task[ReverseData]):
+    @vf.reward(weight=1.0)
+    async def reversal_reward(self, trace: vf.Trace) -> float:
+        return lcs_ratio(trace.last_reply, self.data.answer)
+
+
+class ReverseConfig(vf.TasksetConfig):
+    split: Literal["train", "eval"] = "train"
+    """'eval' gives the held-out strings (their own seed)."""
+    num_examples: int = 2000
+    seed: int = 0
+    min_len: int = 3
+    max_len: int = 8
+    system: bool = True
+    """Whether the tasks carry the system prompt (without: the string alone)."""
+
+
+class ReverseTaskset(vf.Taskset[ReverseTask, ReverseConfig]):
+    def load(self):
+        c = self.config
+        seed = c.seed if c.split == "train" else c.seed + 1
+        for row in make_examples(c.num_examples, seed, c.min_len, c.max_len):
+            data = ReverseData(
+                prompt=row["question"],
+                system_prompt=SYSTEM_PROMPT if c.system else None,
+                answer=row["answer"],
+            )
+            yield ReverseTask(data, c.task)
+
+
+__all__ = ["ReverseTaskset"]

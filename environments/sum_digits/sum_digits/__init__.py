@@ -1,17 +1,18 @@
 """sum-digits: give the sum of a number's digits as `<answer>N</answer>`.
 
-Reward = exact match of N with the digit sum (1.0 or 0.0). A second, zero-weight function reports
-whether the reply has exactly the answer format, so a run shows format and correctness apart. The
-dataset is generated from a seed: no download.
+Reward = exact match of N with the digit sum (1.0 or 0.0). A metric reports whether the reply has
+exactly the answer format, so a run shows format and correctness apart. The tasks are generated
+from a seed: no download; `split = "eval"` gives the held-out numbers.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from typing import Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
+from pydantic import model_validator
 
 SYSTEM_PROMPT = "Add up the digits of the number. Reply as <answer>N</answer>."
 ANSWER = re.compile(r"<answer>(\d+)</answer>")
@@ -27,22 +28,15 @@ def make_examples(n: int, seed: int, min_digits: int, max_digits: int) -> list[d
     return rows
 
 
-def _reply(completion) -> str:
-    text = completion
-    if isinstance(completion, list):  # a failed rollout is still scored by verifiers, with no messages
-        text = completion[-1]["content"] if completion else ""
-    return (text or "").strip()
-
-
-def correct_answer(completion, answer, **kwargs) -> float:
+def correct(reply: str, answer: str) -> float:
     """1.0 when the first `<answer>N</answer>` holds the digit sum."""
-    found = ANSWER.search(_reply(completion))
+    found = ANSWER.search(reply)
     return float(found is not None and found.group(1) == answer)
 
 
-def answer_format(completion, **kwargs) -> float:
+def well_formed(reply: str) -> float:
     """1.0 when the whole reply is one `<answer>N</answer>`, nothing else."""
-    return float(ANSWER.fullmatch(_reply(completion)) is not None)
+    return float(ANSWER.fullmatch(reply) is not None)
 
 
 def preference_pairs(num_pairs: int, seed: int, min_digits: int = 2, max_digits: int = 3) -> list[dict]:
@@ -63,17 +57,45 @@ def preference_pairs(num_pairs: int, seed: int, min_digits: int = 2, max_digits:
     return pairs
 
 
-def load_environment(
-    num_train: int = 5000,
-    num_eval: int = 200,
-    seed: int = 0,
-    min_digits: int = 2,
-    max_digits: int = 3,
-    system_prompt: str | None = SYSTEM_PROMPT,
-) -> vf.Environment:
-    if not 1 <= min_digits <= max_digits:
-        raise ValueError(f"sum-digits: need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
-    train = Dataset.from_list(make_examples(num_train, seed, min_digits, max_digits))
-    evals = Dataset.from_list(make_examples(num_eval, seed + 1, min_digits, max_digits))
-    rubric = vf.Rubric(funcs=[correct_answer, answer_format], weights=[1.0, 0.0])
-    return vf.SingleTurnEnv(dataset=train, eval_dataset=evals, system_prompt=system_prompt, rubric=rubric)
+class SumData(vf.TaskData):
+    answer: str
+
+
+class SumTask(vf.Task[SumData]):
+    @vf.reward(weight=1.0)
+    async def correct_answer(self, trace: vf.Trace) -> float:
+        return correct(trace.last_reply, self.data.answer)
+
+    @vf.metric
+    async def answer_format(self, trace: vf.Trace) -> float:
+        return well_formed(trace.last_reply)
+
+
+class SumConfig(vf.TasksetConfig):
+    split: Literal["train", "eval"] = "train"
+    """'eval' gives the held-out numbers (their own seed)."""
+    num_examples: int = 5000
+    seed: int = 0
+    min_digits: int = 2
+    max_digits: int = 3
+
+    @model_validator(mode="after")
+    def _digits(self):
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits, got {self.min_digits} and {self.max_digits}"
+            )
+        return self
+
+
+class SumTaskset(vf.Taskset[SumTask, SumConfig]):
+    def load(self):
+        c = self.config
+        seed = c.seed if c.split == "train" else c.seed + 1
+        for row in make_examples(c.num_examples, seed, c.min_digits, c.max_digits):
+            yield SumTask(
+                SumData(prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=row["answer"]), c.task
+            )
+
+
+__all__ = ["SumTaskset"]

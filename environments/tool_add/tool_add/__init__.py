@@ -1,10 +1,12 @@
 """tool-add: add two numbers of `digits` digits, a sum a tiny model cannot do in its head, with a
 Python tool. The model calls `add(a, b)`, reads the result, and answers `<answer>N</answer>`.
 
-Reward = 1.0 when the final answer is the sum, else 0 (a copying mistake in the call's arguments or
-in the answer both cost it). Zero-weight metrics: whether the model called the tool with the right
-numbers, and verifiers' own tool-call counts. Tool errors (bad arguments) come back to the model as
-a tool message starting with "Error:". Data is generated from a seed: no download.
+A verifiers v1 taskset whose tasks offer one toolset (`AddTools`, its tool advertised as plain
+`add`), and an env whose one seat makes at most `MAX_TURNS` model calls. Reward = 1.0 when the
+final answer is the sum, else 0 (a copying mistake in the call's arguments or in the answer both
+cost it). A metric reports whether the model called the tool with the right numbers. A bad call
+comes back to the model as a tool result starting with "Error:". The numbers are generated from a
+seed: no download; `split = "eval"` gives the held-out ones.
 """
 
 from __future__ import annotations
@@ -12,17 +14,14 @@ from __future__ import annotations
 import json
 import random
 import re
+from typing import Literal
 
-import verifiers as vf
-from datasets import Dataset
+import verifiers.v1 as vf
+from pydantic import Field
 
 SYSTEM_PROMPT = "Add the numbers with the add tool. Reply as <answer>N</answer>."
 ANSWER = re.compile(r"<answer>(-?\d+)</answer>")
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
+MAX_TURNS = 3
 
 
 def make_examples(n: int, seed: int, digits: int) -> list[dict]:
@@ -34,53 +33,73 @@ def make_examples(n: int, seed: int, digits: int) -> list[dict]:
     return rows
 
 
-def final_text(completion) -> str:
-    if not isinstance(completion, list):
-        return completion or ""
-    replies = [m for m in completion if m["role"] == "assistant"]
-    return (replies[-1].get("content") or "") if replies else ""
+class AddTools(vf.Toolset):
+    TOOL_PREFIX = None  # the model calls `add`, not `add_tools_add`
+
+    @vf.tool
+    def add(self, a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
 
 
-def correct_answer(completion, answer, **kwargs) -> float:
-    """1.0 when the last reply's `<answer>N</answer>` is the sum."""
-    found = ANSWER.search(final_text(completion))
-    return float(found is not None and found.group(1) == answer)
+class AddData(vf.TaskData):
+    answer: str
+    a: int
+    b: int
 
 
-def called_with_the_numbers(completion, info, **kwargs) -> float:
-    """1.0 when some `add` call carried exactly the question's two numbers."""
-    for m in completion if isinstance(completion, list) else []:
-        for call in m.get("tool_calls") or [] if m["role"] == "assistant" else []:
-            function = call.get("function", call) if isinstance(call, dict) else call
-            name = function.get("name") if isinstance(function, dict) else getattr(function, "name", None)
-            args = (
-                function.get("arguments")
-                if isinstance(function, dict)
-                else getattr(function, "arguments", None)
+class AddTask(vf.Task[AddData]):
+    @classmethod
+    def toolsets(cls, config):
+        return [AddTools(vf.ToolsetConfig())]
+
+    @vf.reward(weight=1.0)
+    async def correct_answer(self, trace: vf.Trace) -> float:
+        """1.0 when the last reply's `<answer>N</answer>` is the sum."""
+        found = ANSWER.search(trace.last_reply)
+        return float(found is not None and found.group(1) == self.data.answer)
+
+    @vf.metric
+    async def called_with_the_numbers(self, trace: vf.Trace) -> float:
+        """1.0 when some `add` call carried exactly the question's two numbers."""
+        for message in trace.assistant_messages:
+            for call in message.tool_calls or []:
+                try:
+                    args = json.loads(call.arguments)
+                except ValueError:
+                    continue
+                if call.name == "add" and args == {"a": self.data.a, "b": self.data.b}:
+                    return 1.0
+        return 0.0
+
+
+class AddConfig(vf.TasksetConfig):
+    split: Literal["train", "eval"] = "train"
+    """'eval' gives the held-out sums (their own seed)."""
+    num_examples: int = 5000
+    seed: int = 0
+    digits: int = Field(4, ge=1)
+
+
+class AddTaskset(vf.Taskset[AddTask, AddConfig]):
+    def load(self):
+        c = self.config
+        seed = c.seed if c.split == "train" else c.seed + 1
+        for row in make_examples(c.num_examples, seed, c.digits):
+            data = AddData(
+                prompt=row["question"], system_prompt=SYSTEM_PROMPT, answer=row["answer"], **row["info"]
             )
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                continue
-            if name == "add" and isinstance(args, dict) and args == {"a": info["a"], "b": info["b"]}:
-                return 1.0
-    return 0.0
+            yield AddTask(data, c.task)
 
 
-def load_environment(
-    num_train: int = 5000, num_eval: int = 200, seed: int = 0, digits: int = 4, max_turns: int = 3
-) -> vf.Environment:
-    if digits < 1:
-        raise ValueError(f"tool-add: digits must be >= 1, got {digits}")
-    train = Dataset.from_list(make_examples(num_train, seed, digits))
-    evals = Dataset.from_list(make_examples(num_eval, seed + 1, digits))
-    rubric = vf.Rubric(funcs=[correct_answer, called_with_the_numbers], weights=[1.0, 0.0])
-    return vf.ToolEnv(
-        tools=[add],
-        max_turns=max_turns,
-        error_formatter=lambda e: f"Error: {e}",
-        dataset=train,
-        eval_dataset=evals,
-        system_prompt=SYSTEM_PROMPT,
-        rubric=rubric,
-    )
+class AddEnvConfig(vf.EnvConfig):
+    agent: vf.AgentConfig = vf.AgentConfig(max_turns=MAX_TURNS)
+    """The model: at most three calls (a tool call, the answer, one more try)."""
+
+
+class AddEnv(vf.Env[AddEnvConfig]):
+    async def run(self, task, agents):
+        await agents.agent.run(task)
+
+
+__all__ = ["AddEnv", "AddTaskset"]

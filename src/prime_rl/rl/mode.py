@@ -1,7 +1,7 @@
 """How `rl` serves the policy when the config leaves it to `rl` (`deployment.inference_mode = "auto"`).
 
 Invariant: "auto" becomes "engine" only for a run that an explicit "engine" would accept (one machine,
-one policy server, full weights, no env workers, no collective broadcast, no verifiers v1 env), and
+one policy server, full weights, no env workers, no collective broadcast), and
 "server" otherwise; an explicit choice is never changed. Everything after `resolve` sees "server" or
 "engine", decided once per `rl` start, so a restarted process is served as its first life was.
 """
@@ -10,21 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prime_rl.orchestrator.preflight import engine_problem
-
 if TYPE_CHECKING:
     from prime_rl.rl.config import RLConfig
 
 
 def why_server(config: RLConfig) -> str | None:
     """Why "auto" serves `config` with a server (None: nothing keeps the engine out)."""
-    why = config.engine_obstacle()
-    if why:
-        return why
-    for env in [*config.orchestrator.envs, *config.orchestrator.eval.envs]:
-        if engine_problem("env", env.id):
-            return f"env {env.id!r} is a verifiers v1 env, which calls its model over HTTP"
-    return None
+    return config.engine_obstacle() or None
 
 
 def resolve(config: RLConfig) -> tuple[RLConfig, str]:

@@ -31,9 +31,7 @@ def check_rl(config: RLConfig) -> None:
             lora_key=None if config.inference.lora else "trainer.lora",
             routes_key=None if config.inference.return_routes else "orchestrator.return_routes",
         )
-        + orchestrator_problems(
-            config.orchestrator, "orchestrator.", engine=config.deployment.inference_mode == "engine"
-        )
+        + orchestrator_problems(config.orchestrator, "orchestrator.")
         + trainer_problems(config.trainer, "trainer.")
         + ([teacher_problem("teacher.model.name", teacher.model.name, config.model)] if teacher else [])
     )

@@ -55,6 +55,7 @@ def _write(path: Path, step: int, results: list[MicroBatchResult], rank: int) ->
                     "env": env,
                     "input_ids": a["input_ids"][sl].tolist(),
                     "loss_mask": a["loss_mask"][sl].tolist(),
+                    "policy": list(mb.policy_spans[i]) if mb.policy_spans else None,
                     "rollout_advantage": _clean([mb.advantages[i]])[0],
                     "reward": _clean([mb.rewards[i]])[0],
                     "advantages": _clean(advantages[sl].tolist()),

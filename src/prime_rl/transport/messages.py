@@ -52,6 +52,9 @@ class TrainingSample(msgspec.Struct):
     env_name: str
     example_id: int | str = 0
     policy_version: int = 0
+    policy_end: int | None = None
+    """The policy version at the rollout's last completion (None: not known); with `policy_version`,
+    the span of policies that sampled it."""
     temperature: float = 1.0
     token_advantages: list[float] = []
     """Per completion token, a term added to the trainer's advantages after normalization (a
@@ -151,6 +154,9 @@ class MicroBatch(msgspec.Struct, tag=True):
     filler: bool = False
     """A filler micro-batch: one pad sample with no loss token, sent so that every rank runs the
     same number of micro-batches; nothing in it is a real sample."""
+    policy_spans: list[tuple[int, int]] = []
+    """Each sample's policy span (the version at dispatch, at its last completion), parallel to
+    `sample_lens`; empty: not known (an SFT or reward-model batch)."""
 
     @classmethod
     def from_arrays(
@@ -171,6 +177,7 @@ class MicroBatch(msgspec.Struct, tag=True):
         orchestrator: OrchestratorSide | None = None,
         routes: np.ndarray | None = None,
         filler: bool = False,
+        policy_spans: list[tuple[int, int]] | None = None,
     ) -> MicroBatch:
         zeros = [0.0] * len(sample_lens)
         route_fields = {}
@@ -199,6 +206,7 @@ class MicroBatch(msgspec.Struct, tag=True):
             else np.ascontiguousarray(token_advantages, dtype=FLOAT_DTYPE).tobytes(),
             orchestrator=orchestrator,
             filler=filler,
+            policy_spans=[(int(a), int(b)) for a, b in policy_spans or []],
             **route_fields,
         )
 
@@ -260,6 +268,10 @@ class MicroBatch(msgspec.Struct, tag=True):
                 raise ValueError(
                     f"{where}: {len(getattr(self, name))} {name} for {len(self.sample_lens)} samples (one per sample)"
                 )
+        if self.policy_spans and len(self.policy_spans) != len(self.sample_lens):
+            raise ValueError(
+                f"{where}: {len(self.policy_spans)} policy_spans for {len(self.sample_lens)} samples (one per sample, or none)"
+            )
         if seq_len is not None and n > seq_len:
             raise ValueError(f"{where}: {n} tokens is longer than seq_len = {seq_len}")
         if not 0 <= self.index < self.count:

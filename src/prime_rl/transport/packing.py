@@ -153,9 +153,11 @@ def pack(
                 lens, envs = [len(s) for s in b.samples], [s.env_name for s in b.samples]
                 advantages, rewards = [s.advantage for s in b.samples], [s.reward for s in b.samples]
                 temperature = b.samples[0].temperature
+                spans = [(s.policy_version, max(s.policy_version, s.policy_end or 0)) for s in b.samples]
             else:
                 arrays, lens, envs, temperature = filler_arrays(pad_id), [FILLER_TOKENS], [FILLER_ENV], 1.0
                 advantages = rewards = [0.0]
+                spans = []
             mbs.append(
                 MicroBatch.from_arrays(
                     header,
@@ -169,6 +171,7 @@ def pack(
                     temperature=temperature,
                     orchestrator=orchestrator,
                     filler=filler,
+                    policy_spans=spans,
                 )
             )
         out.append(mbs)

@@ -1,35 +1,22 @@
-"""Load verifiers environments (classic or v1), with their reward functions and datasets.
+"""Load verifiers v1 environments, with their tasks as the rows the loop dispatches.
 
-Invariant: an env that cannot be loaded, or whose dataset lacks what a rollout needs, is an
-`EnvError` naming the env and its config key; nothing else of a bad env reaches the loop.
+Invariant: an env that cannot be loaded, or has no tasks, is an `EnvError` naming the env and its
+config key; nothing else of a bad env reaches the loop.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Generic
 
-from prime_rl.environments import EnvError, env_module_name, load_vf_env
-from prime_rl.orchestrator.envs.env_rewards import attach_rewards
+from prime_rl.environments import EnvError
+from prime_rl.orchestrator.envs.env_rewards import make_scorer
 from prime_rl.orchestrator.envs.reward_model import RewardModels
 from prime_rl.orchestrator.envs.rewards import RewardRunner
-from prime_rl.orchestrator.envs.v1_env import is_v1_module, load_v1_env
+from prime_rl.orchestrator.envs.scoring import Scorer
+from prime_rl.orchestrator.envs.v1_env import V1Env, default_runner, load_v1_env
 from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.messages import ConfigT, EnvView
-
-REQUIRED_COLUMNS = ("prompt", "example_id")
-
-
-def check_columns(dataset, env_id: str, which: str) -> None:
-    missing = [c for c in REQUIRED_COLUMNS if c not in dataset.column_names]
-    if missing:
-        raise EnvError(
-            f"env '{env_id}': its {which} dataset lacks the column(s) {missing} (it has {dataset.column_names}); "
-            "a classic verifiers env needs 'prompt' (or 'question') and gets 'example_id' from verifiers"
-        )
-    if len(dataset) == 0:
-        raise EnvError(f"env '{env_id}': its {which} dataset is empty")
 
 
 @dataclass
@@ -55,30 +42,24 @@ class LoadedEnv(Generic[ConfigT]):
         return EnvView(self.config, self.dataset, self.group_scoring)
 
 
-def load_any_env(env_id: str, args: dict[str, Any], rewards: RewardRunner | None = None):
-    """A classic verifiers env, or a `verifiers.v1` one (by what its module exports), with its
-    reward functions run by `rewards` (classic envs; v1 runs its own scoring, off the loop's hot path
-    in its interception machinery)."""
-    module = env_module(env_id)
-    if module is not None and is_v1_module(module):
-        try:
-            return load_v1_env(env_id, args)
-        except Exception as e:
-            raise EnvError(
-                f"verifiers.v1 env '{env_id}' could not be loaded: {type(e).__name__}: {e}"
-            ) from None
-    vf_env = load_vf_env(env_id, args)
-    if rewards is not None:
-        rewards.install(vf_env)
-    return vf_env
-
-
-def env_module(env_id: str):
-    """The module an env id names (as verifiers resolves it), or None if it does not import."""
+def load_any_env(env_id: str, args: dict[str, Any]) -> V1Env:
+    """The v1 env `env_id` with `args` as its taskset config."""
     try:
-        return importlib.import_module(env_module_name(env_id))
-    except Exception:
-        return None  # the loader says why, with the env's name
+        return load_v1_env(env_id, args)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"env '{env_id}' could not be loaded: {type(e).__name__}: {e}") from None
+
+
+def own_hooks(task) -> set[str]:
+    """The names of a task's own rewards and metrics."""
+    return {fn.__name__ for kind in ("reward", "metric") for fn in task.hooks(kind)}
+
+
+def check_rows(rows, env_id: str, which: str) -> None:
+    if len(rows) == 0:
+        raise EnvError(f"env '{env_id}': its {which} taskset has no tasks")
 
 
 def load_env(
@@ -89,33 +70,36 @@ def load_env(
     score: bool = True,
 ) -> LoadedEnv[EnvConfig]:
     """`key` names the env's config entry in errors, e.g. 'envs[1]'. Without `score`, only for its
-    dataset: no reward model is loaded (the env workers score), while the other reward functions
-    join the rubric so that it scores groups as the workers' does."""
-    vf_env = load_any_env(config.id, config.args, rewards)
-    models = (reward_models or RewardModels()) if score else None
-    try:
-        attach_rewards(vf_env, config.rewards, f"{key}.rewards", rewards, models)
-    except EnvError as e:
-        raise EnvError(f"env '{config.id}': {e}") from None
+    tasks: no reward model is loaded (the env workers score), while the other reward functions are
+    built, so that it tells group scoring as the workers' does."""
+    vf_env = load_any_env(config.id, config.args)
     try:
         dataset = vf_env.get_dataset()
     except Exception as e:
-        raise EnvError(f"env '{config.id}': its training dataset cannot be built: {e}") from None
-    check_columns(dataset, config.id, "training")
+        raise EnvError(f"env '{config.id}': its training tasks cannot be listed: {e}") from None
+    check_rows(dataset, config.id, "training")
+    models = (reward_models or RewardModels()) if score else None
+    try:
+        vf_env.use(
+            make_scorer(
+                config.rewards,
+                f"{key}.rewards",
+                rewards or default_runner(),
+                models,
+                own_hooks(dataset[0]["task"]),
+            )
+        )
+    except EnvError as e:
+        raise EnvError(f"env '{config.id}': {e}") from None
     return LoadedEnv(config, vf_env, dataset)
 
 
 def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> LoadedEnv[EvalEnvConfig]:
-    vf_env = load_any_env(config.id, config.args, rewards)
+    vf_env = load_any_env(config.id, config.args)
     try:
         dataset = vf_env.get_eval_dataset(n=config.num_examples)
     except Exception as e:
-        raise EnvError(f"eval env '{config.id}': its eval dataset cannot be built: {e}") from None
-    check_columns(dataset, config.id, "eval")
+        raise EnvError(f"eval env '{config.id}': its eval tasks cannot be listed: {e}") from None
+    check_rows(dataset, config.id, "eval")
+    vf_env.use(Scorer(rewards or default_runner()))
     return LoadedEnv(config, vf_env, dataset)
-
-
-def rollout_input(row: dict[str, Any]) -> dict[str, Any]:
-    """The fields verifiers' run_rollout needs from a dataset row."""
-    keys = ("prompt", "example_id", "answer", "info", "task")
-    return {k: row[k] for k in keys if k in row and row[k] is not None}

@@ -16,10 +16,10 @@ from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
-from prime_rl.orchestrator.envs.load import LoadedEnv, load_env, load_eval_env, rollout_input
+from prime_rl.orchestrator.envs.load import LoadedEnv, load_env, load_eval_env
+from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.reward_model import RewardModelError, RewardModels
 from prime_rl.orchestrator.envs.rewards import RewardRunner
-from prime_rl.orchestrator.envs.speedups import speed_up_verifiers
 from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
 from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.messages import EnvView, GroupJob
@@ -41,7 +41,8 @@ class LocalEnvs:
         self.rewards: RewardRunner | None = None
         self.reward_models: RewardModels | None = None
         self.teacher: Teacher | None = None
-        self.clients = Clients(config.client, engine.exchange if engine is not None else None)
+        self.renderer: Renderer | None = None
+        self.clients = Clients(config.client, config.model.name, engine)
 
     def load(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
         """Load the envs (blocking: imports, datasets); what the loop needs of them."""
@@ -49,13 +50,19 @@ class LocalEnvs:
         if self.rollouts:
             self.rewards = RewardRunner(c.rewards)
             self.reward_models = RewardModels()
+            try:  # the policy's chat template renders every turn: a model without one cannot play
+                self.renderer = Renderer.for_model(c.model.name)
+            except Exception as e:
+                raise EnvError(
+                    f"model.name = {c.model.name!r}: its tokenizer (the chat template every turn is "
+                    f"rendered with) cannot be loaded: {type(e).__name__}: {e}"
+                ) from None
         for i, e in enumerate(c.envs):
             env = load_env(e, self.rewards, self.reward_models, f"envs[{i}]", score=self.rollouts)
             self.train[env.name] = env
         for e in c.eval.envs:
             env = load_eval_env(e, self.rewards)
             self.evals[env.name] = env
-        speed_up_verifiers()
         adopt_verifiers_logging()
         return [e.view() for e in self.train.values()], [e.view() for e in self.evals.values()]
 
@@ -93,22 +100,22 @@ class LocalEnvs:
                 failed_rollout(job.env_name, job.example_id, job.policy_version, reason)
                 for _ in range(job.size)
             ]
+        c = self.config
         run = GroupRun(
             job.env_name,
             env.vf_env,
-            rollout_input(row),
+            row,
             job.example_id,
             job.size,
             job.policy_version,
             env.config.sampling,
             columns,
+            c.client.group_requests,
         )
-        c = self.config
-        client = self.clients.get(job.base_url)
+        model = job.model or c.model.name
         try:
-            rollouts = await run_group(
-                run, client, job.base_url, job.model or c.model.name, c.client.timeout_s
-            )
+            sampler = self.clients.get(job.base_url, model)
+            rollouts = await run_group(run, sampler, self.renderer, model, c.client.timeout_s)
             if self.teacher and not job.eval:
                 rollouts = await self.teacher.score_group(rollouts)
         except Exception as e:  # never expected (both fail rollouts instead), but never a lost job
@@ -122,7 +129,7 @@ class LocalEnvs:
     async def close(self) -> None:
         for env in [*self.train.values(), *self.evals.values()]:
             try:
-                await env.vf_env._teardown()  # verifiers' own hook: rubric and env @teardown handlers
+                await env.vf_env.close()
             except Exception as e:
                 log.warning("teardown of env %s failed: %s", env.name, e)
         if self.rewards:

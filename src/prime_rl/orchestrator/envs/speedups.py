@@ -1,65 +1,38 @@
-"""Cut the CPU that verifiers' classic rollout machinery spends per rollout, without changing what it
-computes.
+"""One cache for pydantic, installed once by the env side: measured, it was half the CPU of a turn.
 
-verifiers calls `inspect.signature` on every stop condition, reward function and cleanup handler of
-every rollout, to pass each only the arguments it names: about 24 calls per single-turn rollout,
-~0.4 ms of CPU (measured with `benchmarks/orchestrator.py`). A function's signature does not change
-while a run lasts, so it is computed once per function here and reused.
+verifiers builds its trace graph with `model_construct`, and pydantic (2.14) asks, for every field
+with a `default_factory`, whether that factory takes the validated data: `inspect.signature` of the
+factory, parsed from its text signature for a builtin such as `list` (`_signature_fromstr`), on every
+construct. A factory's signature never changes, so the answer is memoized per factory.
+(`benchmarks/generation.py`'s group runner: 3.0 ms of CPU per single-turn rollout, 1.4 after.)
 
-Invariant: `signature(f)` equals `inspect.signature(f)` for every callable; it is cached only for
-plain functions and methods bound to them (keyed weakly by the function, so nothing is kept alive),
-and a function whose `__signature__` or `__wrapped__` is set after its first call is a known
-limit (none of verifiers' decorators do that).
+Invariant: the answer for every factory is the one pydantic computes; factories that cannot be
+hashed are asked every time, as before.
 """
 
 from __future__ import annotations
 
-import inspect
-import os
-import types
-import weakref
-
-_plain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+import functools
 
 
-def signature(func) -> inspect.Signature:
-    if isinstance(func, types.FunctionType):
-        cache, key = _plain, func
-    elif isinstance(func, types.MethodType) and isinstance(func.__func__, types.FunctionType):
-        cache, key = _bound, func.__func__
-    else:
-        return inspect.signature(func)
-    sig = cache.get(key)
-    if sig is None:
-        sig = cache[key] = inspect.signature(func)
-    return sig
+def cache_default_factory_signatures() -> None:
+    """Memoize pydantic's per-construct signature check of default factories (idempotent)."""
+    from pydantic._internal import _fields
 
+    check = _fields.takes_validated_data_argument
+    if getattr(check, "_prime_rl_cached", False):
+        return
+    answers: dict = {}
 
-class _CachedInspect(types.ModuleType):
-    """`inspect` as seen by the patched modules: the same, with a cached `signature`."""
+    @functools.wraps(check)
+    def cached(factory):
+        try:
+            return answers[factory]
+        except KeyError:
+            answer = answers[factory] = check(factory)
+            return answer
+        except TypeError:  # unhashable: asked each time
+            return check(factory)
 
-    def __getattr__(self, name):
-        return getattr(inspect, name)
-
-
-_inspect = _CachedInspect("inspect")
-_inspect.signature = signature
-
-
-def enabled() -> bool:
-    """`PRIME_RL_VERIFIERS_SPEEDUPS=0` turns the speed-ups off (the cached signatures, the direct
-    POST with its own request merging, inline fast rewards): an escape hatch should one ever change
-    what an env computes, and the "before" of `benchmarks/orchestrator.py`."""
-    return os.environ.get("PRIME_RL_VERIFIERS_SPEEDUPS", "1") != "0"
-
-
-def speed_up_verifiers() -> None:
-    """Give verifiers' per-rollout call sites the cached `signature`, or, when the speed-ups are
-    off, their own `inspect` back (idempotent)."""
-    from verifiers.legacy.rubrics import rubric
-    from verifiers.legacy.utils import async_utils
-
-    for module in (async_utils, rubric):
-        if getattr(module, "inspect", None) in (inspect, _inspect):
-            module.inspect = _inspect if enabled() else inspect
+    cached._prime_rl_cached = True
+    _fields.takes_validated_data_argument = cached

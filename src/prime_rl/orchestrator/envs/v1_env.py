@@ -1,136 +1,44 @@
-"""Run `verifiers.v1` environments as the orchestrator runs classic ones: a group of rollouts of one
-example against one inference server, returned as `Rollout`s.
+"""A verifiers v1 env as the orchestrator runs it: its taskset's tasks as rows, and a group as
+`size` episodes of one task whose seats the policy plays in this process (`agent.py`).
 
-A v1 env is a package exporting a `Taskset` subclass (and optionally an `Env` subclass for its own
-control flow: several turns, several agents, group scoring in `finalize`). verifiers drives each
-rollout through a harness whose model calls go through a local interception server, which records
-them on the trace's message graph. Three things make that trainable here, all set up once:
+A v1 env is a package exporting a `Taskset` subclass of `Task`s (scored by `@vf.reward` and
+`@vf.metric` methods), and optionally an `Env` subclass for its own control flow (`run`: several
+turns, several seats; `finalize`: judgement across the episode's traces). `[[envs]] args` are the
+taskset's config. verifiers' own episode machinery (`Env.run_episode`: a harness program per seat
+in a runtime, model calls through an interception server) is replaced by `run_episode` here, which
+calls the same env hooks with `Seat`s for agents.
 
-- the harness is in-process chat (`ChatHarness`): the conversation so far, one chat completion,
-  through the interception endpoint; no program to install, no sandbox;
-- the client the interception uses upstream keeps vLLM's token ids and sampling logprobs, which
-  verifiers' own chat client drops (without them nothing could train);
-- verifiers 0.3.1's `verifiers.v1.tasksets` package imports an optional MCP integration that needs
-  mcp<2, while vLLM needs mcp>=2: the package is registered without running its `__init__`, so
-  taskset lookup works (only that integration's own taskset stays unavailable).
-
-Invariant: `run_group` returns exactly `size` rollouts and raises only when cancelled. A v1 env
-with group scoring returns one episode of several traces per call; one trace is one rollout.
+Invariant: `run_group` returns exactly `size` rollouts, one per episode, and raises only when
+cancelled: an episode that fails, times out, or has other than one trainable trace is a failed
+rollout saying why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import types
-from dataclasses import dataclass
-from pathlib import Path
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
-from prime_rl import secret
-from prime_rl.environments import exports_v1_taskset
-from prime_rl.orchestrator.envs.verifiers_v1_adapter import from_v1_trace
+import verifiers.v1 as vf
+
+from prime_rl.engine.sampling import SamplingArgs
+from prime_rl.environments import EnvError
+from prime_rl.environments import load_v1_env as load_env
+from prime_rl.orchestrator.envs.agent import Policy, Seat, SharedFirstTurn, TurnAudit
+from prime_rl.orchestrator.envs.renderer import Renderer
+from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.scoring import RewardError, Scorer
+from prime_rl.orchestrator.envs.speedups import cache_default_factory_signatures
+from prime_rl.orchestrator.envs.verifiers_adapter import from_trace
+from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
-
-HARNESS_ID = "prime_rl_chat_harness"
-"""The module name verifiers resolves our harness by (harness ids are importable module names)."""
-
-API_KEY_VAR = "PRIME_RL_V1_API_KEY"
-
-
-def is_v1_module(module: types.ModuleType) -> bool:
-    """Whether an env module is written against verifiers.v1: no classic `load_environment`, and a
-    `Taskset` (or `Env`) subclass among its exports."""
-    return not callable(getattr(module, "load_environment", None)) and exports_v1_taskset(module)
-
-
-def _prepare() -> None:
-    """One-time process setup (see the module docstring); idempotent."""
-    if HARNESS_ID in sys.modules:
-        return
-    import verifiers.v1 as v1
-
-    if "verifiers.v1.tasksets" not in sys.modules:
-        package = types.ModuleType("verifiers.v1.tasksets")
-        package.__path__ = [str(Path(v1.__file__).parent / "tasksets")]
-        sys.modules["verifiers.v1.tasksets"] = package
-    import verifiers.v1.interception.server as interception
-    from verifiers.v1.clients import EvalClient, TrainClientConfig
-    from verifiers.v1.types import TurnTokens
-
-    class TokenClient(EvalClient):
-        """verifiers' chat client, keeping the token ids and logprobs vLLM returns."""
-
-        async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):
-            response = await super().get_response(dialect, body, sampling, session_id, turn, headers)
-            raw = response.raw or {}
-            choice = (raw.get("choices") or [{}])[0]
-            prompt_ids, completion_ids = raw.get("prompt_token_ids"), choice.get("token_ids")
-            if prompt_ids is not None and completion_ids is not None:
-                content = (choice.get("logprobs") or {}).get("content") or []
-                response.tokens = TurnTokens(
-                    prompt_ids=prompt_ids,
-                    completion_ids=completion_ids,
-                    completion_logprobs=[t["logprob"] for t in content],
-                )
-            return response
-
-    stock = interception.resolve_client
-    interception.resolve_client = lambda config: (
-        stock(config) if isinstance(config, TrainClientConfig) else TokenClient(config)
-    )
-    sys.modules[HARNESS_ID] = _harness_module(v1)
-    os.environ[API_KEY_VAR] = secret.value() or "local"  # verifiers' client sends it to our servers
-
-
-def _harness_module(v1) -> types.ModuleType:
-    from openai import AsyncOpenAI
-    from verifiers.v1.dialects.chat import message_to_wire
-
-    # One client per interception endpoint and event loop: building an OpenAI client builds an SSL
-    # context, which took 70% of the orchestrator's CPU when done per model call (py-spy).
-    clients: dict[tuple[int, str], AsyncOpenAI] = {}
-
-    def client_for(endpoint: str) -> AsyncOpenAI:
-        loop = asyncio.get_running_loop()
-        key = (id(loop), endpoint)
-        if key not in clients:
-            for stale in [k for k, c in clients.items() if k[0] != id(loop)]:
-                del clients[stale]  # a finished loop's clients (tests run several loops)
-            clients[key] = AsyncOpenAI(base_url=endpoint, api_key="per-request", max_retries=0)
-        return clients[key]
-
-    class ChatHarness(v1.Harness[v1.HarnessConfig]):
-        """One chat completion on the conversation so far, through the interception endpoint."""
-
-        APPENDS_SYSTEM_PROMPT = True
-        SUPPORTS_RESUME = True  # verifiers relaunches it on the accumulated conversation per turn
-        EXECUTES_CODE = False
-        NEEDS_CONTAINER = False
-
-        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
-            system, prompt = self.resolve_prompt(data)
-            messages = [{"role": "system", "content": system}] if system else []
-            if isinstance(prompt, str):
-                messages.append({"role": "user", "content": prompt})
-            elif prompt:
-                messages += [message_to_wire(m) for m in prompt]
-            await client_for(endpoint).chat.completions.create(
-                model=ctx.model, messages=messages, extra_headers={"Authorization": f"Bearer {secret}"}
-            )
-            return v1.ProgramResult(exit_code=0, stdout="", stderr="")
-
-    module = types.ModuleType(HARNESS_ID)
-    module.ChatHarness = ChatHarness
-    module.__all__ = ["ChatHarness"]
-    return module
 
 
 class TaskRows:
-    """A v1 taskset as the rows `ExampleSource` streams: `example_id`, `prompt` (for the rollouts
-    log) and the `task` itself. The taskset is listed once, at load (a v1 taskset may be a
-    generator, and the example order is a seeded permutation of indices)."""
+    """A v1 taskset as the rows `ExampleSource` reads: `example_id`, `prompt` (for the rollouts
+    log) and the `task` itself. The taskset is listed once, at load (the example order is a seeded
+    permutation of indices)."""
 
     column_names = ("prompt", "example_id", "task")
 
@@ -148,111 +56,170 @@ class TaskRows:
         return TaskRows([self.tasks[i] for i in indices])
 
 
+def _seat_args(args: SamplingArgs, role) -> SamplingArgs:
+    """The group's sampling args with what the role's own `sampling` sets."""
+    own = role.sampling.model_dump(exclude_unset=True, exclude_none=True) if role.sampling else {}
+    known = {k: own.pop(k) for k in ("temperature", "top_p", "max_tokens") if k in own}
+    return SamplingArgs(**{**args.__dict__, **known, "extra": {**args.extra, **own.get("extra_body", {})}})
+
+
+@dataclass
+class Episode:
+    """One finished episode, with what token-in did on each of its traces."""
+
+    episode: Any
+    audits: dict[str, TurnAudit] = field(default_factory=dict)
+
+
+async def run_episode(env, task, policy: Policy, shared_tools: list):
+    """One episode of `task`: the env's `setup`, `run` and `finalize` with `Seat`s as its agents
+    (verifiers' `Env.run_episode`, played in this process)."""
+    episode = vf.Episode(
+        env=vf.EnvInfo(id=env.config.env_id),
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+    )
+
+    def seat(name: str, role) -> Seat:
+        if role.model is not None or role.client is not None:
+            raise EnvError(
+                f"env '{env.config.env_id}': role '{name}' pins a model or client; every seat is "
+                "played by the policy being trained"
+            )
+        return Seat(name, role, policy, _seat_args(policy.args, role), episode.traces, shared_tools)
+
+    agents = vf.Agents(env.config, seat)
+    timeout = env.config.timeout
+    try:
+        async with asyncio.timeout(timeout.episode):
+            await env.setup(agents)
+            await env.run(task, agents)
+            if not episode.traces:
+                raise ValueError(f"{type(env).__name__}.run() ran no agent")
+        async with asyncio.timeout(timeout.finalize):
+            await env.finalize(task, episode)
+    except Exception as e:
+        episode.is_timeout = isinstance(e, TimeoutError)
+        episode.errors.append(vf.Error(type=type(e).__name__, message=str(e) or "deadline exceeded"))
+        return episode
+    episode.ok = all(t.ok for t in episode.traces)
+    return episode
+
+
+@functools.cache
+def default_runner() -> RewardRunner:
+    """The reward runner of an env used without the orchestrator's (default `[rewards]`)."""
+    return RewardRunner(RewardsConfig())
+
+
 @dataclass
 class V1Env:
-    """A loaded v1 env, with the classic env's surface the orchestrator uses."""
+    """A loaded v1 env, with the surface the orchestrator's env side uses."""
 
     env: Any
     rows: TaskRows
-    requires_group_rollouts: bool = False  # a group is `size` independent episodes
-    _serving: Any = None
+    shared_tools: list = field(default_factory=list)
+    scorer: Scorer | None = None
+
+    def use(self, scorer: Scorer) -> None:
+        """Score with `scorer` (the env's config adds rewards to it)."""
+        self.scorer = scorer
+
+    @property
+    def requires_group_rollouts(self) -> bool:
+        """Whether a group reward scores the group's traces together (then a failure fails all)."""
+        return (
+            self.scorer is not None and len(self.rows) > 0 and self.scorer.group_scoring(self.rows[0]["task"])
+        )
+
+    async def close(self) -> None:
+        pass  # nothing held between groups: seats, tools and renderers are per group or per process
 
     def get_dataset(self, n: int | None = None) -> TaskRows:
         return self.rows if n is None else self.rows.select(range(min(n, len(self.rows))))
 
     get_eval_dataset = get_dataset
 
-    async def _ensure_serving(self) -> None:
-        if self._serving is None:
-            self._serving = self.env.serving()
-            await self._serving.__aenter__()
-
-    async def _teardown(self) -> None:
-        if self._serving is not None:
-            serving, self._serving = self._serving, None
-            await serving.__aexit__(None, None, None)
-
     async def run_group(
         self,
-        inp: dict[str, Any],
+        row: dict[str, Any],
         size: int,
-        base_url: str,
+        sampler,
+        renderer: Renderer,
         model: str,
-        args: dict[str, Any],
+        args: SamplingArgs,
         env_name: str,
         policy_version: int,
         state_columns: list[str],
         timeout_s: float,
+        merge_first_turns: bool = True,
     ) -> list[Rollout]:
-        """`size` episodes of the task, each a rollout; an episode past `timeout_s` fails (verifiers'
-        v1 client has no read timeout of its own)."""
-        import verifiers.v1 as v1
-
-        await self._ensure_serving()
-        extra = dict(args.get("extra_body") or {})
-        sampling = v1.SamplingConfig(
-            temperature=args["temperature"],
-            top_p=args["top_p"],
-            max_tokens=args["max_tokens"],
-            logprobs=True,
-            extra_body=extra,
-        )
-        ctx = v1.ModelContext(
+        """`size` episodes of the row's task, each a rollout; an episode past `timeout_s` fails."""
+        policy = Policy(
+            sampler=sampler,
+            renderer=renderer,
+            args=args,
             model=model,
-            client=v1.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR),
-            sampling=sampling,
+            first_turn=SharedFirstTurn(size) if merge_first_turns and size > 1 else None,
+            scorer=self.scorer or Scorer(default_runner()),
         )
-        example_id = inp["example_id"]
-        episodes = await asyncio.gather(
-            *(
-                asyncio.wait_for(self.env.run_slot(slot, ctx), timeout_s)
-                for slot in self.env.slots(inp["task"], size)
-            ),
-            return_exceptions=True,
-        )
-        out: list[Rollout] = []
+        example_id = row["example_id"]
+        try:
+            episodes = await asyncio.gather(
+                *(
+                    asyncio.wait_for(run_episode(self.env, row["task"], policy, self.shared_tools), timeout_s)
+                    for _ in range(size)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            if policy.first_turn is not None:
+                policy.first_turn.close()
         for episode in episodes:
-            if isinstance(episode, BaseException):
-                if isinstance(episode, asyncio.CancelledError):
-                    raise episode
-                out.append(
-                    failed_rollout(
-                        env_name, example_id, policy_version, f"{type(episode).__name__}: {episode}"
-                    )
-                )
-                continue
-            if episode.errors:  # an env hook failed: none of the episode's traces is trustworthy
-                message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)
-                out += [
-                    failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
-                    for _ in episode.traces or [None]
-                ]
-                continue
-            for trace in episode.traces:
-                out.append(from_v1_trace(trace, env_name, example_id, policy_version, state_columns))
-        return out
+            if isinstance(episode, asyncio.CancelledError):
+                raise episode
+        out = [
+            self._rollout(e, policy, env_name, example_id, policy_version, state_columns) for e in episodes
+        ]
+        if not self.requires_group_rollouts:
+            return out
+        if any(r.failed for r in out):  # a group reward needs every trace of the group
+            reason = next(r.error for r in out if r.failed)
+            return [
+                failed_rollout(env_name, example_id, policy_version, f"group scoring: {reason}") for _ in out
+            ]
+        traces = [next(t for t in e.traces if t.agent.trainable) for e in episodes]
+        try:
+            await policy.scorer.score_group(row["task"], traces)
+        except RewardError as e:
+            return [failed_rollout(env_name, example_id, policy_version, f"reward error: {e}") for _ in out]
+        return [
+            self._rollout(e, policy, env_name, example_id, policy_version, state_columns) for e in episodes
+        ]
+
+    @staticmethod
+    def _rollout(episode, policy: Policy, env_name, example_id, policy_version, state_columns) -> Rollout:
+        def failed(reason: str) -> Rollout:
+            return failed_rollout(env_name, example_id, policy_version, reason)
+
+        if isinstance(episode, BaseException):
+            return failed(f"{type(episode).__name__}: {episode}")
+        if episode.errors:  # an env hook failed: none of the episode's traces is trustworthy
+            return failed("env error: " + "; ".join(f"{e.type}: {e.message}" for e in episode.errors))
+        trainable = [t for t in episode.traces if t.agent.trainable]
+        if len(trainable) != 1:
+            return failed(
+                f"EnvError: the episode has {len(trainable)} trainable traces; prime_rl trains one per "
+                "episode (set `agents.<role>.trainable = False` in the env's setup for the others)"
+            )
+        trace = trainable[0]
+        audit = policy.audits.get(trace.id, TurnAudit())
+        return from_trace(trace, env_name, example_id, policy_version, state_columns, audit)
 
 
 def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:
     """The v1 env `env_id` (its taskset, and its own `Env` class if it exports one) with `args` as
     its taskset config."""
-    _prepare()
-    import verifiers.v1 as v1
-
-    taskset = {"id": env_id, **args}
-    # Every role of the env (one `agent` for a plain taskset, the roles an env's own config names)
-    # runs our harness in-process; what the env set for a role otherwise (e.g. max_turns) stays.
-    roles = {
-        name: value
-        for name, value in v1.resolve_env_config({"taskset": taskset})
-        if isinstance(value, v1.AgentConfig)
-    }
-    local = {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}
-    config = v1.resolve_env_config(
-        {
-            "taskset": taskset,
-            **{name: {**role.model_dump(exclude_unset=True), **local} for name, role in roles.items()},
-        }
-    )
-    env = v1.load_environment(config)
-    return V1Env(env, TaskRows(list(env.taskset)))
+    cache_default_factory_signatures()  # before the first trace is built
+    env = load_env(env_id, args)
+    shared = type(env.taskset).toolsets(env.taskset.config)
+    return V1Env(env, TaskRows(list(env.taskset)), shared)

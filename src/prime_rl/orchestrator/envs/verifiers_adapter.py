@@ -1,22 +1,22 @@
-"""Turn a classic verifiers `RolloutOutput` into the orchestrator's `Rollout`.
+"""Turn a verifiers v1 `Trace` into the orchestrator's `Rollout`: the only module that knows the
+shape of verifiers' traces.
 
-This is the only module that knows the shape of verifiers' outputs: an adapter for `verifiers.v1`
-envs would be a sibling of it. Invariant: anything that makes an output untrainable (an error
-recorded by verifiers, a prompt too long, missing or inconsistent token ids or logprobs) becomes a
-failed `Rollout` with a message saying why; nothing raises.
+v1 keeps a trace's tokens on a message graph: each node holds the tokens its message added, with
+a mask of the sampled ones and their logprobs. A model call's prompt is the tokens of the path from
+the root to its assistant node, less that node's sampled tail, which is the completion. With
+token-in turns (`agent.py`) each call's path extends the previous call's, so a rollout's turns
+merge into one sample (`samples.segments`).
+
+Invariant: anything that makes a trace untrainable (a failed call, an env or scoring error,
+missing tokens or logprobs, a reward that was not scored) becomes a failed `Rollout` saying why;
+nothing raises.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from prime_rl.orchestrator.envs.rewards import REWARD_ERROR
-from prime_rl.orchestrator.envs.routes import decode_routes
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
-
-# Large per-step objects that the orchestrator never needs after conversion.
-_NOT_STATE = {"trajectory", "prompt", "completion", "timing", "metrics", "reward", "error"}
 
 
 def to_json(value: Any) -> Any:
@@ -33,72 +33,23 @@ def to_json(value: Any) -> Any:
     return repr(value)
 
 
-def _turns(output: dict[str, Any]) -> tuple[list[Turn], str | None]:
-    trajectory = output.get("trajectory") or []
-    if not trajectory:
-        return [], "no trajectory in the env's output (was 'trajectory' requested in state_columns?)"
-    turns = []
-    for i, step in enumerate(trajectory):
-        tokens = step.get("tokens") if isinstance(step, dict) else None
-        if not tokens:
-            return [], (
-                f"turn {i} has no token ids: the server must return them "
-                "(sampling args need logprobs=true and extra_body.return_token_ids=true)"
-            )
-        prompt_ids = tokens.get("prompt_ids")
-        ids = tokens.get("completion_ids")
-        mask = tokens.get("completion_mask")
-        logprobs = tokens.get("completion_logprobs")
-        if prompt_ids is None or ids is None or logprobs is None:
-            return [], f"turn {i} lacks prompt ids, completion ids or logprobs"
-        if mask is None:
-            mask = [1] * len(ids)
-        if not (len(ids) == len(mask) == len(logprobs)):
-            return [], (
-                f"turn {i}: {len(ids)} completion ids, {len(mask)} mask entries and {len(logprobs)} logprobs"
-            )
-        if any(lp is None for lp in logprobs):
-            return [], f"turn {i} has missing logprobs"
-        try:
-            routes = decode_routes(tokens.get("routed_experts"))
-        except (ValueError, TypeError) as e:
-            return [], f"turn {i}: {e}"
-        turns.append(
-            Turn(
-                list(prompt_ids),
-                list(ids),
-                [int(m) for m in mask],
-                [float(x) for x in logprobs],
-                routes=routes[0] if routes else None,
-                routes_start=routes[1] if routes else 0,
-            )
-        )
-    return turns, None
-
-
-def openai_tool_call(call: Any) -> Any:
-    """A tool call as OpenAI writes it (`{"id", "type", "function": {"name", "arguments"}}`); verifiers'
-    outputs hold them as JSON strings of a flat `{"id", "name", "arguments"}`."""
-    if isinstance(call, str):
-        try:
-            call = json.loads(call)
-        except ValueError:
-            return call
-    if isinstance(call, dict) and "function" not in call and "name" in call:
-        function = {"name": call["name"], "arguments": call.get("arguments")}
-        return {"id": call.get("id"), "type": "function", "function": function}
-    return call
-
-
-def with_openai_tool_calls(messages: Any) -> Any:
-    if not isinstance(messages, list):
-        return messages
-    return [
-        {**m, "tool_calls": [openai_tool_call(c) for c in m["tool_calls"]]}
-        if isinstance(m, dict) and m.get("tool_calls")
-        else m
-        for m in messages
+def openai_message(message: dict) -> dict:
+    """A message as OpenAI writes it: verifiers keeps a tool call flat (`{"id", "name",
+    "arguments"}`), OpenAI nests it (`{"id", "type", "function": {"name", "arguments"}}`)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    nested = [
+        {
+            "id": c.get("id"),
+            "type": "function",
+            "function": {"name": c.get("name"), "arguments": c.get("arguments")},
+        }
+        if isinstance(c, dict) and "function" not in c
+        else c
+        for c in calls
     ]
+    return {**message, "tool_calls": nested}
 
 
 def count_tools(completion: Any) -> tuple[int, int]:
@@ -114,42 +65,118 @@ def count_tools(completion: Any) -> tuple[int, int]:
     return calls, errors
 
 
-def from_verifiers(
-    output: dict[str, Any], env_name: str, policy_version: int, state_columns: list[str]
+def trace_turns(
+    trace: Any, routes: dict[int, Any] | None = None, versions: dict[int, int] | None = None
+) -> tuple[list[Turn], str | None]:
+    """One `Turn` per model call of the trace, from its message graph; `routes` are a MoE server's
+    routed experts of each call and `versions` the policy version it finished at (both by the
+    call's assistant node)."""
+    turns = []
+    for i, call in enumerate(trace.calls):
+        if call.node is None:
+            return [], (
+                f"model call {i} failed: {call.error.type}: {call.error.message}"
+                if call.error
+                else f"model call {i} has no reply"
+            )
+        path, node = [], call.node
+        while node is not None:
+            path.append(node)
+            node = trace.nodes[node].parent
+        path.reverse()
+        prompt = [t for n in path[:-1] for t in trace.nodes[n].token_ids]
+        last = trace.nodes[call.node]
+        first_sampled = next((k for k, m in enumerate(last.mask) if m), len(last.mask))
+        completion = list(last.token_ids[first_sampled:])
+        logprobs = list(last.logprobs)
+        if not completion:
+            return [], f"model call {i} has no completion tokens"
+        if len(logprobs) != len(completion) or any(lp is None for lp in logprobs):
+            return [], f"model call {i}: {len(completion)} completion tokens but {len(logprobs)} logprobs"
+        prompt += list(last.token_ids[:first_sampled])
+        turns.append(
+            Turn(
+                prompt,
+                completion,
+                [1] * len(completion),
+                [float(x) for x in logprobs],
+                routes=(routes or {}).get(call.node),
+                version=(versions or {}).get(call.node),
+            )
+        )
+    if not turns:
+        return [], "the trace made no model call"
+    return turns, None
+
+
+def _messages(trace: Any) -> tuple[list, list]:
+    """(prompt, completion) messages, JSON-ready: the prompt is what preceded the first reply."""
+    messages = [openai_message(to_json(m)) for m in trace.messages]
+    first = next(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+        len(messages),
+    )
+    return messages[:first], messages[first:]
+
+
+def _state(trace: Any, columns: list[str]) -> dict[str, Any]:
+    """`state_columns` from the trace: its `info` first, then its typed state, then its task data."""
+    out = {}
+    for c in columns:
+        for source in (trace.info, trace.state, getattr(trace.task, "data", None)):
+            value = source.get(c) if isinstance(source, dict) else getattr(source, c, None)
+            if value is not None:
+                out[c] = to_json(value)
+                break
+    return out
+
+
+def from_trace(
+    trace: Any,
+    env_name: str,
+    example_id: int | str,
+    policy_version: int,
+    state_columns: list[str],
+    audit: Any = None,
 ) -> Rollout:
-    example_id = output.get("example_id", -1)
-    error = output.get("error")
-    if error:
-        message = (
-            error.get("error_chain_repr") or error.get("message") if isinstance(error, dict) else str(error)
-        )
-        return failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
-    if output.get(REWARD_ERROR):
-        return failed_rollout(env_name, example_id, policy_version, f"reward error: {output[REWARD_ERROR]}")
-    if output.get("stop_condition") == "prompt_too_long":
+    """`audit`: what token-in recorded of the trace's turns (`agent.TurnAudit`)."""
+    failed_call = next((c for c in trace.calls if c.error is not None), None)
+    if failed_call is not None:  # the server's failure (it may be retried elsewhere), not the env's
+        error = failed_call.error
         return failed_rollout(
-            env_name, example_id, policy_version, "prompt too long for the server's max model len"
+            env_name, example_id, policy_version, f"model call failed: {error.type}: {error.message}"
         )
-    turns, problem = _turns(output)
+    if trace.errors:
+        if trace.errors[-1].type == "RewardError":
+            return failed_rollout(
+                env_name, example_id, policy_version, f"reward error: {trace.errors[-1].message}"
+            )
+        message = "; ".join(f"{e.type}: {e.message}" for e in trace.errors)
+        return failed_rollout(env_name, example_id, policy_version, f"env error: {message}")
+    turns, problem = trace_turns(trace, getattr(audit, "routes", None), getattr(audit, "versions", None))
     if problem:
         return failed_rollout(env_name, example_id, policy_version, problem)
-    reward = output.get("reward")
-    if reward is None:
-        return failed_rollout(env_name, example_id, policy_version, "the env returned no reward")
-    completion = with_openai_tool_calls(to_json(output.get("completion")))
+    if any(r is None for r in trace.rewards.values()):
+        missing = [k for k, r in trace.rewards.items() if r is None]
+        return failed_rollout(env_name, example_id, policy_version, f"reward error: no score for {missing}")
+    prompt, completion = _messages(trace)
     tool_calls, tool_errors = count_tools(completion)
+    metrics = {k: float(v) for k, v in trace.metrics.items() if isinstance(v, int | float)}
+    metrics.update({k: float(r.score) for k, r in trace.rewards.items()})
     return Rollout(
         env_name=env_name,
         example_id=example_id,
         policy_version=policy_version,
-        reward=float(reward),
-        metrics={k: float(v) for k, v in (output.get("metrics") or {}).items() if isinstance(v, int | float)},
+        reward=float(trace.reward),
+        metrics=metrics,
         turns=turns,
-        prompt=to_json(output.get("prompt")),
+        prompt=prompt,
         completion=completion,
-        is_truncated=bool(output.get("is_truncated", False)),
-        stop_condition=output.get("stop_condition"),
-        state={c: to_json(output.get(c)) for c in state_columns if c not in _NOT_STATE},
+        is_truncated=bool(trace.is_truncated),
+        stop_condition=trace.stop_condition,
+        state=_state(trace, state_columns),
         tool_calls=tool_calls,
         tool_errors=tool_errors,
+        policy_end=max((t.version for t in turns if t.version is not None), default=None),
+        drifted_turns=getattr(audit, "drifted", 0),
     )

@@ -32,6 +32,9 @@ def turn_metrics(env: str, rollouts: list[Rollout]) -> dict[str, float]:
         f"tokens/{env}/env": sum(s.env_tokens for s in shapes) / n,
         f"tool_calls/{env}": sum(r.tool_calls for r in rollouts) / n,
         f"tool_errors/{env}": sum(r.tool_errors for r in rollouts) / n,
+        # Token-in: the turns whose re-rendered history would have differed from what the model saw.
+        f"drifted_turns/{env}": sum(r.drifted_turns for r in rollouts) / n,
+        **stats(f"policy_span/{env}", [float(r.policy_span[1] - r.policy_span[0]) for r in rollouts]),
     }
     if multi:
         m[f"truncated_multi_turn/{env}"] = sum(r.is_truncated for r in multi) / len(multi)
@@ -44,6 +47,8 @@ def rollout_record(r: Rollout, step: int, advantage: float | None, trained: bool
         "env": r.env_name,
         "example_id": r.example_id,
         "policy_version": r.policy_version,
+        # verifiers' PolicySpan: the policy version at dispatch and when its last turn finished.
+        "policy": dict(zip(("start", "end"), r.policy_span, strict=True)),
         "reward": r.reward,
         "advantage": advantage,
         "trained": trained,
@@ -60,9 +65,16 @@ def rollout_record(r: Rollout, step: int, advantage: float | None, trained: bool
     }
 
 
-def turn_records(r: Rollout) -> list[dict[str, int]]:
+def turn_records(r: Rollout) -> list[dict[str, int | None]]:
+    """Per model call: its token counts, the sample it trains in, and the policy version it finished
+    at (a turn sampled after a weight update mid-rollout has a later one than the rollout's start)."""
     return [
-        {"prompt_tokens": len(t.prompt_ids), "completion_tokens": len(t.completion_ids), "sample": i}
+        {
+            "prompt_tokens": len(t.prompt_ids),
+            "completion_tokens": len(t.completion_ids),
+            "sample": i,
+            "version": t.version,
+        }
         for i, seg in enumerate(segments(r))
         for t in seg
     ]

@@ -169,6 +169,7 @@ def rollout_to_samples(
                 env_name=rollout.env_name,
                 example_id=rollout.example_id,
                 policy_version=rollout.policy_version,
+                policy_end=rollout.policy_span[1],
                 temperature=temperature,
                 token_advantages=token_advantages,
             )

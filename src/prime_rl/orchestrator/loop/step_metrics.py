@@ -104,6 +104,14 @@ def pool_part(m: dict[str, Any]) -> str:
     return f" | pool {counts} (groups: {groups})"
 
 
+def drift_part(m: dict[str, Any], envs: list[str]) -> str:
+    """The step line's view of token-in, when some env's chat template rewrote history: the turns
+    per rollout that re-rendering would have split off (token-in kept each rollout one sample)."""
+    drifted = [(e, m.get(f"drifted_turns/{e}", 0.0)) for e in envs]
+    drifted = [f"{e} {v:.2f}" for e, v in drifted if v]
+    return f" | history drift per rollout: {', '.join(drifted)} (kept one sample)" if drifted else ""
+
+
 def step_line(step: int, m: dict[str, Any], envs: list[str]) -> str:
     def reward(env: str) -> str:
         mean = m.get(f"reward/{env}/mean")
@@ -115,5 +123,5 @@ def step_line(step: int, m: dict[str, Any], envs: list[str]) -> str:
         f"filtered {m['rollouts/all/filtered']} failed {m['rollouts/all/failed']} stale {m['rollouts/all/stale']} | "
         f"lag {m.get('off_policy_lag/all/mean', 0.0):.2f} | {m['time/step']:.1f}s (generate {m['time/generate']:.1f}s, "
         f"wait trainer {m['time/wait_trainer']:.1f}s, reload {m['time/reload']:.2f}s) | "
-        f"{m['throughput/tokens_per_s']:.0f} tok/s{pool_part(m)}"
+        f"{m['throughput/tokens_per_s']:.0f} tok/s{drift_part(m, envs)}{pool_part(m)}"
     )

@@ -9,9 +9,8 @@ completion tokens):
 Added to the env's reward (weight 1 in the paper), it tells the policy that running into the length
 limit is bad before truncation throws the answer away.
 
-Invariant: the length is counted from the token ids the server returned (`state['trajectory']`,
-summed over the rollout's turns), the same ids the trainer trains on; a rollout without them fails
-with the reason instead of getting a guessed length.
+Invariant: the length is counted from the token ids the model sampled (the trace's token graph,
+summed over the rollout's turns), the same ids the trainer trains on.
 """
 
 from __future__ import annotations
@@ -45,23 +44,8 @@ class LengthReward(RewardBase):
         return self
 
 
-def completion_tokens(state: dict[str, Any]) -> int:
-    """Tokens the model generated in the rollout, from the token ids of each turn."""
-    steps = state.get("trajectory") or []
-    if not steps:
-        raise ValueError("the rollout has no trajectory to count its completion tokens in")
-    total = 0
-    for i, step in enumerate(steps):
-        tokens = step.get("tokens") if isinstance(step, dict) else None
-        ids = tokens.get("completion_ids") if isinstance(tokens, dict) else None
-        if ids is None:
-            raise ValueError(f"turn {i} has no completion token ids to count")
-        total += len(ids)
-    return total
-
-
-def length(state: dict[str, Any], max_tokens: int, buffer: int) -> float:
-    n = completion_tokens(state)
+def length(trace: Any, max_tokens: int, buffer: int) -> float:
+    n = trace.num_output_tokens  # the sampled tokens of every turn, from the trace's token graph
     soft_start = max_tokens - buffer
     if n <= soft_start:
         return 0.0

@@ -68,16 +68,19 @@ def read_examples(config: SFTDataConfig) -> list[Example]:
                     raise SFTDataError(f"{where}: 'tools' must be a list of tool definitions")
                 out.append(Example(prompt, completion, where, tools))
     else:
-        from prime_rl.environments import load_vf_env
+        from prime_rl.environments import load_v1_env, prompt_messages
 
-        dataset = load_vf_env(config.env_id, config.env_args).get_dataset()
-        for i in range(len(dataset)):
-            row = dataset[i]
-            if "answer" not in row:
-                raise SFTDataError(f"env '{config.env_id}': its dataset has no 'answer' column to train on")
-            content = config.answer_format.replace("{answer}", str(row["answer"]))
+        for i, task in enumerate(load_v1_env(config.env_id, config.env_args).taskset):
+            if config.num_examples and len(out) >= config.num_examples:
+                break
+            answer = getattr(task.data, "answer", None)
+            if answer is None:
+                raise SFTDataError(f"env '{config.env_id}': its tasks have no 'answer' field to train on")
+            content = config.answer_format.replace("{answer}", str(answer))
             out.append(
-                Example(list(row["prompt"]), [{"role": "assistant", "content": content}], f"env row {i}")
+                Example(
+                    prompt_messages(task.data), [{"role": "assistant", "content": content}], f"env task {i}"
+                )
             )
     if config.num_examples:
         out = out[: config.num_examples]
