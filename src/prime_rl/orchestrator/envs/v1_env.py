@@ -25,7 +25,8 @@ import verifiers.v1 as vf
 from prime_rl.engine.sampling import SamplingArgs
 from prime_rl.environments import EnvError
 from prime_rl.environments import load_v1_env as load_env
-from prime_rl.orchestrator.envs.agent import Policy, Seat, SharedFirstTurn, TurnAudit
+from prime_rl.orchestrator.envs.agent import Seat
+from prime_rl.orchestrator.envs.policy import Policy, SharedFirstTurn, TurnAudit
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.scoring import RewardError, Scorer

@@ -1,0 +1,90 @@
+"""What the seats of one group sample from (`Policy`): the sampler, the chat template, the group's
+shared first turn, and what token-in recorded of each trace's turns (`TurnAudit`).
+
+Invariant: a group's identical first turns are one request for `size` completions, each handed to
+one seat; a first turn that differs, or comes after `size` were handed out, is a request of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from prime_rl.engine.sampling import Completion, SamplingArgs
+from prime_rl.orchestrator.envs.renderer import Renderer
+
+
+@dataclass
+class TurnAudit:
+    """What token-in did for one trace's turns."""
+
+    turns: int = 0
+    rendered: int = 0
+    """Turns rendered from the whole conversation: the first, and those the template could not
+    extend (`Renderer.bridge` gave None)."""
+    drifted: int = 0
+    """Bridged turns whose history, re-rendered from messages, differs from the tokens the model
+    saw: the turns that would have split the rollout into several samples."""
+    versions: dict[int, int] = field(default_factory=dict)
+    """The policy version each call's completion finished at (where the server says), by the
+    call's assistant node."""
+    routes: dict[int, Any] = field(default_factory=dict)
+    """A MoE server's routed experts of each call, by the call's assistant node."""
+
+
+class SharedFirstTurn:
+    """The identical first turns of a group's traces as one request for `size` completions: the
+    prompt is prefilled once. A first turn that differs (or comes after `size` were handed out)
+    is its own request."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.key: tuple | None = None
+        self.answer: asyncio.Future | None = None
+        self.handed = 0
+
+    async def sample(self, sampler, prompt_ids: list[int], args: SamplingArgs) -> Completion:
+        key = (tuple(prompt_ids), args)
+        if self.answer is None:
+            self.key = key
+            self.answer = asyncio.ensure_future(sampler.sample(prompt_ids, args, self.size))
+            # Its failure reaches every caller; retrieved here too, for when none is left to see it.
+            self.answer.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if key != self.key or self.handed >= self.size:
+            return (await sampler.sample(prompt_ids, args, 1))[0]
+        i, self.handed = self.handed, self.handed + 1
+        return (await asyncio.shield(self.answer))[i]
+
+    def close(self) -> None:
+        """The group is over (or cancelled): a request still out is of no use to anyone."""
+        if self.answer is not None and not self.answer.done():
+            self.answer.cancel()
+
+
+@dataclass
+class Policy:
+    """What every seat of one group samples from."""
+
+    sampler: Any
+    renderer: Renderer
+    args: SamplingArgs
+    model: str
+    first_turn: SharedFirstTurn | None = None
+    scorer: Any = None
+    """The env's `scoring.Scorer`."""
+    audits: dict[str, TurnAudit] = field(default_factory=dict)
+    """Per trace id."""
+    first_prompts: dict[str, list[int]] = field(default_factory=dict)
+    """The first turns rendered in this group, by their messages: every episode of a group starts
+    from the same task, so its first prompt is rendered once, not once per rollout."""
+
+    def render(self, wire: list[dict], tools: list[dict] | None, first: bool) -> list[int]:
+        if not first:
+            return self.renderer.render(wire, tools)
+        key = json.dumps([wire, tools], sort_keys=True, default=str)
+        ids = self.first_prompts.get(key)
+        if ids is None:
+            ids = self.first_prompts[key] = self.renderer.render(wire, tools)
+        return ids
