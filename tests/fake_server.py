@@ -206,6 +206,9 @@ class FakeServer:
         self.app = app
 
     def __enter__(self) -> FakeServer:
+        # The tokenizer (and transformers' import, seconds on a busy machine) before the first
+        # request, not inside it: a request then would hold every other route of this server.
+        tokenizer()
         if not self.port:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))

@@ -30,11 +30,11 @@ def run(script: str, *args, cwd: Path, timeout: float = 120) -> subprocess.Compl
 
 
 def run_until_error(script: str, *args, cwd: Path) -> subprocess.CompletedProcess:
-    """A command with a mistake that must be caught in seconds: before `rl` starts inference."""
-    t0 = time.monotonic()
+    """A command with a mistake that must be caught before `rl` starts anything (no inference, no
+    trainer: the checks run first). Not timed: how long imports take depends on the machine."""
     out = run(script, "--output-dir", "out", *args, cwd=cwd)
-    assert time.monotonic() - t0 < 10, out.stderr[-3000:]
     assert "starting inference" not in out.stdout + out.stderr
+    assert not (cwd / "out" / "logs").exists() or not any((cwd / "out" / "logs").iterdir()), "a process started"
     return out
 
 

@@ -72,7 +72,7 @@ def publish_broadcast(run: Path, step: int, server: ServerProcess) -> None:
     """What the trainer does after step N with `weight_broadcast.type = "collective"`: the weights go
     to the servers that answer, then a folder with only the markers."""
     if server.proc.poll() is None:
-        httpx.post(server.url + "/fake/broadcast", json={"step": step}, timeout=5)
+        httpx.post(server.url + "/fake/broadcast", json={"step": step}, timeout=60)
     d = run / "weights" / f"step_{step}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "BROADCAST").write_text("{}")
