@@ -34,7 +34,9 @@ def run_until_error(script: str, *args, cwd: Path) -> subprocess.CompletedProces
     trainer: the checks run first). Not timed: how long imports take depends on the machine."""
     out = run(script, "--output-dir", "out", *args, cwd=cwd)
     assert "starting inference" not in out.stdout + out.stderr
-    assert not (cwd / "out" / "logs").exists() or not any((cwd / "out" / "logs").iterdir()), "a process started"
+    assert not (cwd / "out" / "logs").exists() or not any((cwd / "out" / "logs").iterdir()), (
+        "a process started"
+    )
     return out
 
 
