@@ -57,7 +57,12 @@ class EngineSampler:
         self.engine = engine
 
     async def sample(self, prompt_ids: list[int], args: SamplingArgs, n: int = 1) -> list[Completion]:
-        return await self.engine.generate(prompt_ids, args, n)
+        from prime_rl.engine.local import EngineStopped
+
+        try:
+            return await self.engine.generate(prompt_ids, args, n)
+        except EngineStopped as e:  # as the failure bounds name a member that died under a group
+            raise ServerLostError(str(e)) from None
 
     async def close(self) -> None:
         pass
