@@ -170,7 +170,10 @@ async def time_groups(env, rows, sampler, model: str, sampling, rounds: int, mer
     times, rollouts = [], []
     for i in range(rounds + 1):
         jobs = [
-            GroupRun(env.name, env.vf_env, r, r["example_id"], GROUP, 0, sampling, (), merge) for r in rows
+            GroupRun(
+                env.name, env.vf_env, env.vf_env.task(e.task), e.example_id, GROUP, 0, sampling, (), merge
+            )
+            for e in rows
         ]
         t0 = time.perf_counter()
         groups = await asyncio.gather(*(run_group(job, sampler, renderer, model, 120.0) for job in jobs))
@@ -227,7 +230,7 @@ def main() -> None:
         w = WORKLOADS[name]
         sampling = SamplingConfig(temperature=w["temperature"], max_tokens=w["max_tokens"])
         env = load_env(EnvConfig(id="reverse-text", args=w["args"], group_size=GROUP, sampling=sampling))
-        examples = ExampleSource(env.dataset, 0)
+        examples = ExampleSource(env.examples, 0)
         rows = [examples.next() for _ in range(EXAMPLES)]
         with tempfile.TemporaryDirectory() as tmp:
             proc, url = start_server(args.model, args.max_model_len, Path(tmp))
@@ -241,9 +244,9 @@ def main() -> None:
             local = asyncio.run(
                 time_in_process(env, rows, args.model, args.max_model_len, sampling, args.rounds, Path(tmp))
             )
-        prompts = [renderer.render(prompt_messages(row["task"].data)) for row in rows]
+        prompts = [renderer.render(prompt_messages(env.vf_env.task(e.task).data)) for e in rows]
         ok = {r.example_id: r.turns[0].prompt_ids for r in rollouts if not r.failed}
-        assert all(ok.get(row["example_id"], p) == p for row, p in zip(rows, prompts, strict=True))
+        assert all(ok.get(e.example_id, p) == p for e, p in zip(rows, prompts, strict=True))
         tokens = sum(r.num_completion_tokens for r in rollouts)
         empty = sum(r.num_completion_tokens <= 1 for r in rollouts)  # end of sequence alone
         engine = time_engine(args.model, args.max_model_len, prompts, sampling, args.rounds)

@@ -118,7 +118,12 @@ class InstantEnv:
     async def close(self):
         pass
 
-    async def run_group(self, row, size, sampler, renderer, model, args, env_name, policy_version, *rest):
+    def task(self, data: dict) -> dict:
+        return data
+
+    async def run_group(
+        self, task, example_id, size, sampler, renderer, model, args, env_name, version, *rest
+    ):
         out = []
         for _ in range(size):
             self.calls += 1
@@ -126,8 +131,8 @@ class InstantEnv:
                 await asyncio.sleep(random.uniform(*self.delay_s))
             ids = [self.calls % 1000 + i for i in range(32)]
             out.append(
-                Rollout(env_name, row["example_id"], policy_version, reward=float(self.calls % 2),
-                        turns=[Turn(list(range(64)), ids, [1] * 32, [-0.5] * 32)], prompt=row["prompt"],
+                Rollout(env_name, example_id, version, reward=float(self.calls % 2),
+                        turns=[Turn(list(range(64)), ids, [1] * 32, [-0.5] * 32)], prompt=task["prompt"],
                         completion=[{"role": "assistant", "content": "x" * 32}], stop_condition="stop")
             )  # fmt: skip
         return out

@@ -1,6 +1,8 @@
 """A verifiers.v1 test env: tasks whose prompt is a word; the reward is 1.0 when the reply reverses it.
-`mode = "raise"` makes the reward raise (for the failure tests)."""
+`mode = "raise"` makes the reward raise (for the failure tests); `endless = true` makes the
+taskset a generator that never ends (it can only be streamed); `LOADED` counts the tasks built."""
 
+import itertools
 from typing import Literal
 
 import verifiers.v1 as vf
@@ -26,11 +28,17 @@ class WordTask(vf.Task[WordData]):
 class WordConfig(vf.TasksetConfig):
     num_examples: int = 6
     mode: Literal["ok", "raise"] = "ok"
+    endless: bool = False
+
+
+LOADED = [0]
 
 
 class WordTaskset(vf.Taskset[WordTask, WordConfig]):
     def load(self):
-        for i in range(self.config.num_examples):
+        c = self.config
+        for i in itertools.count() if c.endless else range(c.num_examples):
+            LOADED[0] += 1
             data = WordData(idx=i, prompt=f"word{i}", word=f"word{i}", mode=self.config.mode)
             yield WordTask(data, self.config.task)
 

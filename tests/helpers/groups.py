@@ -33,17 +33,18 @@ def run_groups(
     merge: bool = True,
     on_loop=None,
 ):
-    """(env, rows, rollouts) of `groups` groups of `size` rollouts of the env at once, each at policy
+    """(env, tasks, rollouts) of `groups` groups of `size` rollouts of the env at once, each at policy
     version 2, run by `run_group` against the server at `base_url` (serving `served`); `merge`: a
     group's identical first turns as one request; `on_loop` is called on the event loop first."""
     runner = runner or RewardRunner(RewardsConfig())
     env = load_env(EnvConfig(id=env_id, args=args or {}, group_size=size), rewards=runner)
-    examples = ExampleSource(env.dataset, 0)
-    rows = [examples.next() for _ in range(groups)]
+    examples = ExampleSource(env.examples, 0)
+    picked = [examples.next() for _ in range(groups)]
+    tasks = [env.vf_env.task(e.task) for e in picked]
     sampling = sampling or SamplingConfig(max_tokens=16)
     jobs = [
-        GroupRun(env.name, env.vf_env, row, row["example_id"], size, 2, sampling, state_columns, merge)
-        for row in rows
+        GroupRun(env.name, env.vf_env, task, e.example_id, size, 2, sampling, state_columns, merge)
+        for e, task in zip(picked, tasks, strict=True)
     ]
     renderer = Renderer.for_model(model)
 
@@ -60,7 +61,7 @@ def run_groups(
             await clients.aclose()
         return [r for group in out for r in group]
 
-    return env, rows, asyncio.run(go())
+    return env, tasks, asyncio.run(go())
 
 
 def run_group_on(env_id: str, base_url: str, size: int = 4, group_requests: bool = True):
@@ -73,8 +74,8 @@ def run_group_on(env_id: str, base_url: str, size: int = 4, group_requests: bool
 
     async def go():
         (env,), _ = await envs.start()
-        index, row = ExampleSource(env.dataset, 0).next_indexed()
-        job = GroupJob(0, env.name, row["example_id"], index, size, 3, base_url)
+        example = ExampleSource(env.examples, 0).next()
+        job = GroupJob(0, env.name, example.example_id, example.task, size, 3, base_url)
         try:
             return await run_on(envs, pool, pool.servers[0], job), pool.servers[0]
         finally:

@@ -2,6 +2,7 @@
 turns, scoring), with a sampler that answers from a list instead of a model."""
 
 import asyncio
+import itertools
 
 from prime_rl.engine.sampling import Completion, SamplingArgs
 from prime_rl.orchestrator.envs.renderer import Renderer
@@ -50,10 +51,10 @@ def play(
     says `replies` (with MoE `routes` on every call); without `merge`, each rollout's first turn is a
     call of its own (so the rollouts of a group can say different things)."""
     env = env or load_v1_env(env_id, args)
+    task = next(itertools.islice(env.tasks(), row, None))
     renderer = Renderer.for_model(model)
     sampler = Scripted(renderer, replies, routes=routes)
+    args = SamplingArgs(max_tokens=32)
     return asyncio.run(
-        env.run_group(
-            env.rows[row], size, sampler, renderer, "m", SamplingArgs(max_tokens=32), env_id, 0, [], 30, merge
-        )
-    ), env.rows[row]["task"]
+        env.run_group(task, task.data.idx, size, sampler, renderer, "m", args, env_id, 0, [], 30, merge)
+    ), task

@@ -115,9 +115,10 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
     base, model, _ = server
     sampling = SamplingConfig(temperature=2.0, max_tokens=8, extra_body={"min_tokens": 2})
     env = load_env(EnvConfig(id="reverse-text", group_size=8, sampling=sampling))
-    row = ExampleSource(env.dataset, 0).next()
+    example = ExampleSource(env.examples, 0).next()
+    task = env.vf_env.task(example.task)
     url = f"{base}/v1"
-    job = GroupRun(env.name, env.vf_env, row, row["example_id"], 8, 0, sampling)
+    job = GroupRun(env.name, env.vf_env, task, example.example_id, 8, 0, sampling)
 
     async def go():
         wire = Wire(Clients(ClientConfig(base_urls=[url], timeout_s=60), model).get(url))
@@ -134,8 +135,8 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
     assert not [r.error for r in rollouts if r.failed]
     tok = AutoTokenizer.from_pretrained(model)
     messages = [
-        {"role": "system", "content": row["task"].data.system_prompt},
-        {"role": "user", "content": row["prompt"]},
+        {"role": "system", "content": task.data.system_prompt},
+        {"role": "user", "content": task.data.prompt},
     ]
     prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     for r in rollouts:
@@ -167,12 +168,13 @@ def test_a_teacher_identical_to_the_student_gives_zero_reverse_kl_on_real_vllm(s
     base, model, _ = server
     sampling = SamplingConfig(temperature=1.0, max_tokens=12)
     env = load_env(EnvConfig(id="reverse-text", group_size=4, sampling=sampling))
-    row = ExampleSource(env.dataset, 0).next()
+    example = ExampleSource(env.examples, 0).next()
+    task = env.vf_env.task(example.task)
 
     async def go():
         url = f"{base}/v1"
         clients = Clients(ClientConfig(base_urls=[url], timeout_s=60), model)
-        job = GroupRun(env.name, env.vf_env, row, row["example_id"], 4, 0, sampling)
+        job = GroupRun(env.name, env.vf_env, task, example.example_id, 4, 0, sampling)
         rollouts = await run_group(job, clients.get(url), Renderer.for_model(model), model, 60.0)
         await clients.aclose()
         teacher = Teacher(TeacherConfig(base_url=f"{base}/v1", model=model))

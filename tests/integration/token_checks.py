@@ -46,7 +46,7 @@ def rollouts_of(
     """Up to `groups` groups of `size` rollouts (fewer once `until(rollouts)` holds), the wire and the
     env; `renderer`: the chat template the orchestrator renders with (default: the served model's)."""
     env = load_env(EnvConfig(id=env_id, args=args or {}, group_size=size, sampling=sampling))
-    examples = ExampleSource(env.dataset, 0)
+    examples = ExampleSource(env.examples, 0)
     url = f"{served.base}/v1"
     renderer = renderer or Renderer.for_model(served.model)
 
@@ -55,8 +55,9 @@ def rollouts_of(
         out = []
         try:
             for _ in range(groups):
-                row = examples.next()
-                job = GroupRun(env.name, env.vf_env, row, row["example_id"], size, 0, sampling)
+                example = examples.next()
+                task = env.vf_env.task(example.task)
+                job = GroupRun(env.name, env.vf_env, task, example.example_id, size, 0, sampling)
                 out += await run_group(job, wire, renderer, served.model, 60.0)
                 if until is not None and until(out):
                     break

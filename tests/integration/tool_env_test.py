@@ -72,12 +72,12 @@ def test_a_tool_env_runs_in_an_env_worker(served, tmp_path):
     async def go() -> list:
         pool = WorkerPool(config, LocalEnvs(config, rollouts=False))
         (env,), _ = await pool.start()
-        examples, out = ExampleSource(env.dataset, 0), []
+        examples, out = ExampleSource(env.examples, 0), []
         try:
             for job_id in range(4):
-                index, row = examples.next_indexed()
+                e = examples.next()
                 out += await pool.run(
-                    GroupJob(job_id, env.name, row["example_id"], index, 8, 0, f"{served.base}/v1")
+                    GroupJob(job_id, env.name, e.example_id, e.task, 8, 0, f"{served.base}/v1")
                 )
                 if any(r.tool_calls and len(r.turns) == 2 for r in out):
                     break

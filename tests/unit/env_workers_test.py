@@ -115,10 +115,10 @@ def test_a_cancelled_job_gets_no_answer_and_its_worker_takes_the_next(tmp_path):
         async def go():
             pool = WorkerPool(config, LocalEnvs(config, rollouts=False))
             (env,), _ = await pool.start()
-            index, row = ExampleSource(env.dataset, 0).next_indexed()
+            example = ExampleSource(env.examples, 0).next()
             try:
                 slow = asyncio.create_task(
-                    pool.run(GroupJob(0, env.name, row["example_id"], index, 4, 0, server.base_url))
+                    pool.run(GroupJob(0, env.name, example.example_id, example.task, 4, 0, server.base_url))
                 )
                 while not server.requests:  # the group's request is at the server, which holds it
                     await asyncio.sleep(0.02)
@@ -129,7 +129,7 @@ def test_a_cancelled_job_gets_no_answer_and_its_worker_takes_the_next(tmp_path):
                 except asyncio.CancelledError:
                     pass
                 t0 = time.monotonic()
-                job = GroupJob(1, env.name, row["example_id"], index, 4, 0, server.base_url)
+                job = GroupJob(1, env.name, example.example_id, example.task, 4, 0, server.base_url)
                 rollouts = await pool.run(job)
                 return rollouts, time.monotonic() - t0, dict(pool.workers[0].jobs)
             finally:

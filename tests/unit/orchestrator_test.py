@@ -416,3 +416,25 @@ def test_a_v1_env_trains_through_the_orchestrator(tmp_path, env_workers):
     recs = rollouts(config, 0)
     assert len(recs) >= 8 and all(r["word"] == r["completion"][-1]["content"][::-1] for r in recs)
     assert len(received(config, 3)) >= 3
+
+
+def test_an_endless_taskset_trains_and_evaluates_read_as_a_stream(tmp_path, env_workers):
+    """A taskset that never ends cannot be listed: training draws it through the shuffle buffer, and
+    an evaluation reads its first `num_examples` tasks; every task travels with its group (the env
+    workers rebuild it from its data)."""
+    words = {"id": "v1_test_env", "args": {"endless": True}}
+    train = {**words, "group_size": 4, "sampling": {"max_tokens": 16}, "shuffle_buffer": 8, "state_columns": ["word"]}
+    with FakeServer() as server:
+        config = make_config(
+            tmp_path, server, env_workers=env_workers, envs=[train],
+            eval={"interval": 2, "at_start": True, "envs": [{**words, "name": "eval", "num_examples": 3}]},
+        )  # fmt: skip
+        metrics = run(config)
+    steps = [m for m in metrics if "rollouts/all/dispatched_total" in m]
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    recs = [r for s in range(3) for r in rollouts(config, s)]
+    assert recs and all(r["reward"] == 1.0 and r["word"] == f"word{r['example_id']}" for r in recs)
+    dispatched = steps[-1]["rollouts/all/dispatched_total"] // 4
+    assert max(r["example_id"] for r in recs) < dispatched + 8  # never further than the buffer
+    evals = [m for m in metrics if "eval/eval/rollouts" in m]
+    assert evals and all(m["eval/eval/rollouts"] == 3 and m["eval/eval/reward/mean"] == 1.0 for m in evals)

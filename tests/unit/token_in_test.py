@@ -69,7 +69,7 @@ def five_turn_rollouts(renderer: Renderer, size: int = 2):
     sampler = Scripted(renderer)
     rollouts = asyncio.run(
         env.run_group(
-            env.rows[0], size, sampler, renderer, "m", SamplingArgs(max_tokens=8), "turns", 3, [], 30
+            env.first, 0, size, sampler, renderer, "m", SamplingArgs(max_tokens=8), "turns", 3, [], 30
         )
     )
     return rollouts, sampler

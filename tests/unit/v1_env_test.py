@@ -10,23 +10,22 @@ from prime_rl.orchestrator.loop.samples import turn_stats
 
 def test_a_v1_group_is_one_request_and_its_rollouts_carry_tokens_reward_and_state():
     with FakeServer() as server:
-        env, (row,), rollouts = run_groups(server.base_url, "v1_test_env", size=3, state_columns=("word",))
-    assert isinstance(env.vf_env, V1Env) and len(env.dataset) == 6
+        env, (task,), rollouts = run_groups(server.base_url, "v1_test_env", size=3, state_columns=("word",))
+    assert isinstance(env.vf_env, V1Env) and sum(1 for _ in env.examples) == 6
     (request,) = server.requests  # the three identical first turns: one request for n = 3
     assert request["n"] == 3 and request["logprobs"] == 0 and request["return_token_ids"] is True
     assert len(rollouts) == 3 and len({id(r) for r in rollouts}) == 3
-    reply = [*tokenizer().encode(row["prompt"][::-1], add_special_tokens=False), tokenizer().eos_token_id]
+    word = task.data.prompt
+    reply = [*tokenizer().encode(word[::-1], add_special_tokens=False), tokenizer().eos_token_id]
     for r in rollouts:
         assert not r.failed, r.error
         assert r.reward == 1.0 and r.metrics == {"reversed_word": 1.0, "reply_length": 5.0}
-        assert (
-            r.policy_version == 2 and r.example_id == row["example_id"] and r.state == {"word": row["prompt"]}
-        )
+        assert r.policy_version == 2 and r.example_id == task.data.idx and r.state == {"word": word}
         (turn,) = r.turns  # the prompt the server got, then what it sampled, with its logprobs
         assert turn.prompt_ids == request["prompt"]
         assert turn.completion_ids == reply
         assert turn.completion_logprobs == [-0.5] * len(reply) and turn.completion_mask == [1] * len(reply)
-        assert r.completion == [{"role": "assistant", "content": row["prompt"][::-1]}]
+        assert r.completion == [{"role": "assistant", "content": word[::-1]}]
 
 
 def test_a_raising_v1_reward_fails_the_rollout_with_the_reason():
@@ -53,7 +52,7 @@ def test_a_v1_episode_past_the_client_timeout_fails():
 def test_a_multi_turn_v1_env_plays_its_turns_and_merges_them_into_one_sample():
     # digit-sum-feedback's own Env drives the turns; the fake server never answers in the format.
     with FakeServer() as server:
-        _, (row,), rollouts = run_groups(
+        _, (task,), rollouts = run_groups(
             server.base_url, "digit-sum-feedback", {"num_examples": 4}, size=2, state_columns=("answer",)
         )
     assert len(server.requests) == 5  # the first tries as one request, then 2 more tries each
@@ -63,7 +62,7 @@ def test_a_multi_turn_v1_env_plays_its_turns_and_merges_them_into_one_sample():
         assert r.completion[1]["content"] == "Reply as <answer>N</answer>."
         shape = turn_stats(r)
         assert (shape.turns, shape.samples) == (3, 1) and shape.env_tokens > 0
-        assert r.state == {"answer": int(row["task"].data.answer)}
+        assert r.state == {"answer": int(task.data.answer)}
 
 
 def test_a_group_reward_scores_the_group_together_and_a_failure_fails_all():

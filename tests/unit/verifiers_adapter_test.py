@@ -43,7 +43,7 @@ def test_a_failed_model_call_fails_the_rollout_with_its_reason():
     env = load_v1_env("reverse-text", {"num_examples": 2})
     rollouts = asyncio.run(
         env.run_group(
-            env.rows[0], 2, Refusing(), Renderer.for_model(TOOL_MODEL), "m", SamplingArgs(), "rt", 0, [], 10
+            env.first, 0, 2, Refusing(), Renderer.for_model(TOOL_MODEL), "m", SamplingArgs(), "rt", 0, [], 10
         )
     )
     assert [r.error for r in rollouts] == ["model call failed: ConnectionRefusedError: no server"] * 2

@@ -46,13 +46,17 @@ class EnvConfig(BaseConfig):
     }
 
     id: str
-    """Environment id passed to `verifiers.load_environment` (an importable module or package)."""
+    """The env's package (importable, e.g. `reverse-text`), which exports a verifiers v1 `Taskset`."""
 
     name: str | None = None
     """Name used in logs, metrics and rollouts; defaults to the id."""
 
     args: dict[str, Any] = {}
-    """Keyword arguments for the env's `load_environment`."""
+    """The taskset's config (its `TasksetConfig` fields, checked when the env loads)."""
+
+    shuffle_buffer: int = Field(default=10_000, ge=1)
+    """Tasks held to shuffle the taskset's stream each epoch: a taskset no longer than this is
+    shuffled uniformly, a longer one within a window of this many (the taskset is never listed)."""
 
     ratio: float = Field(default=1.0, gt=0)
     """Relative share of this env's groups in each step."""
@@ -70,7 +74,7 @@ class EnvConfig(BaseConfig):
     """Advantage function for this env; defaults to the orchestrator's `advantage`."""
 
     rewards: list[RewardConfig] = []
-    """Reward functions added to this env's rubric (classic envs), each with its `weight`: a
+    """Reward functions added to this env's own, each with its `weight`: a
     built-in by `type` ('reward_model': a learned reward model; 'length': DAPO's overlong penalty)
     or your own verifiers-style function as 'package.module:function' with `kwargs`."""
 
@@ -80,19 +84,19 @@ class EnvConfig(BaseConfig):
 
 
 class EvalEnvConfig(BaseConfig):
-    """One env evaluated on its eval dataset."""
+    """One env evaluated on its first `num_examples` tasks."""
 
     id: str
-    """Environment id passed to `verifiers.load_environment`."""
+    """The env's package, which exports a verifiers v1 `Taskset`."""
 
     name: str | None = None
     """Name in metrics (`eval/<name>/...`); defaults to the id."""
 
     args: dict[str, Any] = {}
-    """Keyword arguments for the env's `load_environment`."""
+    """The taskset's config, e.g. `{ split = "eval" }`."""
 
     num_examples: int = Field(default=32, ge=1)
-    """Examples from the eval dataset per evaluation."""
+    """The taskset's first tasks evaluated each evaluation."""
 
     rollouts_per_example: int = Field(default=1, ge=1)
     """Rollouts per eval example."""

@@ -54,7 +54,7 @@ def make_orchestrator(config: OrchestratorConfig) -> Orchestrator:
         return Orchestrator(config, LocalEnvs(config, engine=engine), engine)
     if config.env_workers == 0:
         return Orchestrator(config, LocalEnvs(config))
-    return Orchestrator(config, WorkerPool(config, datasets=LocalEnvs(config, rollouts=False)))
+    return Orchestrator(config, WorkerPool(config, tasks=LocalEnvs(config, rollouts=False)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ ones say why), or not at all when it was cancelled; nothing else of an env cross
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -18,16 +19,23 @@ from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.rollout import Rollout
 
 
+class Example(msgspec.Struct, frozen=True):
+    """One task of an env's taskset as it travels: its position in the taskset (`idx`, the
+    example id) and its data as JSON. The env side rebuilds the task from it, so no process lists
+    the taskset to find a task again."""
+
+    example_id: int | str
+    task: dict[str, Any]
+
+
 class GroupJob(msgspec.Struct, frozen=True):
     """Run `size` rollouts of one example of one env, at one policy version, on one server."""
 
     id: int
     env_name: str
     example_id: int | str
-    index: int
-    """The example's row in the env's dataset (training or eval). The env side reads the row itself:
-    rows may hold objects that do not travel (a v1 task), and both sides load the same dataset
-    (the env side checks that the row's example_id is `example_id`)."""
+    task: dict[str, Any]
+    """The example's task data (`Example.task`), which the env side rebuilds the task from."""
     size: int
     policy_version: int
     base_url: str
@@ -91,8 +99,8 @@ class EnvView(Generic[ConfigT]):
     env itself stays on the env side (`envs.load.LoadedEnv`)."""
 
     config: ConfigT
-    dataset: Any
-    """Rows by index (`len`, `[i]`): an Arrow-backed dataset, read one row at a time."""
+    examples: Iterable[Example]
+    """The env's tasks, read lazily from its taskset on each iteration (never listed)."""
     group_scoring: bool
     """The rubric scores the group together: one failed rollout drops the whole group."""
 
@@ -106,7 +114,7 @@ class EnvSide(Protocol):
     (`loop.workers.WorkerPool`)."""
 
     async def start(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
-        """Load the envs (and check the reward models and the teacher); their datasets."""
+        """Load the envs (and check the reward models and the teacher); their example streams."""
         ...
 
     async def run(self, job: GroupJob) -> list[Rollout]:

@@ -35,8 +35,8 @@ class GroupRun:
 
     env_name: str
     vf_env: V1Env
-    row: dict[str, Any]
-    """The example's row (`example_id`, `prompt`, `task`)."""
+    task: Any
+    """The example's task (a verifiers v1 `Task`)."""
     example_id: int | str
     size: int
     policy_version: int
@@ -60,7 +60,8 @@ async def run_group(job: GroupRun, sampler, renderer, model: str, timeout_s: flo
 
     try:
         rollouts = await job.vf_env.run_group(
-            job.row,
+            job.task,
+            job.example_id,
             job.size,
             sampler,
             renderer,

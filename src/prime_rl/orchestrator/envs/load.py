@@ -1,4 +1,4 @@
-"""Load verifiers v1 environments, with their tasks as the rows the loop dispatches.
+"""Load verifiers v1 environments, with their tasks as the example streams the loop dispatches.
 
 Invariant: an env that cannot be loaded, or has no tasks, is an `EnvError` naming the env and its
 config key; nothing else of a bad env reaches the loop.
@@ -22,11 +22,11 @@ from prime_rl.orchestrator.messages import ConfigT, EnvView
 @dataclass
 class LoadedEnv(Generic[ConfigT]):
     """A loaded env, training (`LoadedEnv[EnvConfig]`) or eval (`LoadedEnv[EvalEnvConfig]`): the
-    verifiers env that runs its rollouts, with its config and dataset."""
+    verifiers env that runs its rollouts, with its config and its tasks as the loop streams them."""
 
     config: ConfigT
     vf_env: Any
-    dataset: Any
+    examples: Any
 
     @property
     def name(self) -> str:
@@ -39,7 +39,7 @@ class LoadedEnv(Generic[ConfigT]):
 
     def view(self) -> EnvView[ConfigT]:
         """What the loop sees of it: everything but the verifiers env, which stays on this side."""
-        return EnvView(self.config, self.dataset, self.group_scoring)
+        return EnvView(self.config, self.examples, self.group_scoring)
 
 
 def load_any_env(env_id: str, args: dict[str, Any]) -> V1Env:
@@ -57,11 +57,6 @@ def own_hooks(task) -> set[str]:
     return {fn.__name__ for kind in ("reward", "metric") for fn in task.hooks(kind)}
 
 
-def check_rows(rows, env_id: str, which: str) -> None:
-    if len(rows) == 0:
-        raise EnvError(f"env '{env_id}': its {which} taskset has no tasks")
-
-
 def load_env(
     config: EnvConfig,
     rewards: RewardRunner | None = None,
@@ -73,11 +68,6 @@ def load_env(
     tasks: no reward model is loaded (the env workers score), while the other reward functions are
     built, so that it tells group scoring as the workers' does."""
     vf_env = load_any_env(config.id, config.args)
-    try:
-        dataset = vf_env.get_dataset()
-    except Exception as e:
-        raise EnvError(f"env '{config.id}': its training tasks cannot be listed: {e}") from None
-    check_rows(dataset, config.id, "training")
     models = (reward_models or RewardModels()) if score else None
     try:
         vf_env.use(
@@ -86,20 +76,15 @@ def load_env(
                 f"{key}.rewards",
                 rewards or default_runner(),
                 models,
-                own_hooks(dataset[0]["task"]),
+                own_hooks(vf_env.first),
             )
         )
     except EnvError as e:
         raise EnvError(f"env '{config.id}': {e}") from None
-    return LoadedEnv(config, vf_env, dataset)
+    return LoadedEnv(config, vf_env, vf_env.examples())
 
 
 def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> LoadedEnv[EvalEnvConfig]:
     vf_env = load_any_env(config.id, config.args)
-    try:
-        dataset = vf_env.get_eval_dataset(n=config.num_examples)
-    except Exception as e:
-        raise EnvError(f"eval env '{config.id}': its eval tasks cannot be listed: {e}") from None
-    check_rows(dataset, config.id, "eval")
     vf_env.use(Scorer(rewards or default_runner()))
-    return LoadedEnv(config, vf_env, dataset)
+    return LoadedEnv(config, vf_env, vf_env.examples(config.num_examples))

@@ -30,7 +30,7 @@ log = logging.getLogger("prime_rl.orchestrator")
 
 class LocalEnvs:
     """Loads the configured envs; with `rollouts`, also runs groups on them (else it only serves
-    their datasets to the loop, while env workers run the groups); with `engine`, on vLLM's engine
+    their task streams to the loop, while env workers run the groups); with `engine`, on vLLM's engine
     in this process (started by the loop before the first group)."""
 
     def __init__(self, config: OrchestratorConfig, rollouts: bool = True, engine: LocalEngine | None = None):
@@ -45,7 +45,7 @@ class LocalEnvs:
         self.clients = Clients(config.client, config.model.name, engine)
 
     def load(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
-        """Load the envs (blocking: imports, datasets); what the loop needs of them."""
+        """Load the envs (blocking: imports, first tasks); what the loop needs of them."""
         c = self.config
         if self.rollouts:
             self.rewards = RewardRunner(c.rewards)
@@ -90,11 +90,11 @@ class LocalEnvs:
         else:
             env = self.train[job.env_name]
             columns = tuple(env.config.state_columns)
-        row = env.dataset[job.index]
-        if row.get("example_id", -1) != job.example_id:  # a dataset built differently in another process
+        try:
+            task = env.vf_env.task(job.task)
+        except Exception as e:  # data that does not fit the taskset's task type (another version?)
             reason = (
-                f"EnvError: env '{job.env_name}' has example {row.get('example_id')} at row {job.index} where "
-                f"the orchestrator has {job.example_id}: its dataset must be built the same in every process"
+                f"EnvError: env '{job.env_name}': example {job.example_id!r} is not one of its tasks: {e}"
             )
             return [
                 failed_rollout(job.env_name, job.example_id, job.policy_version, reason)
@@ -104,7 +104,7 @@ class LocalEnvs:
         run = GroupRun(
             job.env_name,
             env.vf_env,
-            row,
+            task,
             job.example_id,
             job.size,
             job.policy_version,

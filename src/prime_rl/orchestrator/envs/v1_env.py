@@ -1,4 +1,4 @@
-"""A verifiers v1 env as the orchestrator runs it: its taskset's tasks as rows, and a group as
+"""A verifiers v1 env as the orchestrator runs it: its taskset streamed as examples, and a group as
 `size` episodes of one task whose seats the policy plays in this process (`agent.py`).
 
 A v1 env is a package exporting a `Taskset` subclass of `Task`s (scored by `@vf.reward` and
@@ -16,7 +16,9 @@ rollout saying why.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,28 +35,20 @@ from prime_rl.orchestrator.envs.scoring import RewardError, Scorer
 from prime_rl.orchestrator.envs.speedups import cache_default_factory_signatures
 from prime_rl.orchestrator.envs.verifiers_adapter import from_trace
 from prime_rl.orchestrator.envs_config import RewardsConfig
+from prime_rl.orchestrator.messages import Example
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
 
-class TaskRows:
-    """A v1 taskset as the rows `ExampleSource` reads: `example_id`, `prompt` (for the rollouts
-    log) and the `task` itself. The taskset is listed once, at load (the example order is a seeded
-    permutation of indices)."""
+class TaskStream:
+    """A v1 taskset as the loop reads it: each task as an `Example` (its `idx`, its data as JSON),
+    read lazily from the taskset on each iteration; the taskset is never listed."""
 
-    column_names = ("prompt", "example_id", "task")
+    def __init__(self, taskset):
+        self.taskset = taskset
 
-    def __init__(self, tasks: list):
-        self.tasks = tasks
-
-    def __len__(self) -> int:
-        return len(self.tasks)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        task = self.tasks[i]
-        return {"example_id": i, "prompt": task.data.prompt, "task": task}
-
-    def select(self, indices) -> TaskRows:
-        return TaskRows([self.tasks[i] for i in indices])
+    def __iter__(self) -> Iterator[Example]:
+        for task in self.taskset:
+            yield Example(task.data.idx, task.data.model_dump(mode="json", exclude_defaults=True))
 
 
 def _seat_args(args: SamplingArgs, role) -> SamplingArgs:
@@ -117,7 +111,8 @@ class V1Env:
     """A loaded v1 env, with the surface the orchestrator's env side uses."""
 
     env: Any
-    rows: TaskRows
+    first: Any
+    """The taskset's first task: how its tasks score, and what the others are rebuilt as."""
     shared_tools: list = field(default_factory=list)
     scorer: Scorer | None = None
 
@@ -128,21 +123,29 @@ class V1Env:
     @property
     def requires_group_rollouts(self) -> bool:
         """Whether a group reward scores the group's traces together (then a failure fails all)."""
-        return (
-            self.scorer is not None and len(self.rows) > 0 and self.scorer.group_scoring(self.rows[0]["task"])
-        )
+        return self.scorer is not None and self.scorer.group_scoring(self.first)
 
     async def close(self) -> None:
         pass  # nothing held between groups: seats, tools and renderers are per group or per process
 
-    def get_dataset(self, n: int | None = None) -> TaskRows:
-        return self.rows if n is None else self.rows.select(range(min(n, len(self.rows))))
+    def examples(self, n: int | None = None) -> TaskStream:
+        """The taskset's tasks (its first `n`) as the loop streams them."""
+        return TaskStream(self.env.taskset if n is None else self.env.taskset.take(n))
 
-    get_eval_dataset = get_dataset
+    def tasks(self, n: int | None = None) -> Iterator:
+        """The taskset's tasks (its first `n`) themselves."""
+        return iter(self.env.taskset if n is None else self.env.taskset.take(n))
+
+    def task(self, data: dict[str, Any]):
+        """The task whose data is `data` (an `Example.task`)."""
+        task = copy.copy(self.first)
+        task.data = type(self.first.data).model_validate(data)
+        return task
 
     async def run_group(
         self,
-        row: dict[str, Any],
+        task,
+        example_id: int | str,
         size: int,
         sampler,
         renderer: Renderer,
@@ -154,7 +157,7 @@ class V1Env:
         timeout_s: float,
         merge_first_turns: bool = True,
     ) -> list[Rollout]:
-        """`size` episodes of the row's task, each a rollout; an episode past `timeout_s` fails."""
+        """`size` episodes of `task`, each a rollout; an episode past `timeout_s` fails."""
         policy = Policy(
             sampler=sampler,
             renderer=renderer,
@@ -163,11 +166,10 @@ class V1Env:
             first_turn=SharedFirstTurn(size) if merge_first_turns and size > 1 else None,
             scorer=self.scorer or Scorer(default_runner()),
         )
-        example_id = row["example_id"]
         try:
             episodes = await asyncio.gather(
                 *(
-                    asyncio.wait_for(run_episode(self.env, row["task"], policy, self.shared_tools), timeout_s)
+                    asyncio.wait_for(run_episode(self.env, task, policy, self.shared_tools), timeout_s)
                     for _ in range(size)
                 ),
                 return_exceptions=True,
@@ -190,7 +192,7 @@ class V1Env:
             ]
         traces = [next(t for t in e.traces if t.agent.trainable) for e in episodes]
         try:
-            await policy.scorer.score_group(row["task"], traces)
+            await policy.scorer.score_group(task, traces)
         except RewardError as e:
             return [failed_rollout(env_name, example_id, policy_version, f"reward error: {e}") for _ in out]
         return [
@@ -222,5 +224,11 @@ def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:
     its taskset config."""
     cache_default_factory_signatures()  # before the first trace is built
     env = load_env(env_id, args)
+    try:
+        first = next(iter(env.taskset), None)
+    except Exception as e:
+        raise EnvError(f"env '{env_id}': its first task cannot be loaded: {type(e).__name__}: {e}") from None
+    if first is None:
+        raise EnvError(f"env '{env_id}': its taskset has no tasks (with args {args})")
     shared = type(env.taskset).toolsets(env.taskset.config)
-    return V1Env(env, TaskRows(list(env.taskset)), shared)
+    return V1Env(env, first, shared)

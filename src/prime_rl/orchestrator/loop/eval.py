@@ -18,7 +18,7 @@ from prime_rl.orchestrator.loop.failures import FailureStreak
 from prime_rl.orchestrator.loop.scheduler import run_on
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
-from prime_rl.orchestrator.messages import EnvSide, EnvView, GroupJob
+from prime_rl.orchestrator.messages import EnvSide, EnvView, Example, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -89,16 +89,15 @@ class Evaluator:
         n = env.config.rollouts_per_example
         limit = asyncio.Semaphore(max(1, self._budget // n))
 
-        async def example(index: int) -> list[Rollout]:
-            async with limit:
+        async def run(example: Example) -> list[Rollout]:
+            try:
                 while True:
                     server = await self.pool.pick_when_up()
-                    example_id = env.dataset[index].get("example_id", -1)
                     job = GroupJob(
                         self._next_job_id,
                         env.name,
-                        example_id,
-                        index,
+                        example.example_id,
+                        example.task,
                         n,
                         version,
                         server.base_url,
@@ -111,8 +110,19 @@ class Evaluator:
                         break
                     # Its server died under it (and is being restarted): evaluated again, elsewhere
                     # or once it is back, so a restart costs the evaluation no example.
+            finally:
+                limit.release()
             self.streak.record(env.name, rollouts)
             return rollouts
 
-        results = await asyncio.gather(*(example(i) for i in range(len(env.dataset))))
+        # The eval tasks are read as they are dispatched, not listed first.
+        groups = []
+        try:
+            for example in env.examples:
+                await limit.acquire()
+                groups.append(asyncio.create_task(run(example)))
+            results = await asyncio.gather(*groups)
+        finally:
+            for group in groups:
+                group.cancel()
         return [r for rs in results for r in rs]

@@ -42,6 +42,7 @@ from prime_rl.orchestrator.loop.health import ServerHealth
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup, PipelineConfig, StepBuild, build_step
 from prime_rl.orchestrator.loop.progress import (
     Progress,
+    again_from_json,
     cursor_from_json,
     forget_uncommitted,
     load_batch,
@@ -131,7 +132,7 @@ class Orchestrator:
             c.difficulty_filter, {k: dict(v) for k, v in progress.difficulty.items()}
         )
         cursors = {name: cursor_from_json(data) for name, data in progress.cursors.items()}
-        again = [(name, int(index)) for name, index in progress.again]
+        again = again_from_json(progress.again)
         self.scheduler = Scheduler(
             c, self.envs, self.pool, self.env_side, rng, acc, difficulty, cursors, again
         )
@@ -348,7 +349,7 @@ class Orchestrator:
             },
             rng_state=rng_to_json(self.scheduler.rng),
             difficulty={env: dict(seen) for env, seen in self.scheduler.difficulty.extremes.items()},
-            again=[[name, index] for name, index in self.scheduler.pending_examples()],
+            again=[[name, e.example_id, e.task] for name, e in self.scheduler.pending_examples()],
         )
 
     def _save(self, batch: TrainingBatch, progress: Progress) -> None:

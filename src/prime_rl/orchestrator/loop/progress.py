@@ -24,6 +24,7 @@ from typing import Any
 from prime_rl.monitor import forget_steps_from
 from prime_rl.orchestrator.loop.examples import Cursor
 from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting
+from prime_rl.orchestrator.messages import Example
 from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import TrainingBatch, decode, encode
 
@@ -44,7 +45,7 @@ class Progress:
     difficulty: dict[str, dict[str, float]] = field(default_factory=dict)
     """The difficulty filter's memory: env -> example id -> last pass rate (skipped examples only)."""
     again: list[list] = field(default_factory=list)
-    """[env name, dataset index] of the examples to dispatch first on resume: those in flight, or
+    """[env name, example id, task data] of the examples to dispatch first on resume: those in flight, or
     back and not yet in a batch, at the commit, and those waiting to be dispatched again."""
 
 
@@ -99,6 +100,19 @@ def rng_from_json(data: Any) -> random.Random:
 
 def cursor_from_json(data: list[int] | None) -> Cursor | None:
     return Cursor(*data) if data else None
+
+
+def again_from_json(entries: list[list]) -> list[tuple[str, Example]]:
+    """`Progress.again` as (env name, example). Entries of a version before tasks travelled
+    ([env name, dataset index]) cannot be found again: they are dropped, with a warning."""
+    out = [(e[0], Example(e[1], e[2])) for e in entries if len(e) == 3]
+    if len(out) < len(entries):
+        log.warning(
+            "%d example(s) to dispatch again were saved by an older version (by dataset index): "
+            "not dispatched again",
+            len(entries) - len(out),
+        )
+    return out
 
 
 class RunDirError(RuntimeError):

@@ -43,7 +43,7 @@ from prime_rl.orchestrator.loop.failures import SERVER_LOST, SERVER_SILENT, Fail
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
-from prime_rl.orchestrator.messages import EnvSide, EnvView, GroupJob
+from prime_rl.orchestrator.messages import EnvSide, EnvView, Example, GroupJob
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,8 @@ class Group:
     policy_version: int
     size: int
     server: Server
-    index: int
-    """The example's position in its env's dataset (to dispatch it again, `Scheduler.abandon`)."""
+    example: Example
+    """The example itself (to dispatch it again, `Scheduler.abandon`)."""
     rollouts: list[Rollout] = field(default_factory=list)
     """Once back: the surviving rollouts."""
 
@@ -139,12 +139,15 @@ class Scheduler:
         accounting: Accounting | None = None,
         difficulty: DifficultyMemory | None = None,
         cursors: dict[str, Cursor] | None = None,
-        again: list[tuple[str, int]] = (),
+        again: list[tuple[str, Example]] = (),
     ):
         self.config = config
         self.envs = envs
         self.examples = {
-            e.name: ExampleSource(e.dataset, config.seed, (cursors or {}).get(e.name)) for e in envs
+            e.name: ExampleSource(
+                e.examples, config.seed, (cursors or {}).get(e.name), e.config.shuffle_buffer, e.name
+            )
+            for e in envs
         }
         """Each env's example stream, from its saved cursor (`cursors`, by env name) on."""
         self.pool = pool
@@ -167,7 +170,7 @@ class Scheduler:
         """Examples the difficulty filter skipped, per env, since the start of this process."""
         self.streak = FailureStreak(config.max_failed_groups, config.client.health_timeout_s)
         by_name = {e.name: e for e in envs}
-        self._again = deque((by_name[name], index) for name, index in again if name in by_name)
+        self._again = deque((by_name[name], example) for name, example in again if name in by_name)
         """Examples whose groups were lost with a server (or with the previous orchestrator process,
         `again`): dispatched again first."""
 
@@ -190,11 +193,11 @@ class Scheduler:
                 f"rollout accounting broken: dispatched {dispatched} != accounted {accounted} + pending {pending}"
             )
 
-    def pending_examples(self) -> list[tuple[str, int]]:
-        """(env name, dataset index) of every example a crash now would lose: waiting to be dispatched
+    def pending_examples(self) -> list[tuple[str, Example]]:
+        """(env name, example) of every example a crash now would lose: waiting to be dispatched
         again, in flight, or back but not in a batch yet (saved with the progress)."""
         groups = [*self.inflight.values(), *self.ready]
-        return [(env.name, i) for env, i in self._again] + [(g.env_name, g.index) for g in groups]
+        return [(env.name, e) for env, e in self._again] + [(g.env_name, g.example) for g in groups]
 
     # ---------------------------------------------------------------- dispatch
 
@@ -232,36 +235,34 @@ class Scheduler:
             self._dispatch(env, policy_version, again[1] if again else None)
             n += 1
 
-    def _next_example(self, env: EnvView[EnvConfig]) -> tuple[int, dict]:
-        """The env's next example (index, row) the difficulty filter does not skip; after a whole
-        epoch of skips (every example remembered as too easy or too hard) the next one is used anyway."""
+    def _next_example(self, env: EnvView[EnvConfig]) -> Example:
+        """The env's next example the difficulty filter does not skip; after a whole epoch of skips
+        (every example remembered as too easy or too hard) the next one is used anyway."""
         examples = self.examples[env.name]
-        index, row = examples.next_indexed()
-        for _ in range(len(examples.dataset)):
-            if not self.difficulty.skips(env.name, row["example_id"]):
+        example, drawn = examples.next(), 1
+        while self.difficulty.skips(env.name, example.example_id):
+            if examples.epoch_size is not None and drawn > examples.epoch_size:
                 break
             self.skipped[env.name] += 1
-            index, row = examples.next_indexed()
-        return index, row
+            example, drawn = examples.next(), drawn + 1
+        return example
 
-    def _dispatch(self, env: EnvView[EnvConfig], policy_version: int, index: int | None = None) -> None:
-        if index is None:
-            index, row = self._next_example(env)
-        else:
-            row = self.examples[env.name].dataset[index]
+    def _dispatch(self, env: EnvView[EnvConfig], policy_version: int, example: Example | None = None) -> None:
+        if example is None:
+            example = self._next_example(env)
         server = self.pool.pick()
         assert server is not None
         job = GroupJob(
             self._next_group_id,
             env.name,
-            row["example_id"],
-            index,
+            example.example_id,
+            example.task,
             env.config.group_size,
             policy_version,
             server.base_url,
             model=request_model(self.config.model.name, self.config.lora_adapter, policy_version),
         )
-        group = Group(job.id, env, job.example_id, job.policy_version, job.size, server, index)
+        group = Group(job.id, env, job.example_id, job.policy_version, job.size, server, example)
         self._next_group_id += 1
         self.acc.dispatched[env.name] += group.size
         task = run_on(self.env_side, self.pool, server, job)
@@ -311,7 +312,7 @@ class Scheduler:
         """`group` was lost with its server: its example goes to the next dispatch, and its rollouts
         fail for `reason`, which counts as unreachable (bounded by time, not by `max_failed_groups`:
         a server that dies fails every group on it at once)."""
-        self._again.append((group.env, group.index))
+        self._again.append((group.env, group.example))
         return [
             failed_rollout(group.env_name, group.example_id, group.policy_version, reason)
             for _ in range(group.size)

@@ -81,12 +81,12 @@ class Worker:
 
 
 class WorkerPool:
-    """`EnvSide` over `config.env_workers` worker processes; `datasets` is an in-process env side
-    that only loads the envs' datasets for the loop (`LocalEnvs(config, rollouts=False)`)."""
+    """`EnvSide` over `config.env_workers` worker processes; `tasks` is an in-process env side
+    that only loads the envs' task streams for the loop (`LocalEnvs(config, rollouts=False)`)."""
 
-    def __init__(self, config: OrchestratorConfig, datasets: EnvSide):
+    def __init__(self, config: OrchestratorConfig, tasks: EnvSide):
         self.config = config
-        self.datasets = datasets
+        self.tasks = tasks
         self.workers = [Worker(i) for i in range(config.env_workers)]
         self._ctx = zmq.asyncio.Context()
         self._encode = msgspec.msgpack.Encoder().encode
@@ -102,7 +102,7 @@ class WorkerPool:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> tuple[list[EnvView[EnvConfig]], list[EnvView[EvalEnvConfig]]]:
-        envs = await self.datasets.start()
+        envs = await self.tasks.start()
         self._dir = Path(tempfile.mkdtemp(prefix="prime-rl-workers-"))
         (self._dir / "config.json").write_text(self.config.model_dump_json())
         log.info("starting %d env workers", len(self.workers))
@@ -230,7 +230,7 @@ class WorkerPool:
         self._ctx.term()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        await self.datasets.close()
+        await self.tasks.close()
 
     # ---------------------------------------------------------------- jobs
 
