@@ -58,5 +58,7 @@ def test_an_empty_or_failing_taskset_is_an_env_error_naming_the_env():
     with pytest.raises(EnvError, match="env 'words': its taskset has no tasks"):
         ExampleSource(Counted(0), seed=0, name="words").next()
     source = ExampleSource(Counted(None, fail_at=5), seed=0, buffer=2, name="words")
-    with pytest.raises(EnvError, match=r"env 'words': reading its next task failed .*ValueError: row 5 is broken"):
+    with pytest.raises(
+        EnvError, match=r"env 'words': reading its next task failed .*ValueError: row 5 is broken"
+    ):
         draw(source, 10)

@@ -423,7 +423,13 @@ def test_an_endless_taskset_trains_and_evaluates_read_as_a_stream(tmp_path, env_
     an evaluation reads its first `num_examples` tasks; every task travels with its group (the env
     workers rebuild it from its data)."""
     words = {"id": "v1_test_env", "args": {"endless": True}}
-    train = {**words, "group_size": 4, "sampling": {"max_tokens": 16}, "shuffle_buffer": 8, "state_columns": ["word"]}
+    train = {
+        **words,
+        "group_size": 4,
+        "sampling": {"max_tokens": 16},
+        "shuffle_buffer": 8,
+        "state_columns": ["word"],
+    }
     with FakeServer() as server:
         config = make_config(
             tmp_path, server, env_workers=env_workers, envs=[train],
