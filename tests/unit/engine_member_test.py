@@ -108,13 +108,13 @@ def test_groups_that_die_with_their_engine_go_again_and_do_not_count_as_failing_
             engine = DyingEngine()
             sched.pool.servers[0].engine = engine  # the server is "the engine": its death is seen
             sched.fill(step=0, policy_version=0)
-            dispatched = [(g.env_name, g.index) for g in sched.inflight.values()]
+            dispatched = [(g.env_name, g.example_id) for g in sched.inflight.values()]
             engine.stopped = True  # every request fails (500), as when the engine core dies
             while sched.inflight:  # max_failed_groups = 1: a counted failed group would raise here
                 await sched.wait(timeout=5)
             assert sched.acc.buckets["failed"]["reverse-text"] == 4 * len(dispatched)
             # Dispatched again first, in the order they were lost (each finished in its own order).
-            assert sorted(sched.pending_examples()) == sorted(dispatched)
+            assert sorted((n, e.example_id) for n, e in sched.pending_examples()) == sorted(dispatched)
             sched.check_accounting()
             await sched.shutdown()
             await sched.env_side.close()
@@ -135,8 +135,8 @@ def test_what_a_crash_would_lose_is_dispatched_first_by_the_next_orchestrator():
             await first.env_side.close()
             second = make(server, again=pending, cursors=cursors)
             second.fill(step=0, policy_version=0)
-            indices = [(g.env_name, g.index) for g in second.inflight.values()]
-            assert indices[: len(pending)] == pending
+            again = [(g.env_name, g.example) for g in second.inflight.values()]
+            assert again[: len(pending)] == pending
             await second.shutdown()
             await second.env_side.close()
 

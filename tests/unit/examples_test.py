@@ -62,3 +62,16 @@ def test_an_empty_or_failing_taskset_is_an_env_error_naming_the_env():
         EnvError, match=r"env 'words': reading its next task failed .*ValueError: row 5 is broken"
     ):
         draw(source, 10)
+
+
+def test_examples_to_dispatch_again_survive_the_progress_file_and_old_entries_are_dropped(caplog):
+    import json
+
+    from prime_rl.orchestrator.loop.progress import again_from_json
+    from prime_rl.orchestrator.messages import Example
+
+    saved = json.loads(
+        json.dumps([["words", 7, {"idx": 7, "prompt": "word7", "word": "word7"}], ["words", 3]])
+    )
+    assert again_from_json(saved) == [("words", Example(7, {"idx": 7, "prompt": "word7", "word": "word7"}))]
+    assert "1 example(s) to dispatch again were saved by an older version" in caplog.text

@@ -113,7 +113,7 @@ def test_a_leaving_server_gets_no_new_group_and_its_groups_in_flight_are_handed_
             pool, _, sched, registry, _ = await pool_with(first, run, batch_size=64)
             url = await registry.start()
             sched.fill(step=0, policy_version=0)
-            on_first = [(g.env_name, g.index) for g in sched.inflight.values()]
+            on_first = [(g.env_name, g.example_id) for g in sched.inflight.values()]
             assert on_first and pool.servers[0].inflight > 0
             pool.join(second.base_url)  # a second member, up, takes the new groups
             pool.servers[1].up, pool.servers[1].joining = True, False
@@ -124,7 +124,7 @@ def test_a_leaving_server_gets_no_new_group_and_its_groups_in_flight_are_handed_
             assert left.status_code == 200 and left.json()["handed_back"] == len(on_first)
             assert pool.servers == [pool.find(second.base_url)]
             # Handed back: failed (counted) and dispatched again first, on the server that stays.
-            assert sorted(sched.pending_examples()) == sorted(on_first)
+            assert sorted((n, e.example_id) for n, e in sched.pending_examples()) == sorted(on_first)
             sched.fill(step=0, policy_version=0)
             assert all(g.server.base_url == second.base_url for g in sched.inflight.values())
             sched.check_accounting()
