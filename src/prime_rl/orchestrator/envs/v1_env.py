@@ -27,7 +27,7 @@ import verifiers.v1 as vf
 from prime_rl.engine.sampling import SamplingArgs
 from prime_rl.environments import EnvError
 from prime_rl.environments import load_v1_env as load_env
-from prime_rl.orchestrator.envs.agent import Seat
+from prime_rl.orchestrator.envs.agent import Seat, trace_task
 from prime_rl.orchestrator.envs.policy import Policy, SharedFirstTurn, TurnAudit
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.rewards import RewardRunner
@@ -71,7 +71,7 @@ async def run_episode(env, task, policy: Policy, shared_tools: list):
     (verifiers' `Env.run_episode`, played in this process)."""
     episode = vf.Episode(
         env=vf.EnvInfo(id=env.config.env_id),
-        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        task=trace_task(task),
     )
 
     def seat(name: str, role) -> Seat:
@@ -166,14 +166,24 @@ class V1Env:
             first_turn=SharedFirstTurn(size) if merge_first_turns and size > 1 else None,
             scorer=self.scorer or Scorer(default_runner()),
         )
-        try:
-            episodes = await asyncio.gather(
-                *(
-                    asyncio.wait_for(run_episode(self.env, task, policy, self.shared_tools), timeout_s)
-                    for _ in range(size)
-                ),
-                return_exceptions=True,
+
+        def episode():
+            return asyncio.ensure_future(
+                asyncio.wait_for(run_episode(self.env, task, policy, self.shared_tools), timeout_s)
             )
+
+        lead = episode()
+        try:
+            if policy.first_turn is not None:
+                # The group's request first: the other episodes' set-up would delay it (and, with
+                # many groups starting at once, every other group's request too).
+                await asyncio.wait([lead, policy.first_turn.sent], return_when=asyncio.FIRST_COMPLETED)
+            episodes = await asyncio.gather(
+                lead, *(episode() for _ in range(size - 1)), return_exceptions=True
+            )
+        except asyncio.CancelledError:
+            lead.cancel()
+            raise
         finally:
             if policy.first_turn is not None:
                 policy.first_turn.close()
