@@ -17,7 +17,7 @@ Per workload, in one run:
    (`engine/local.py`: token ids straight to the engine, no HTTP, no API server process), placed as
    `rl` places an async run: the model on the first half of the cores, the front end (this
    process's other threads) on the second half, where `rl` puts the trainer; then the engine alone
-   (`AsyncLLM.generate`) on the same prompt token ids.
+   (`LocalEngine.generate`, what the group runner's sampler calls) on the same prompt token ids.
 3. `vllm.LLM.generate` runs in this process on the same prompt token ids (taken from the rollouts)
    with `n = 8` and the same sampling: the limit.
 Each timing is the median of `--rounds` rounds after one warm-up round; the ratios compare rows of
@@ -95,6 +95,7 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
     prompt token ids the groups sent, each the median of `rounds` rounds of the 16 groups at once."""
     from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.local import LocalEngine
+    from prime_rl.orchestrator.envs.group_runner import sampling_args
     from prime_rl.orchestrator.envs.sampler import EngineSampler
 
     config = InferenceConfig(
@@ -110,7 +111,10 @@ async def time_in_process(env, rows, model: str, max_model_len: int, sampling, r
     try:
         runner, rollouts = await time_groups(env, rows, EngineSampler(engine), model, sampling, rounds, True)
         prompts = {r.example_id: r.turns[0].prompt_ids for r in rollouts if not r.failed}
-        alone = await time_rounds(rounds, lambda: generate(engine.engine, list(prompts.values()), sampling))
+        args = sampling_args(sampling, 0)
+        alone = await time_rounds(
+            rounds, lambda: asyncio.gather(*(engine.generate(p, args, GROUP) for p in prompts.values()))
+        )
         return runner, alone
     finally:
         engine.close()
@@ -140,27 +144,6 @@ async def time_rounds(rounds: int, one_round) -> float:
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-_requests = iter(range(10**9))
-
-
-async def generate(engine, prompts: list[list[int]], sampling) -> None:
-    """Each prompt's `GROUP` completions from an `AsyncLLM`, all prompts at once, as the server gets them."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    params = SamplingParams(n=GROUP, temperature=sampling.temperature, top_p=sampling.top_p,
-                            max_tokens=sampling.max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-
-    async def one(prompt: list[int]) -> None:
-        async for _ in engine.generate(
-            TokensPrompt(prompt_token_ids=prompt), params, f"bench-{next(_requests)}"
-        ):
-            pass
-
-    await asyncio.gather(*(one(p) for p in prompts))
 
 
 async def time_groups(env, rows, sampler, model: str, sampling, rounds: int, merge: bool):

@@ -3,7 +3,6 @@ model saw, so a rollout trains as one sample holding exactly the tokens the serv
 sampled on each turn (checked on the wire, and by re-scoring the sample with the HF model), env
 tokens with loss mask 0, even under a chat template that rewrites earlier turns."""
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from token_checks import check_exact, rollouts_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers.templates import QWEN3_LIKE, THINK, renderer_with
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs_config import SamplingConfig
 from prime_rl.orchestrator.loop.samples import rollout_to_samples, turn_stats
@@ -18,23 +18,6 @@ from prime_rl.orchestrator.loop.samples import rollout_to_samples, turn_stats
 pytestmark = pytest.mark.slow
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "digit_sum_feedback-tiny"
-
-# As Qwen3's template does for turns without reasoning: the generation prompt opens the assistant
-# turn with an empty think block, and earlier assistant turns are re-rendered without it. A prompt
-# re-rendered from messages then never extends the tokens of the turn before.
-THINK = "<think>\\n\\n</think>\\n\\n"
-QWEN3_LIKE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{%- set content = message['content'] or '' %}"
-    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n" + THINK + "' }}{%- endif %}"
-)
 
 
 @pytest.fixture
@@ -53,12 +36,7 @@ def hf():
 def rewriting(tmp_path) -> Renderer:
     """MODEL's tokenizer with the history-rewriting template (the server needs no template: the
     orchestrator sends token ids)."""
-    folder = tmp_path / "tokenizer"
-    folder.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(MODEL / name, folder / name)
-    (folder / "chat_template.jinja").write_text(QWEN3_LIKE)
-    return Renderer(AutoTokenizer.from_pretrained(folder))
+    return renderer_with(MODEL, QWEN3_LIKE, tmp_path / "tokenizer")
 
 
 def test_a_three_turn_rollout_is_one_sample_with_the_exact_tokens_of_each_turn(served, hf):
@@ -93,4 +71,4 @@ def test_five_turns_under_a_history_rewriting_template_train_as_one_exact_sample
         (sample,) = rollout_to_samples(r, 1.0)
         assert len(sample) == len(r.turns[-1].prompt_ids) + len(r.turns[-1].completion_ids)
         assert sum(len(t.prompt_ids) + len(t.completion_ids) for t in r.turns) > 2.5 * len(sample)
-        assert THINK.replace("\\n", "\n") in rewriting.decode(sample.prompt_ids)
+        assert THINK in rewriting.decode(sample.prompt_ids)

@@ -107,3 +107,43 @@ def test_a_first_turn_that_differs_or_comes_after_size_is_its_own_request(differ
         return sampler.calls
 
     assert asyncio.run(go()) == 2
+
+
+class Recorded:
+    """Answers at once, recording each request's prompt, size and whether it was cancelled."""
+
+    def __init__(self):
+        self.requests: list[list] = []
+        self.release = asyncio.Event()
+
+    async def sample(self, prompt_ids, args, n):
+        request = [list(prompt_ids), n, "asked"]
+        self.requests.append(request)
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            request[2] = "cancelled"
+            raise
+        return [completion(i) for i in range(n)]
+
+
+@pytest.mark.parametrize("guess", [[1, 2], [7]])
+def test_a_guessed_first_turn_is_the_groups_request_or_is_replaced_by_the_seats_own(guess):
+    """`prefetch` requests the group's first turn before any seat asks: a seat asking for the same
+    prompt takes it; a seat asking for another replaces it (cancelled), and the group shares that."""
+
+    async def go():
+        shared, sampler = SharedFirstTurn(2), Recorded()
+        shared.prefetch(sampler, guess, ARGS)
+        await settle()
+        seats = [asyncio.ensure_future(shared.sample(sampler, [1, 2], ARGS)) for _ in range(2)]
+        await settle()
+        sampler.release.set()
+        return await asyncio.gather(*seats), sampler.requests
+
+    got, requests = asyncio.run(go())
+    assert [c.token_ids for c in got] == [[0], [1]]
+    if guess == [1, 2]:
+        assert requests == [[[1, 2], 2, "asked"]]
+    else:
+        assert requests == [[[7], 2, "cancelled"], [[1, 2], 2, "asked"]]

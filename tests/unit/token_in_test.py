@@ -8,44 +8,20 @@ conversation (the classic path) breaks the prefix at every turn: one sample per 
 the context."""
 
 import asyncio
-import shutil
-from pathlib import Path
 
 import pytest
 
 from fake_server import MODEL
+from helpers.templates import QWEN3_LIKE, THINK, renderer_with
 from prime_rl.engine.sampling import Completion, SamplingArgs
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.v1_env import load_v1_env
 from prime_rl.orchestrator.loop.samples import rollout_to_samples, segments, turn_stats
 
-THINK = "<think>\n\n</think>\n\n"
-QWEN3_LIKE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{%- set content = message['content'] or '' %}"
-    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n"
-    + THINK.replace("\n", "\\n")
-    + "' }}{%- endif %}"
-)
-
 
 @pytest.fixture
 def rewriting_renderer(tmp_path) -> Renderer:
-    folder = tmp_path / "tokenizer"
-    folder.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(MODEL) / name, folder / name)
-    (folder / "chat_template.jinja").write_text(QWEN3_LIKE)
-    from transformers import AutoTokenizer
-
-    return Renderer(AutoTokenizer.from_pretrained(folder))
+    return renderer_with(MODEL, QWEN3_LIKE, tmp_path / "tokenizer")
 
 
 class Scripted:

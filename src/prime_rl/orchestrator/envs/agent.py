@@ -49,7 +49,7 @@ def _overrides(task, hook: str) -> bool:
     return getattr(type(task), hook) is not getattr(vf.Task, hook)
 
 
-def _initial_messages(task) -> list:
+def initial_messages(task) -> list:
     """System prompt and prompt of a task, as the chat harness sends them."""
     data = task.data
     messages: list = [vf.SystemMessage(content=data.system_prompt)] if data.system_prompt else []
@@ -71,6 +71,18 @@ def trace_task(task) -> vf.TraceTask:
     if ids is None:
         ids = _identity[task] = (task.key, task.hash)
     return vf.TraceTask(type=type(task).__name__, data=task.data, key=ids[0], hash=ids[1])
+
+
+_toolsets: dict[tuple, bool] = {}
+
+
+def has_toolsets(task) -> bool:
+    """Whether the task's class gives its tasks toolsets (asked once per task class and config)."""
+    key = (type(task), id(task.config))
+    found = _toolsets.get(key)
+    if found is None:
+        found = _toolsets[key] = bool(task.toolsets(task.config))
+    return found
 
 
 def stop_hooks(task) -> list[tuple[Any, Any]]:
@@ -135,7 +147,7 @@ class Play:
         except Exception as e:
             self.fail(e)
             return False
-        self.messages = _initial_messages(self.task)
+        self.messages = initial_messages(self.task)
         self.trace.timing.setup.end = self.trace.timing.agent.start = time.time()
         return True
 

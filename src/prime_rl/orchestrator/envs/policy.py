@@ -46,21 +46,24 @@ class SharedFirstTurn:
         self.answer: asyncio.Future | None = None
         self.each: list[asyncio.Future] = []
         self.handed = 0
+        self.guessed = False
+        """The request was made before any seat asked (`prefetch`)."""
         self.sent: asyncio.Future = asyncio.get_running_loop().create_future()
         """Done once the group's request is out (in the engine, where the sampler says)."""
 
     def _request(self, sampler, prompt_ids: list[int], args: SamplingArgs) -> None:
         loop = asyncio.get_running_loop()
-        self.each = [loop.create_future() for _ in range(self.size)]
-        for f in self.each:  # a failure reaches every seat; retrieved here for those never taken
+        # This request's own futures: a replaced request's callbacks must not touch the next one's.
+        each = self.each = [loop.create_future() for _ in range(self.size)]
+        for f in each:  # a failure reaches every seat; retrieved here for those never taken
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
 
         def one(i: int, completion: Completion) -> None:
-            if not self.each[i].done():
-                self.each[i].set_result(completion)
+            if not each[i].done():
+                each[i].set_result(completion)
 
         def all_(answer: asyncio.Future) -> None:
-            for i, f in enumerate(self.each):
+            for i, f in enumerate(each):
                 if f.done():
                     continue
                 if answer.cancelled():
@@ -85,8 +88,18 @@ class SharedFirstTurn:
         if not streams:
             submitted()
 
+    def prefetch(self, sampler, prompt_ids: list[int], args: SamplingArgs) -> None:
+        """Request the group's first turn before any seat asks for it: `prompt_ids` is a guess at
+        the first seat's prompt, which replaces the request if it differs."""
+        self.key, self.guessed = (tuple(prompt_ids), args), True
+        self._request(sampler, prompt_ids, args)
+
     async def sample(self, sampler, prompt_ids: list[int], args: SamplingArgs) -> Completion:
         key = (tuple(prompt_ids), args)
+        if self.guessed and self.handed == 0 and key != self.key:  # the guess missed
+            self.answer.cancel()
+            self.answer = None
+        self.guessed = False
         if self.answer is None:
             self.key = key
             self._request(sampler, prompt_ids, args)

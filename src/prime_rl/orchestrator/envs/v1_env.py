@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import verifiers.v1 as vf
+from verifiers.v1.dialects.chat import message_to_wire
 
 from prime_rl.engine.sampling import SamplingArgs
 from prime_rl.environments import EnvError
 from prime_rl.environments import load_v1_env as load_env
-from prime_rl.orchestrator.envs.agent import Seat, trace_task
+from prime_rl.orchestrator.envs.agent import Seat, has_toolsets, initial_messages, trace_task
 from prime_rl.orchestrator.envs.policy import Policy, SharedFirstTurn, TurnAudit
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.rewards import RewardRunner
@@ -172,17 +173,25 @@ class V1Env:
                 asyncio.wait_for(run_episode(self.env, task, policy, self.shared_tools), timeout_s)
             )
 
-        lead = episode()
+        # The group's request first: the episodes' set-up would delay it (and, with many groups
+        # starting at once, every other group's request too). Where the first prompt is known from
+        # the task alone, it is requested before any episode starts; else once the first episode
+        # asked for it.
+        first, lead = policy.first_turn, None
         try:
-            if policy.first_turn is not None:
-                # The group's request first: the other episodes' set-up would delay it (and, with
-                # many groups starting at once, every other group's request too).
-                await asyncio.wait([lead, policy.first_turn.sent], return_when=asyncio.FIRST_COMPLETED)
+            prompt_ids = self._first_prompt(task, policy) if first is not None else None
+            if prompt_ids is not None:
+                first.prefetch(sampler, prompt_ids, args)
+                await asyncio.wait([first.answer, first.sent], return_when=asyncio.FIRST_COMPLETED)
+            lead = episode()
+            if first is not None and prompt_ids is None:
+                await asyncio.wait([lead, first.sent], return_when=asyncio.FIRST_COMPLETED)
             episodes = await asyncio.gather(
                 lead, *(episode() for _ in range(size - 1)), return_exceptions=True
             )
         except asyncio.CancelledError:
-            lead.cancel()
+            if lead is not None:
+                lead.cancel()
             raise
         finally:
             if policy.first_turn is not None:
@@ -208,6 +217,15 @@ class V1Env:
         return [
             self._rollout(e, policy, env_name, example_id, policy_version, state_columns) for e in episodes
         ]
+
+    def _first_prompt(self, task, policy: Policy) -> list[int] | None:
+        """The first prompt of a single-seat episode of `task` (its system prompt and prompt, no
+        tools), or None where the episode's first turn is not known from the task alone. A guess:
+        a first turn that differs replaces it (`SharedFirstTurn.sample`)."""
+        if task.data.prompt is None or self.shared_tools or has_toolsets(task):
+            return None
+        wire = [message_to_wire(m) for m in initial_messages(task)]
+        return policy.render(wire, None, first=True)
 
     @staticmethod
     def _rollout(episode, policy: Policy, env_name, example_id, policy_version, state_columns) -> Rollout:
