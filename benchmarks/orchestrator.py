@@ -71,11 +71,7 @@ class InstantSampler:
         out = []
         for _ in range(n):
             self.calls += 1
-            key = (
-                len(prompt_ids),
-                prompt_ids[-3:] if len(prompt_ids) > 3 else tuple(prompt_ids),
-                self.calls % 2,
-            )
+            key = (len(prompt_ids), tuple(prompt_ids[-3:]), self.calls % 2)
             if key not in self._cache:
                 ids = [*[int(t) for t in prompt_ids[-8:]][:: 1 if self.calls % 2 else -1], 2]
                 self._cache[key] = Completion(ids, [-0.5] * len(ids), "x" * (len(ids) - 1), "stop")
@@ -125,10 +121,10 @@ class InstantEnv:
         self, task, example_id, size, sampler, renderer, model, args, env_name, version, *rest
     ):
         out = []
+        if self.delay_s[1]:  # the group's rollouts run side by side: the group takes one of them
+            await asyncio.sleep(random.uniform(*self.delay_s))
         for _ in range(size):
             self.calls += 1
-            if self.delay_s[1]:
-                await asyncio.sleep(random.uniform(*self.delay_s))
             ids = [self.calls % 1000 + i for i in range(32)]
             out.append(
                 Rollout(env_name, example_id, version, reward=float(self.calls % 2),
