@@ -1,0 +1,78 @@
+"""The bubblewrap command line of one sandbox run.
+
+Invariant: the sandbox sees only the system's programs and libraries, the paths it is given to read
+(all read-only) and its scratch folder (read-write, its home and working folder); it has its own
+PID, IPC and UTS namespaces, its own network namespace unless allowed the network, a fresh /proc
+(no other process's environment), a cleared environment, and dies with the process that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin", "/etc/alternatives", "/etc/ld.so.cache")
+"""The system's programs and libraries (those that exist are bound, read-only)."""
+
+SANDBOX_USER = 200_000
+"""First user id of the sandboxes when started by root: each slot runs as a user of its own, so that
+its process limit is its own and the run's files (the user's, mode 600) stay unreadable."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot sandbox (no bubblewrap, or no namespaces for it)."""
+
+
+def bwrap_path() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailable(
+            "bubblewrap (`bwrap`) is not installed: install it (Debian/Ubuntu: `apt-get install "
+            "bubblewrap`), or pick a remote runtime for the env"
+        )
+    return path
+
+
+def python_paths() -> list[str]:
+    """The Python this process runs and the folders its imports come from (site-packages, editable
+    installs' source folders), which the sandbox may read to run Python code."""
+    paths = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parents[1])}
+    paths |= {p for p in sys.path if p and Path(p).is_dir()}
+    return sorted(p for p in paths if p != "/" and Path(p).exists())
+
+
+def command(
+    argv: list[str], scratch: Path, read_only: list[str], network: bool, uid: int | None, status_fd: int
+) -> list[str]:
+    """`argv` run in the sandbox, in `scratch`; `uid`: the user it runs as (root starts it), None:
+    the caller's own (inside an unprivileged user namespace); bubblewrap writes its JSON status
+    (the pid of the sandbox's first process) to `status_fd`."""
+    cmd = [
+        bwrap_path(),
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--json-status-fd",
+        str(status_fd),
+    ]
+    cmd += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not network:
+        cmd.append("--unshare-net")
+    if uid is None:
+        cmd.append("--unshare-user")
+    for path in [*SYSTEM, *read_only]:
+        if os.path.exists(path):
+            cmd += ["--ro-bind", path, path]
+    cmd += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    cmd += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch)]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
+    for key, value in env.items():
+        cmd += ["--setenv", key, value]
+    if uid is not None:  # root sets the sandbox up, then the command runs as the slot's own user
+        cmd += ["--", "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        cmd += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+    else:
+        cmd.append("--")
+    return cmd + argv
