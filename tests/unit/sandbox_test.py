@@ -147,3 +147,16 @@ def test_a_background_process_does_not_outlive_the_run():
 def test_a_gigabyte_of_output_is_cut_at_the_cap_and_the_run_killed():
     r = sandboxed("import sys\nwhile True: sys.stdout.write('x' * 65536)", output_kb=64)
     assert r.reason == "output" and len(r.stdout) == 64 * 1024
+
+
+def test_this_machine_can_sandbox_and_a_missing_bubblewrap_says_how_to_get_it(monkeypatch):
+    from prime_rl.sandbox import bwrap
+
+    bwrap.check()  # CI installs bubblewrap (.ci/run): the sandbox is real here
+    monkeypatch.setenv("PATH", "/nonexistent")
+    bwrap.check.cache_clear()
+    with pytest.raises(
+        bwrap.SandboxUnavailable, match=r"bubblewrap \(`bwrap`\) is not installed: install it"
+    ):
+        bwrap.check()
+    bwrap.check.cache_clear()

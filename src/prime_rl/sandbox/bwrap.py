@@ -8,8 +8,10 @@ PID, IPC and UTS namespaces, its own network namespace unless allowed the networ
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +35,25 @@ def bwrap_path() -> str:
             "bubblewrap`), or pick a remote runtime for the env"
         )
     return path
+
+
+@functools.cache
+def check() -> None:
+    """That this machine can sandbox: bubblewrap is installed and may make its namespaces (a user
+    namespace, where the caller is not root). Raises `SandboxUnavailable` naming the cause and the fix."""
+    bwrap = bwrap_path()
+    user = [] if os.geteuid() == 0 else ["--unshare-user"]
+    probe = [bwrap, *user, "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--", "true"]
+    done = subprocess.run(probe, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (
+            done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
+        )
+        raise SandboxUnavailable(
+            f"bubblewrap cannot make a sandbox here ({why}): enable unprivileged user namespaces "
+            "(`sysctl -w kernel.unprivileged_userns_clone=1`, or `kernel.apparmor_restrict_unprivileged_userns=0` "
+            "on Ubuntu 24.04), run as root, or pick a remote runtime for the env"
+        )
 
 
 def python_paths() -> list[str]:
