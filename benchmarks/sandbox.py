@@ -5,7 +5,9 @@ one run, interleaved.
 
 Commands: `true` (the start alone: namespaces, mounts, the user switch, the teardown) and
 `python -c 'print(sum(range(1000)))'` (what a small Python tool call costs, interpreter start
-included). Prints the median wall time of each and the ratio.
+included). Prints the median wall time of each and the ratio. Then the tool host (`tools_host.py`,
+started once): a session (a forked child) and one call in it, against the same function called in
+this process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from prime_rl.sandbox.bwrap import python_paths
 from prime_rl.sandbox.config import SandboxConfig
 from prime_rl.sandbox.run import run
+from prime_rl.sandbox.tools_host import ToolsHost
 
 
 async def bare(argv: list[str]) -> None:
@@ -45,6 +48,27 @@ async def main(runs: int) -> None:
                     times[mode].append(time.perf_counter() - t0)
         b, s = (statistics.median(times[m]) * 1e3 for m in ("bare", "sandbox"))
         print(f"{name:<14}{b:>10.1f}{s:>12.1f}{s / b:>8.2f}{s - b:>13.1f}")
+
+    host = await ToolsHost.start(["json"], config)
+    try:
+        spans: dict[str, list[float]] = {"session": [], "call": [], "in process": []}
+        for i in range(runs + 2):
+            t0 = time.perf_counter()
+            session = await host.session()
+            t1 = time.perf_counter()
+            await session.call("json:dumps", {"obj": [1, 2, 3]}, 10)
+            t2 = time.perf_counter()
+            await session.close()
+            t3 = time.perf_counter()
+            __import__("json").dumps([1, 2, 3])
+            t4 = time.perf_counter()
+            if i >= 2:
+                spans["session"].append(t1 - t0)
+                spans["call"].append(t2 - t1)
+                spans["in process"].append(t4 - t3)
+        print("tool host: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f} ms" for k, v in spans.items()))
+    finally:
+        await host.close()
 
 
 if __name__ == "__main__":

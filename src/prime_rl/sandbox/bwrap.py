@@ -65,7 +65,13 @@ def python_paths() -> list[str]:
 
 
 def command(
-    argv: list[str], scratch: Path, read_only: list[str], network: bool, uid: int | None, status_fd: int
+    argv: list[str],
+    scratch: Path,
+    read_only: list[str],
+    network: bool,
+    uid: int | None,
+    status_fd: int,
+    env: dict[str, str] | None = None,
 ) -> list[str]:
     """`argv` run in the sandbox, in `scratch`; `uid`: the user it runs as (root starts it), None:
     the caller's own (inside an unprivileged user namespace); bubblewrap writes its JSON status
@@ -83,12 +89,23 @@ def command(
         cmd.append("--unshare-net")
     if uid is None:
         cmd.append("--unshare-user")
-    for path in [*SYSTEM, *read_only]:
-        if os.path.exists(path):
-            cmd += ["--ro-bind", path, path]
+    paths = [p for p in dict.fromkeys([*SYSTEM, *read_only]) if os.path.exists(p)]
+    # The folders above a bound path are made by bubblewrap, root's and closed (0700) by default:
+    # opened here, or its own user could not reach what it may read.
+    above = {str(a) for p in paths for a in Path(p).parents if str(a) != "/"}
+    for folder in sorted(above, key=lambda f: f.count("/")):
+        cmd += ["--perms", "0755", "--dir", folder]
+    for path in paths:
+        cmd += ["--ro-bind", path, path]
     cmd += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     cmd += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch)]
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(scratch),
+        "LANG": "C.UTF-8",
+        "TMPDIR": "/tmp",
+        **(env or {}),
+    }
     for key, value in env.items():
         cmd += ["--setenv", key, value]
     if uid is not None:  # root sets the sandbox up, then the command runs as the slot's own user

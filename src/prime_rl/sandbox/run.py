@@ -79,36 +79,82 @@ async def _read(stream: asyncio.StreamReader, into: bytearray, cap: int, over) -
                 over()
 
 
+@dataclass
+class Sandbox:
+    """A started sandbox: its first command runs (`proc`, piped) until `stop`."""
+
+    proc: asyncio.subprocess.Process
+    scratch: Path
+    uid: int | None
+    first: asyncio.Future
+    status: asyncio.Task
+
+    @classmethod
+    async def start(
+        cls,
+        argv: list[str],
+        config: SandboxConfig,
+        read_only: list[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> Sandbox:
+        """`argv` started in a fresh sandbox (see `bwrap.py`) within `config`'s limits, with `env`
+        its only variables beyond the sandbox's own."""
+        scratch = Path(tempfile.mkdtemp(prefix="prime-rl-sandbox-"))
+        uid = None
+        if os.geteuid() == 0:
+            uid = SANDBOX_USER + next(_slots) % 10_000
+            os.chown(scratch, uid, uid)
+        status_r, status_w = os.pipe()  # bubblewrap says there the pid of the sandbox's first process
+        try:
+            cmd = command(argv, scratch, [*read_only, *config.read_only], config.network, uid, status_w, env)
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                preexec_fn=_limits(config),
+                start_new_session=True,
+                pass_fds=(status_w,),
+            )
+        except BaseException:
+            os.close(status_r)
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        finally:
+            os.close(status_w)
+        first = asyncio.get_running_loop().create_future()
+        return cls(proc, scratch, uid, first, asyncio.ensure_future(_status(status_r, first)))
+
+    def kill(self) -> None:
+        """Kill it now (`stop` still waits for the rest)."""
+        _kill(self.proc)
+
+    async def stop(self) -> None:
+        """Kill everything it runs, wait until nothing of it is left, remove its scratch folder."""
+        proc = self.proc
+        _kill(proc)
+        # The pipes read to their end (the processes are gone): asyncio's `wait` waits for them.
+        for stream in (proc.stdout, proc.stderr):
+            with contextlib.suppress(Exception):
+                while await stream.read(65536):
+                    pass
+        await proc.wait()
+        await _gone(self.first, self.uid)
+        await self.status
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
 async def run(
     argv: list[str], config: SandboxConfig, stdin: bytes = b"", read_only: list[str] = ()
 ) -> Result:
-    """`argv` in a fresh sandbox (see `bwrap.py`), fed `stdin`, within `config`'s limits."""
-    scratch = Path(tempfile.mkdtemp(prefix="prime-rl-sandbox-"))
-    uid = None
-    if os.geteuid() == 0:
-        uid = SANDBOX_USER + next(_slots) % 10_000
-        os.chown(scratch, uid, uid)
-    status_r, status_w = os.pipe()  # bubblewrap says there the pid of the sandbox's first process
-    cmd = command(argv, scratch, [*read_only, *config.read_only], config.network, uid, status_w)
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_limits(config),
-            start_new_session=True,
-            pass_fds=(status_w,),
-        )
-    finally:
-        os.close(status_w)
-    first = asyncio.get_running_loop().create_future()
-    status = asyncio.ensure_future(_status(status_r, first))
+    """`argv` in a fresh sandbox, fed `stdin`, within `config`'s limits, to its end."""
+    box = await Sandbox.start(argv, config, read_only)
+    proc = box.proc
     cap, past, out, err = config.output_kb * 1024, [], bytearray(), bytearray()
 
     def over() -> None:  # killed at once: its pipes then end, and the reads with them
         past.append(True)
-        _kill(proc)
+        box.kill()
 
     reason = "timeout"
     try:
@@ -123,16 +169,7 @@ async def run(
     except TimeoutError:
         pass
     finally:
-        _kill(proc)
-        # The pipes read to their end (the processes are gone): asyncio's `wait` waits for them.
-        for stream in (proc.stdout, proc.stderr):
-            with contextlib.suppress(Exception):
-                while await stream.read(65536):
-                    pass
-        await proc.wait()
-        await _gone(first, uid)
-        await status
-        shutil.rmtree(scratch, ignore_errors=True)
+        await box.stop()
     text = (bytes(b[:cap]).decode(errors="replace") for b in (out, err))
     return Result(reason, proc.returncode, *text)
 
