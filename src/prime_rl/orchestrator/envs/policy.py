@@ -125,6 +125,9 @@ class Policy:
     first_turn: SharedFirstTurn | None = None
     scorer: Any = None
     """The env's `scoring.Scorer`."""
+    open_tools: Any = None
+    """Where tools run sandboxed: an async function taking a trace's `ToolBox` (its schemas) and
+    giving the tools its seat calls (`sandboxed_tools.SandboxedTools`); None: called in process."""
     audits: dict[str, TurnAudit] = field(default_factory=dict)
     """Per trace id."""
     first_prompts: dict[str, list[int]] = field(default_factory=dict)

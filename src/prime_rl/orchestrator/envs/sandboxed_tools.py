@@ -1,0 +1,67 @@
+"""A v1 env's tools run in its sandboxed tool host (`sandbox/tools_host.py`), one session per trace.
+
+Both sides live here: `open_tools` and `call_tool` run inside the host's session (the env loaded
+there, its toolsets built per session, so a trace's tool state dies with it); `SandboxedTools` is
+what a seat holds in the orchestrator: the tools' schemas (built here, never called here) and the
+session that calls them.
+
+Invariant: as `ToolBox.call`, a call never raises: a tool that fails, hangs past the deadline or
+dies (a limit) is an "Error: ..." result for the model, marked failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prime_rl.orchestrator.envs.tools import ToolBox
+from prime_rl.sandbox.tools_host import Session, ToolFailed
+
+HERE = __name__
+_box: ToolBox | None = None
+
+
+def open_tools(env_id: str, args: dict[str, Any]) -> list[str]:
+    """In the session: the env's tools built (its taskset's and its tasks' toolsets)."""
+    global _box
+    from prime_rl.orchestrator.envs.v1_env import load_v1_env
+
+    env = load_v1_env(env_id, args)
+    _box = ToolBox.of([*env.first.toolsets(env.first.config), *env.shared_tools])
+    return sorted(_box.functions)
+
+
+async def call_tool(name: str, arguments: str) -> list:
+    """In the session: [result text, failed]."""
+    assert _box is not None, "open_tools first"
+    return list(await _box.call(name, arguments))
+
+
+class SandboxedTools:
+    """A trace's tools: their schemas from `local`, their calls in `session`."""
+
+    def __init__(self, local: ToolBox, session: Session, timeout_s: float):
+        self.tools, self.functions = local.tools, local.functions
+        self.local, self.session, self.timeout_s = local, session, timeout_s
+
+    @classmethod
+    async def open(cls, local: ToolBox, host, env_id: str, args: dict, timeout_s: float) -> SandboxedTools:
+        session = await host.session()
+        await session.call(f"{HERE}:open_tools", {"env_id": env_id, "args": args}, timeout_s)
+        return cls(local, session, timeout_s)
+
+    def wire(self) -> list[dict] | None:
+        return self.local.wire()
+
+    async def call(self, name: str, arguments: str) -> tuple[str, bool]:
+        try:
+            text, failed = await self.session.call(
+                f"{HERE}:call_tool", {"name": name, "arguments": arguments}, self.timeout_s
+            )
+        except ToolFailed as e:
+            return f"Error: {e}", True
+        except ValueError as e:
+            return f"Error: {e}", True
+        return text, failed
+
+    async def close(self) -> None:
+        await self.session.close()
