@@ -1,7 +1,7 @@
 """A tool host: one sandboxed process that imports what the tools need once, then serves each
 session (a rollout's tool calls) in a forked child of its own.
 
-    python -m prime_rl.sandbox.host <socket path> <module> [<module> ...]
+    python -m prime_rl.sandbox.host <socket path> <module or module:function> ...
 
 Runs inside the sandbox (`tools_host.py` starts it there). It listens on a unix socket in its
 scratch folder; each connection is a session: a child is forked for it (the imports are paid once,
@@ -36,10 +36,14 @@ def _resolve(spec: str):
     return obj
 
 
-def _session(conn: socket.socket, cpu_s: int) -> None:
+def _session(conn: socket.socket, cpu_s: int, memory_mb: int) -> None:
     """In the forked child: answer the session's calls until its connection closes."""
     os.setpgid(0, 0)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    with open("/proc/self/statm") as f:
+        size = int(f.read().split()[0]) * resource.getpagesize()
+    limit = size + memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     quiet = os.open(os.devnull, os.O_WRONLY)  # what a tool prints goes nowhere: nobody reads it
     os.dup2(quiet, 1)
     os.dup2(quiet, 2)
@@ -60,12 +64,16 @@ def _session(conn: socket.socket, cpu_s: int) -> None:
 def main() -> None:
     path, modules = sys.argv[1], sys.argv[2:]
     cpu_s = int(os.environ.get("PRIME_RL_SESSION_CPU_S", "10"))
-    for module in modules:  # paid once, before the first session forks
-        importlib.import_module(module)
+    memory_mb = int(os.environ.get("PRIME_RL_SESSION_MEMORY_MB", "1024"))
+    for module in modules:  # paid once, before the first session forks; a function is called
+        if ":" in module:
+            _resolve(module)()
+        else:
+            importlib.import_module(module)
     signal.signal(signal.SIGCHLD, lambda *_: _reap())
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
-    server.listen(64)
+    server.listen(socket.SOMAXCONN)  # a step's rollouts open their sessions at once
     sessions: set[int] = set()
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
@@ -75,12 +83,16 @@ def main() -> None:
         for key, _ in selector.select():
             if key.fileobj is server:
                 conn, _ = server.accept()
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError:  # no process left for it (the user's limit): this session fails
+                    conn.close()
+                    continue
                 if pid == 0:
                     selector.close()
                     server.close()
                     try:
-                        _session(conn, cpu_s)
+                        _session(conn, cpu_s, memory_mb)
                     finally:
                         os._exit(0)
                 sessions.add(pid)

@@ -99,7 +99,11 @@ class Sandbox:
     ) -> Sandbox:
         """`argv` started in a fresh sandbox (see `bwrap.py`) within `config`'s limits, with `env`
         its only variables beyond the sandbox's own."""
-        scratch = Path(tempfile.mkdtemp(prefix="prime-rl-sandbox-"))
+        # In /tmp, not the run's private TMPDIR: a unix socket's path (the tool host's) must stay
+        # under 108 bytes. mkdtemp makes it 0700; it then belongs to the sandbox's user alone.
+        scratch = Path(
+            tempfile.mkdtemp(prefix="prime-rl-sandbox-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        )
         uid = None
         if os.geteuid() == 0:
             uid = SANDBOX_USER + next(_slots) % 10_000

@@ -22,6 +22,12 @@ from prime_rl.sandbox.run import Sandbox
 
 HOST_CPU_S = 10**9
 """The host process's own CPU limit: none to speak of (it accepts and forks)."""
+HOST_PROCESSES = 4096
+"""Processes of the host's user: every session is one (a step's rollouts hold theirs at once), so a
+session's fork bomb stops here, at the host's sessions, never at the machine's."""
+HOST_MEMORY_MB = 1 << 30
+"""Nor an address-space limit: what it imports (torch maps gigabytes) would not fit. Each session
+may map `memory_mb` more than the host had when it forked."""
 
 
 class ToolFailed(RuntimeError):
@@ -70,17 +76,30 @@ class ToolsHost:
 
     @classmethod
     async def start(
-        cls, modules: list[str], config: SandboxConfig, read_only: list[str] = (), paths: list[str] = ()
+        cls,
+        modules: list[str],
+        config: SandboxConfig,
+        read_only: list[str] = (),
+        paths: list[str] = (),
+        env: dict[str, str] | None = None,
     ) -> ToolsHost:
-        """A host that imported `modules` (found also in `paths`, which it may read)."""
+        """A host that imported `modules` (found also in `paths`, which it may read; 'module:function'
+        entries are called), with `env` among its variables."""
         # The host runs this very prime_rl (its folder first on the path), whatever else is installed.
         paths = [str(Path(prime_rl.__file__).resolve().parents[1]), *paths]
         # The host lives as long as the run: `cpu_s` bounds each session (its forked child), not it.
         box = await Sandbox.start(
             [sys.executable, "-m", "prime_rl.sandbox.host", "host.sock", *modules],
-            config.model_copy(update={"cpu_s": HOST_CPU_S}),
+            config.model_copy(
+                update={"cpu_s": HOST_CPU_S, "memory_mb": HOST_MEMORY_MB, "processes": HOST_PROCESSES}
+            ),
             [*python_paths(), *read_only, *paths],
-            {"PYTHONPATH": ":".join(paths), "PRIME_RL_SESSION_CPU_S": str(config.cpu_s)},
+            {
+                "PYTHONPATH": ":".join(paths),
+                "PRIME_RL_SESSION_CPU_S": str(config.cpu_s),
+                "PRIME_RL_SESSION_MEMORY_MB": str(config.memory_mb),
+                **(env or {}),
+            },
         )
         line = await box.proc.stdout.readline()
         if line.strip() != b"ready":

@@ -11,22 +11,32 @@ dies (a limit) is an "Error: ..." result for the model, marked failed.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
 
 from prime_rl.orchestrator.envs.tools import ToolBox
 from prime_rl.sandbox.tools_host import Session, ToolFailed
 
 HERE = __name__
+ENV = "PRIME_RL_TOOLS_ENV"
+"""The host's environment variable naming its env: `[env id, taskset args]` as JSON."""
+_env = None
 _box: ToolBox | None = None
 
 
-def open_tools(env_id: str, args: dict[str, Any]) -> list[str]:
-    """In the session: the env's tools built (its taskset's and its tasks' toolsets)."""
-    global _box
+def preload() -> None:
+    """In the host, before its sessions fork: the env loaded once (0.7 s), not per session."""
+    global _env
     from prime_rl.orchestrator.envs.v1_env import load_v1_env
 
-    env = load_v1_env(env_id, args)
-    _box = ToolBox.of([*env.first.toolsets(env.first.config), *env.shared_tools])
+    env_id, args = json.loads(os.environ[ENV])
+    _env = load_v1_env(env_id, args)
+
+
+def open_tools() -> list[str]:
+    """In the session: its own tools built (the taskset's and its tasks' toolsets)."""
+    global _box
+    _box = ToolBox.of([*_env.first.toolsets(_env.first.config), *_env.shared_tools])
     return sorted(_box.functions)
 
 
@@ -46,7 +56,7 @@ class SandboxedTools:
     @classmethod
     async def open(cls, local: ToolBox, host, env_id: str, args: dict, timeout_s: float) -> SandboxedTools:
         session = await host.session()
-        await session.call(f"{HERE}:open_tools", {"env_id": env_id, "args": args}, timeout_s)
+        await session.call(f"{HERE}:open_tools", {}, timeout_s)
         return cls(local, session, timeout_s)
 
     def wire(self) -> list[dict] | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from prime_rl.orchestrator.envs.agent import Seat, has_toolsets, initial_message
 from prime_rl.orchestrator.envs.policy import Policy, SharedFirstTurn, TurnAudit
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.sandboxed_tools import ENV as TOOLS_ENV
 from prime_rl.orchestrator.envs.sandboxed_tools import HERE as SANDBOXED_TOOLS
 from prime_rl.orchestrator.envs.sandboxed_tools import SandboxedTools
 from prime_rl.orchestrator.envs.scoring import RewardError, Scorer
@@ -146,8 +148,16 @@ class V1Env:
             self._host_lock = asyncio.Lock()
         async with self._host_lock:
             if self.host is None:
-                modules = [SANDBOXED_TOOLS, env_module_name(self.env_id)]
-                self.host = await ToolsHost.start(modules, self.sandbox)
+                # Imported once in the host, before its sessions fork: a session then only builds
+                # its tools (loading the env imports the orchestrator's env side and verifiers).
+                modules = [
+                    SANDBOXED_TOOLS,
+                    __name__,
+                    env_module_name(self.env_id),
+                    f"{SANDBOXED_TOOLS}:preload",
+                ]
+                env = {TOOLS_ENV: json.dumps([self.env_id, self.args])}
+                self.host = await ToolsHost.start(modules, self.sandbox, env=env)
         return await SandboxedTools.open(box, self.host, self.env_id, self.args, self.sandbox.timeout_s)
 
     def examples(self, n: int | None = None) -> TaskStream:
