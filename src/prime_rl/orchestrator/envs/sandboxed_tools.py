@@ -36,7 +36,7 @@ def preload() -> None:
 def open_tools() -> list[str]:
     """In the session: its own tools built (the taskset's and its tasks' toolsets)."""
     global _box
-    _box = ToolBox.of([*_env.first.toolsets(_env.first.config), *_env.shared_tools])
+    _box = ToolBox.of([*_env.first.toolsets(_env.first.config), *_env.shared_tools], schemas=False)
     return sorted(_box.functions)
 
 
