@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from helpers.scripted import Scripted
 from prime_rl.engine.sampling import SamplingArgs
 from prime_rl.orchestrator.envs.renderer import Renderer
@@ -56,3 +58,24 @@ def test_tool_add_calls_its_tool_in_the_sandbox_with_the_same_results():
     if os.geteuid() == 0:
         assert uid != 0  # the tools ran as the sandbox's own user
     assert not os.path.exists(f"/proc/{host_pid}")
+
+
+def test_an_env_with_tools_stops_in_one_line_where_the_machine_cannot_sandbox(monkeypatch):
+    from prime_rl.environments import EnvError
+    from prime_rl.sandbox import bwrap
+
+    monkeypatch.setattr(bwrap.shutil, "which", lambda name: None)
+    bwrap.check.cache_clear()
+    try:
+        with pytest.raises(EnvError) as stopped:
+            load_v1_env("tool-add", {}, SandboxConfig())
+    finally:
+        bwrap.check.cache_clear()
+    message = str(stopped.value)
+    assert message.startswith(
+        "env 'tool-add': its tools cannot run sandboxed: bubblewrap (`bwrap`) is not installed"
+    )
+    assert 'runtime = "none"' in message and "\n" not in message
+    # An env without tools needs no sandbox; the explicit opt-out runs the tools in process.
+    assert load_v1_env("reverse-text", {}, SandboxConfig()).sandbox is not None
+    assert load_v1_env("tool-add", {}, SandboxConfig(runtime="none")).sandbox is None

@@ -19,8 +19,8 @@ SYSTEM = ("/usr", "/bin", "/lib", "/lib64", "/lib32", "/sbin", "/etc/alternative
 """The system's programs and libraries (those that exist are bound, read-only)."""
 
 SANDBOX_USER = 200_000
-"""First user id of the sandboxes when started by root: each slot runs as a user of its own, so that
-its process limit is its own and the run's files (the user's, mode 600) stay unreadable."""
+"""First user id of the sandboxes when started by root: each sandbox runs as a user of its own, so
+that its process limit is its own and the run's files (the user's, mode 600) stay unreadable."""
 
 
 class SandboxUnavailable(RuntimeError):

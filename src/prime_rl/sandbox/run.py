@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import resource
+import secrets
 import shutil
 import signal
 import tempfile
@@ -26,7 +26,10 @@ REASONS = ("ok", "error", "timeout", "cpu", "memory", "output", "killed")
 """How a run ends: its command exited 0; exited otherwise; passed the deadline; its CPU seconds;
 ran out of memory; printed past `output_kb`; was killed by a signal."""
 
-_slots = itertools.count()
+USERS = 1_000_000_000
+"""How many user ids the sandboxes draw theirs from (above `SANDBOX_USER`): at random, so that
+sandboxes of other processes and other runs on the machine (whose counts would start where ours do)
+are other users, with process counts of their own."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class Sandbox:
         )
         uid = None
         if os.geteuid() == 0:
-            uid = SANDBOX_USER + next(_slots) % 10_000
+            uid = SANDBOX_USER + secrets.randbelow(USERS)
             os.chown(scratch, uid, uid)
         status_r, status_w = os.pipe()  # bubblewrap says there the pid of the sandbox's first process
         try:

@@ -145,7 +145,7 @@ class Play:
             async with boundary(ToolsetError, "building tool servers"):
                 tools = ToolBox.of([*self.task.toolsets(self.task.config), *self.seat.shared_tools])
                 if tools.tools and self.seat.policy.open_tools is not None:
-                    tools = await self.seat.policy.open_tools(tools)
+                    tools = await self.seat.policy.open_tools(tools, self.task)
                 self.tools = tools
         except Exception as e:
             self.fail(e)
@@ -283,6 +283,7 @@ class Play:
                 self.fail(e)
         if hasattr(self.tools, "close"):  # a sandboxed session: its processes go now
             await self.tools.close()
+            self.audit.sandbox = dict(self.tools.failures)
         trace.is_completed = True
         trace.ok = not self.failed
         trace.split_agent_time()

@@ -19,6 +19,7 @@ import asyncio
 import copy
 import functools
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 
+from prime_rl import activity
 from prime_rl.engine.sampling import SamplingArgs
 from prime_rl.environments import EnvError, env_module_name
 from prime_rl.environments import load_v1_env as load_env
@@ -42,8 +44,11 @@ from prime_rl.orchestrator.envs.verifiers_adapter import from_trace
 from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.messages import Example
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.sandbox.bwrap import SandboxUnavailable, check
 from prime_rl.sandbox.config import SandboxConfig
 from prime_rl.sandbox.tools_host import ToolsHost
+
+log = logging.getLogger("prime_rl.orchestrator")
 
 
 class TaskStream:
@@ -128,6 +133,7 @@ class V1Env:
     """Where its tools run: a sandboxed tool host (started at the first tool use); None: in process."""
     host: ToolsHost | None = None
     _host_lock: asyncio.Lock | None = None
+    _host_error: EnvError | None = None
 
     def use(self, scorer: Scorer) -> None:
         """Score with `scorer` (the env's config adds rewards to it)."""
@@ -143,10 +149,18 @@ class V1Env:
             await self.host.close()
             self.host = None
 
-    async def _open_tools(self, box):
+    async def _open_tools(self, box, task):
         if self._host_lock is None:
             self._host_lock = asyncio.Lock()
         async with self._host_lock:
+            if self._host_error is not None:  # an import that failed fails again: not retried
+                raise self._host_error
+            if self.host is not None and self.host.gone:
+                log.warning(
+                    f"env '{self.env_id}': its tool host died (the machine's memory?): starting another"
+                )
+                await self.host.close()
+                self.host = None
             if self.host is None:
                 # Imported once in the host, before its sessions fork: a session then only builds
                 # its tools (loading the env imports the orchestrator's env side and verifiers).
@@ -157,8 +171,13 @@ class V1Env:
                     f"{SANDBOXED_TOOLS}:preload",
                 ]
                 env = {TOOLS_ENV: json.dumps([self.env_id, self.args])}
-                self.host = await ToolsHost.start(modules, self.sandbox, env=env)
-        return await SandboxedTools.open(box, self.host, self.env_id, self.args, self.sandbox.timeout_s)
+                try:
+                    with activity.waiting(f"the start of env '{self.env_id}''s tool host", "sandbox"):
+                        self.host = await ToolsHost.start(modules, self.sandbox, env=env)
+                except RuntimeError as e:
+                    self._host_error = EnvError(f"env '{self.env_id}': {e}")
+                    raise self._host_error from None
+        return await SandboxedTools.open(box, task, self.host, self.env_id, self.sandbox.timeout_s)
 
     def examples(self, n: int | None = None) -> TaskStream:
         """The taskset's tasks (its first `n`) as the loop streams them."""
@@ -291,4 +310,18 @@ def load_v1_env(env_id: str, args: dict[str, Any], sandbox: SandboxConfig | None
     if first is None:
         raise EnvError(f"env '{env_id}': its taskset has no tasks (with args {args})")
     shared = type(env.taskset).toolsets(env.taskset.config)
+    if sandbox is not None and sandbox.runtime == "none":
+        if shared or has_toolsets(first):
+            log.warning(
+                f"env '{env_id}': its tools run UNSANDBOXED, with the run's rights (sandbox.runtime = 'none')"
+            )
+        sandbox = None
+    elif sandbox is not None and (shared or has_toolsets(first)):
+        try:
+            check()
+        except SandboxUnavailable as e:
+            raise EnvError(
+                f"env '{env_id}': its tools cannot run sandboxed: {e}; or set the env's "
+                '`sandbox.runtime = "none"` to run them in the run\'s own process'
+            ) from None
     return V1Env(env, first, shared, env_id=env_id, args=dict(args), sandbox=sandbox)
