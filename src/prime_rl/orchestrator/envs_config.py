@@ -18,6 +18,7 @@ from pydantic import Field
 from prime_rl.config import BaseConfig
 from prime_rl.orchestrator.advantages import AdvantageConfig
 from prime_rl.orchestrator.rewards import RewardConfig
+from prime_rl.sandbox.config import SandboxConfig
 
 
 class SamplingConfig(BaseConfig):
@@ -53,6 +54,11 @@ class EnvConfig(BaseConfig):
 
     args: dict[str, Any] = {}
     """The taskset's config (its `TasksetConfig` fields, checked when the env loads)."""
+
+    sandbox: SandboxConfig = SandboxConfig()
+    """Where the env's tools run: a local sandbox (bubblewrap: no network, none of the run's files or
+    variables, limits; one tool host per env worker, a session per rollout), or, with
+    `runtime = "none"`, the env worker's own process with the run's full rights."""
 
     shuffle_buffer: int = Field(default=10_000, ge=1)
     """Tasks held to shuffle the taskset's stream each epoch: a taskset no longer than this is
@@ -97,6 +103,9 @@ class EvalEnvConfig(BaseConfig):
 
     num_examples: int = Field(default=32, ge=1)
     """The taskset's first tasks evaluated each evaluation."""
+
+    sandbox: SandboxConfig = SandboxConfig()
+    """Where the env's tools run (as a training env's `sandbox`)."""
 
     rollouts_per_example: int = Field(default=1, ge=1)
     """Rollouts per eval example."""

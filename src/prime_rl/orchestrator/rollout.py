@@ -60,6 +60,9 @@ class Rollout:
     policy_end: int | None = None
     """The policy version when its last turn finished (where the server says): with
     `policy_version`, the span of policies that sampled it (verifiers' `PolicySpan`)."""
+    sandbox: dict[str, int] = field(default_factory=dict)
+    """Its sandboxed tool calls that failed, by how: 'timeouts' (past the deadline), 'oom' (out of
+    memory), 'killed' (died: a limit, a crash)."""
     drifted_turns: int = 0
     """Turns whose history, re-rendered from messages by the chat template, differs from the
     tokens the model saw (token-in kept the latter): each would have split the rollout."""

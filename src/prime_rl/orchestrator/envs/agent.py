@@ -143,7 +143,10 @@ class Play:
                 if _overrides(self.task, "setup"):
                     await invoke(self.task.setup, {"trace": self.trace, "runtime": None})
             async with boundary(ToolsetError, "building tool servers"):
-                self.tools = ToolBox.of([*self.task.toolsets(self.task.config), *self.seat.shared_tools])
+                tools = ToolBox.of([*self.task.toolsets(self.task.config), *self.seat.shared_tools])
+                if tools.tools and self.seat.policy.open_tools is not None:
+                    tools = await self.seat.policy.open_tools(tools, self.task)
+                self.tools = tools
         except Exception as e:
             self.fail(e)
             return False
@@ -278,6 +281,9 @@ class Play:
                 await self.seat.policy.scorer.score(self.task, trace)
             except Exception as e:
                 self.fail(e)
+        if hasattr(self.tools, "close"):  # a sandboxed session: its processes go now
+            await self.tools.close()
+            self.audit.sandbox = dict(self.tools.failures)
         trace.is_completed = True
         trace.ok = not self.failed
         trace.split_agent_time()

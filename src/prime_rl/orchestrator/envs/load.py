@@ -42,10 +42,10 @@ class LoadedEnv(Generic[ConfigT]):
         return EnvView(self.config, self.examples, self.group_scoring)
 
 
-def load_any_env(env_id: str, args: dict[str, Any]) -> V1Env:
-    """The v1 env `env_id` with `args` as its taskset config."""
+def load_any_env(env_id: str, args: dict[str, Any], sandbox=None) -> V1Env:
+    """The v1 env `env_id` with `args` as its taskset config, its tools run in `sandbox`."""
     try:
-        return load_v1_env(env_id, args)
+        return load_v1_env(env_id, args, sandbox)
     except EnvError:
         raise
     except Exception as e:
@@ -67,7 +67,7 @@ def load_env(
     """`key` names the env's config entry in errors, e.g. 'envs[1]'. Without `score`, only for its
     tasks: no reward model is loaded (the env workers score), while the other reward functions are
     built, so that it tells group scoring as the workers' does."""
-    vf_env = load_any_env(config.id, config.args)
+    vf_env = load_any_env(config.id, config.args, config.sandbox)
     models = (reward_models or RewardModels()) if score else None
     try:
         vf_env.use(
@@ -85,6 +85,6 @@ def load_env(
 
 
 def load_eval_env(config: EvalEnvConfig, rewards: RewardRunner | None = None) -> LoadedEnv[EvalEnvConfig]:
-    vf_env = load_any_env(config.id, config.args)
+    vf_env = load_any_env(config.id, config.args, config.sandbox)
     vf_env.use(Scorer(rewards or default_runner()))
     return LoadedEnv(config, vf_env, vf_env.examples(config.num_examples))

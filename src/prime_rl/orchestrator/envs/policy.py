@@ -32,6 +32,8 @@ class TurnAudit:
     call's assistant node."""
     routes: dict[int, Any] = field(default_factory=dict)
     """A MoE server's routed experts of each call, by the call's assistant node."""
+    sandbox: dict[str, int] = field(default_factory=dict)
+    """Its sandboxed tool calls that failed, by how (`sandbox.tools_host.FAILURES`)."""
 
 
 class SharedFirstTurn:
@@ -125,6 +127,9 @@ class Policy:
     first_turn: SharedFirstTurn | None = None
     scorer: Any = None
     """The env's `scoring.Scorer`."""
+    open_tools: Any = None
+    """Where tools run sandboxed: an async function taking a trace's `ToolBox` (its schemas) and its
+    task, and giving the tools its seat calls (`sandboxed_tools.SandboxedTools`); None: called in process."""
     audits: dict[str, TurnAudit] = field(default_factory=dict)
     """Per trace id."""
     first_prompts: dict[str, list[int]] = field(default_factory=dict)

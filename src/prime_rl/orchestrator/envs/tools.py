@@ -54,7 +54,8 @@ class ToolBox:
     functions: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, toolsets: list) -> ToolBox:
+    def of(cls, toolsets: list, schemas: bool = True) -> ToolBox:
+        """The toolsets' tools; without `schemas`, only their functions (to call, not to show)."""
         box = cls()
         for toolset in toolsets:
             prefix = toolset.server_name
@@ -64,9 +65,10 @@ class ToolBox:
                 if name in box.functions:
                     raise ValueError(f"two tools are named '{name}': give a toolset a distinct TOOL_PREFIX")
                 box.functions[name] = fn
-                box.tools.append(
-                    vf.Tool(name=name, description=(fn.__doc__ or "").strip(), parameters=_schema(fn))
-                )
+                if schemas:
+                    box.tools.append(
+                        vf.Tool(name=name, description=(fn.__doc__ or "").strip(), parameters=_schema(fn))
+                    )
         return box
 
     def wire(self) -> list[dict] | None:

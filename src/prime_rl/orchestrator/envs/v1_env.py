@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,19 +27,28 @@ from typing import Any
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 
+from prime_rl import activity
 from prime_rl.engine.sampling import SamplingArgs
-from prime_rl.environments import EnvError
+from prime_rl.environments import EnvError, env_module_name
 from prime_rl.environments import load_v1_env as load_env
 from prime_rl.orchestrator.envs.agent import Seat, has_toolsets, initial_messages, trace_task
 from prime_rl.orchestrator.envs.policy import Policy, SharedFirstTurn, TurnAudit
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.rewards import RewardRunner
+from prime_rl.orchestrator.envs.sandboxed_tools import ENV as TOOLS_ENV
+from prime_rl.orchestrator.envs.sandboxed_tools import HERE as SANDBOXED_TOOLS
+from prime_rl.orchestrator.envs.sandboxed_tools import SandboxedTools
 from prime_rl.orchestrator.envs.scoring import RewardError, Scorer
 from prime_rl.orchestrator.envs.speedups import cache_default_factory_signatures
 from prime_rl.orchestrator.envs.verifiers_adapter import from_trace
 from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.messages import Example
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.sandbox.bwrap import SandboxUnavailable, check
+from prime_rl.sandbox.config import SandboxConfig
+from prime_rl.sandbox.tools_host import ToolsHost
+
+log = logging.getLogger("prime_rl.orchestrator")
 
 
 class TaskStream:
@@ -116,6 +127,13 @@ class V1Env:
     """The taskset's first task: how its tasks score, and what the others are rebuilt as."""
     shared_tools: list = field(default_factory=list)
     scorer: Scorer | None = None
+    env_id: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+    sandbox: SandboxConfig | None = None
+    """Where its tools run: a sandboxed tool host (started at the first tool use); None: in process."""
+    host: ToolsHost | None = None
+    _host_lock: asyncio.Lock | None = None
+    _host_error: EnvError | None = None
 
     def use(self, scorer: Scorer) -> None:
         """Score with `scorer` (the env's config adds rewards to it)."""
@@ -127,7 +145,39 @@ class V1Env:
         return self.scorer is not None and self.scorer.group_scoring(self.first)
 
     async def close(self) -> None:
-        pass  # nothing held between groups: seats, tools and renderers are per group or per process
+        if self.host is not None:  # seats and renderers are per group or per process
+            await self.host.close()
+            self.host = None
+
+    async def _open_tools(self, box, task):
+        if self._host_lock is None:
+            self._host_lock = asyncio.Lock()
+        async with self._host_lock:
+            if self._host_error is not None:  # an import that failed fails again: not retried
+                raise self._host_error
+            if self.host is not None and self.host.gone:
+                log.warning(
+                    f"env '{self.env_id}': its tool host died (the machine's memory?): starting another"
+                )
+                await self.host.close()
+                self.host = None
+            if self.host is None:
+                # Imported once in the host, before its sessions fork: a session then only builds
+                # its tools (loading the env imports the orchestrator's env side and verifiers).
+                modules = [
+                    SANDBOXED_TOOLS,
+                    __name__,
+                    env_module_name(self.env_id),
+                    f"{SANDBOXED_TOOLS}:preload",
+                ]
+                env = {TOOLS_ENV: json.dumps([self.env_id, self.args])}
+                try:
+                    with activity.waiting(f"the start of env '{self.env_id}''s tool host", "sandbox"):
+                        self.host = await ToolsHost.start(modules, self.sandbox, env=env)
+                except RuntimeError as e:
+                    self._host_error = EnvError(f"env '{self.env_id}': {e}")
+                    raise self._host_error from None
+        return await SandboxedTools.open(box, task, self.host, self.env_id, self.sandbox.timeout_s)
 
     def examples(self, n: int | None = None) -> TaskStream:
         """The taskset's tasks (its first `n`) as the loop streams them."""
@@ -166,6 +216,7 @@ class V1Env:
             model=model,
             first_turn=SharedFirstTurn(size) if merge_first_turns and size > 1 else None,
             scorer=self.scorer or Scorer(default_runner()),
+            open_tools=self._open_tools if self.sandbox is not None else None,
         )
 
         def episode():
@@ -247,9 +298,9 @@ class V1Env:
         return from_trace(trace, env_name, example_id, policy_version, state_columns, audit)
 
 
-def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:
+def load_v1_env(env_id: str, args: dict[str, Any], sandbox: SandboxConfig | None = None) -> V1Env:
     """The v1 env `env_id` (its taskset, and its own `Env` class if it exports one) with `args` as
-    its taskset config."""
+    its taskset config; its tools run in a `sandbox` (None: in this process)."""
     cache_default_factory_signatures()  # before the first trace is built
     env = load_env(env_id, args)
     try:
@@ -259,4 +310,18 @@ def load_v1_env(env_id: str, args: dict[str, Any]) -> V1Env:
     if first is None:
         raise EnvError(f"env '{env_id}': its taskset has no tasks (with args {args})")
     shared = type(env.taskset).toolsets(env.taskset.config)
-    return V1Env(env, first, shared)
+    if sandbox is not None and sandbox.runtime == "none":
+        if shared or has_toolsets(first):
+            log.warning(
+                f"env '{env_id}': its tools run UNSANDBOXED, with the run's rights (sandbox.runtime = 'none')"
+            )
+        sandbox = None
+    elif sandbox is not None and (shared or has_toolsets(first)):
+        try:
+            check()
+        except SandboxUnavailable as e:
+            raise EnvError(
+                f"env '{env_id}': its tools cannot run sandboxed: {e}; or set the env's "
+                '`sandbox.runtime = "none"` to run them in the run\'s own process'
+            ) from None
+    return V1Env(env, first, shared, env_id=env_id, args=dict(args), sandbox=sandbox)

@@ -179,4 +179,5 @@ def from_trace(
         tool_errors=tool_errors,
         policy_end=max((t.version for t in turns if t.version is not None), default=None),
         drifted_turns=getattr(audit, "drifted", 0),
+        sandbox=dict(getattr(audit, "sandbox", {})),
     )

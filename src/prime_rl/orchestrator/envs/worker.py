@@ -31,6 +31,7 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.messages import Broken, Cancel, GroupDone, Job, Ready, Stop, ToWorker
+from prime_rl.sandbox.tools_host import slow_call
 
 log = logging.getLogger("prime_rl.orchestrator")
 
@@ -73,7 +74,9 @@ async def serve(address: str, config: OrchestratorConfig) -> None:
     beats = asyncio.create_task(activity.beat_loop(), name="activity-beat")
 
     def say() -> None:
-        if running:
+        if running and (slow := slow_call()):
+            activity.doing(f"running {len(running)} group(s), waiting on {slow}", "sandbox")
+        elif running:
             activity.doing(f"running {len(running)} group(s)", "inference")
         else:
             activity.doing("waiting for groups", "orchestrator")
@@ -94,6 +97,7 @@ async def serve(address: str, config: OrchestratorConfig) -> None:
                 if os.getppid() != parent:
                     log.info("the orchestrator is gone: stopping")
                     return
+                say()  # a sandboxed call turned slow since
                 continue
             message = decoder.decode(await sock.recv())
             if isinstance(message, Job):

@@ -26,6 +26,7 @@ from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.staleness import AsyncLevel, adapt
 from prime_rl.orchestrator.loop.weights import WeightSync
 from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.sandbox.tools_host import slow_call
 
 log = logging.getLogger("prime_rl.orchestrator")
 
@@ -150,4 +151,6 @@ def waiting_for(step: int, weights: int, blocked: bool) -> tuple[str, str]:
     """What the step loop waits for while it collects (activity record: words, the kind waited for)."""
     if blocked:
         return f"step {step}: waiting for the trainer's weights of step {weights}", "trainer"
+    if slow := slow_call():  # the env side in this process: its tools' sandbox may hold it up
+        return f"step {step}: collecting rollouts, waiting on {slow}", "sandbox"
     return f"step {step}: collecting rollouts", "inference"

@@ -395,6 +395,7 @@ class Orchestrator:
                 m["async/trainer_ess"] = level.last_ess
         # Processes `rl` restarted so far (deployment.max_restarts): a small file, read once a step.
         m.update({f"restarts/{kind}": n for kind, n in restart_counts(self.output_dir).items()})
+        m.update({f"sandbox/{e.name}/off": 1 for e in self.envs if e.config.sandbox.runtime == "none"})
         m.update(times)
         m["throughput/tokens_per_s"] = m["batch/tokens"] / max(times["time/step"], 1e-9)
         self.metrics.log(step, m)

@@ -18,6 +18,7 @@ from prime_rl.monitor import stats
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup, ScoredGroup
 from prime_rl.orchestrator.loop.samples import segments, turn_stats
 from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.sandbox.tools_host import FAILURES
 
 
 def turn_metrics(env: str, rollouts: list[Rollout]) -> dict[str, float]:
@@ -34,6 +35,8 @@ def turn_metrics(env: str, rollouts: list[Rollout]) -> dict[str, float]:
         f"tool_errors/{env}": sum(r.tool_errors for r in rollouts) / n,
         # Token-in: the turns whose re-rendered history would have differed from what the model saw.
         f"drifted_turns/{env}": sum(r.drifted_turns for r in rollouts) / n,
+        # Sandboxed tool calls that failed this step, counted (not averaged): each is worth a look.
+        **{f"sandbox/{env}/{how}": sum(r.sandbox.get(how, 0) for r in rollouts) for how in FAILURES},
         **stats(f"policy_span/{env}", [float(r.policy_span[1] - r.policy_span[0]) for r in rollouts]),
     }
     if multi:

@@ -12,6 +12,7 @@ from prime_rl.monitor import stats
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup, ScoredGroup
 from prime_rl.orchestrator.loop.records import turn_metrics
 from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting
+from prime_rl.sandbox.tools_host import FAILURES
 
 
 def rollout_metrics(step: int, groups: list[ScoredGroup], envs: list[str]) -> dict[str, Any]:
@@ -112,6 +113,22 @@ def drift_part(m: dict[str, Any], envs: list[str]) -> str:
     return f" | history drift per rollout: {', '.join(drifted)} (kept one sample)" if drifted else ""
 
 
+def sandbox_part(m: dict[str, Any], envs: list[str]) -> str:
+    """The step line's view of the sandbox: tool calls that failed in it, and envs whose tools run
+    unsandboxed (`sandbox.runtime = "none"`), named every step."""
+    failed = [
+        f"{e} {how} {m[f'sandbox/{e}/{how}']}"
+        for e in envs
+        for how in FAILURES
+        if m.get(f"sandbox/{e}/{how}")
+    ]
+    off = [e for e in envs if m.get(f"sandbox/{e}/off")]
+    parts = ([f"sandbox failures: {', '.join(failed)}"] if failed else []) + (
+        [f"TOOLS UNSANDBOXED: {', '.join(off)}"] if off else []
+    )
+    return "".join(f" | {p}" for p in parts)
+
+
 def step_line(step: int, m: dict[str, Any], envs: list[str]) -> str:
     def reward(env: str) -> str:
         mean = m.get(f"reward/{env}/mean")
@@ -123,5 +140,5 @@ def step_line(step: int, m: dict[str, Any], envs: list[str]) -> str:
         f"filtered {m['rollouts/all/filtered']} failed {m['rollouts/all/failed']} stale {m['rollouts/all/stale']} | "
         f"lag {m.get('off_policy_lag/all/mean', 0.0):.2f} | {m['time/step']:.1f}s (generate {m['time/generate']:.1f}s, "
         f"wait trainer {m['time/wait_trainer']:.1f}s, reload {m['time/reload']:.2f}s) | "
-        f"{m['throughput/tokens_per_s']:.0f} tok/s{drift_part(m, envs)}{pool_part(m)}"
+        f"{m['throughput/tokens_per_s']:.0f} tok/s{drift_part(m, envs)}{sandbox_part(m, envs)}{pool_part(m)}"
     )
