@@ -88,6 +88,23 @@ def test_tool_add_calls_its_tool_and_rewards_the_sum():
     assert rollout.tool_errors == 1 and rollout.completion[1]["content"].startswith("Error:")
 
 
+def test_code_add_runs_the_models_program_and_rewards_the_sum():
+    model = str(MODELS / "code_add-tiny")
+    _, task = play("code-add", ["?"], model)
+    a, b = task.data.a, task.data.b
+    code = json.dumps({"code": f"print({a} + {b})"})
+    call = f'<tool_call>\n{{"name": "python", "arguments": {code}}}\n</tool_call>'
+    (rollout,), _ = play("code-add", [call, f"<answer>{a + b}</answer>"], model)
+    assert rollout.reward == 1.0 and rollout.metrics["printed_the_sum"] == 1.0
+    assert rollout.completion[1]["content"] == str(a + b)
+    # A program that fails comes back as its error's last line; the answer still scores.
+    broken = json.dumps({"code": "print(1 +)"})
+    call = f'<tool_call>\n{{"name": "python", "arguments": {broken}}}\n</tool_call>'
+    (rollout,), _ = play("code-add", [call, "<answer>0</answer>"], model)
+    assert rollout.tool_errors == 1 and "SyntaxError" in rollout.completion[1]["content"]
+    assert rollout.reward == 0.0 and rollout.metrics["printed_the_sum"] == 0.0
+
+
 def test_digit_sum_feedback_replies_with_the_direction_or_the_format():
     assert digit_sum_feedback.feedback(10, 12) == "Too low."
     assert digit_sum_feedback.feedback(13, 12) == "Too high."
@@ -119,7 +136,7 @@ def test_sum_digits_dataset_is_seeded_and_correct():
         load_v1_env("sum-digits", {"min_digits": 0})
 
 
-@pytest.mark.parametrize("env", ["reverse_text", "sum_digits", "digit_sum_feedback", "tool_add"])
+@pytest.mark.parametrize("env", ["reverse_text", "sum_digits", "digit_sum_feedback", "tool_add", "code_add"])
 def test_example_configs_parse(env):
     rl = parse_config(RLConfig, ["@", str(REPO / "configs" / env / "rl.toml")])
     sft = parse_config(SFTConfig, ["@", str(REPO / "configs" / env / "sft.toml")])

@@ -3,6 +3,7 @@ files, other processes' environment, writes outside its scratch folder, and bomb
 memory, CPU, time and output are each contained, the run says how it ended, and nothing it started
 is left behind."""
 
+import ast
 import asyncio
 import os
 import socket
@@ -160,3 +161,24 @@ def test_this_machine_can_sandbox_and_a_missing_bubblewrap_says_how_to_get_it(mo
     ):
         bwrap.check()
     bwrap.check.cache_clear()
+
+
+def test_a_path_it_may_read_under_tmp_is_there_in_its_own_tmp(tmp_path):
+    """A checkout (or venv) under /tmp: bound on top of the sandbox's own empty /tmp."""
+    shared = tmp_path / "checkout"
+    shared.mkdir()
+    (shared / "tool.txt").write_text("found")
+    shared.chmod(0o755)
+    for parent in shared.parents:  # pytest's folders are the user's alone: opened to read
+        if str(parent).startswith("/tmp/"):
+            parent.chmod(parent.stat().st_mode | 0o005)
+    (shared / "tool.txt").chmod(0o644)
+    code = f"import os; print(open({str(shared / 'tool.txt')!r}).read()); print(sorted(os.listdir('/tmp')))"
+    paths = [*python_paths(), str(shared)]
+    r = asyncio.run(run([sys.executable, "-c", code], SandboxConfig(), read_only=paths))
+    assert r.ok, r.stderr
+    found, listing = r.stdout.splitlines()
+    # Its /tmp holds the folders above what it may read, and its scratch folder: nothing else of /tmp.
+    above = {Path(p).parts[2] for p in paths if p.startswith("/tmp/")}
+    assert found == "found"
+    assert all(name in above or name.startswith("prime-rl-sandbox-") for name in ast.literal_eval(listing))

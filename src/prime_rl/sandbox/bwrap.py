@@ -90,6 +90,8 @@ def command(
     if uid is None:
         cmd.append("--unshare-user")
     paths = [p for p in dict.fromkeys([*SYSTEM, *read_only]) if os.path.exists(p)]
+    # /tmp first: a path it may read that lies under /tmp (a checkout there) is bound on top of it.
+    cmd += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     # The folders above a bound path are made by bubblewrap, root's and closed (0700) by default:
     # opened here, or its own user could not reach what it may read.
     above = {str(a) for p in paths for a in Path(p).parents if str(a) != "/"}
@@ -97,7 +99,6 @@ def command(
         cmd += ["--perms", "0755", "--dir", folder]
     for path in paths:
         cmd += ["--ro-bind", path, path]
-    cmd += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     cmd += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch)]
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
