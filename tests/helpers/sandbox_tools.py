@@ -3,6 +3,7 @@
 import os
 import subprocess
 import time
+from pathlib import Path
 
 STATE = {"calls": 0}
 
@@ -46,9 +47,17 @@ def scratch() -> list:
     return [os.getcwd(), before]
 
 
+def sleep_argv(tag: str) -> list[str]:
+    """A `sleep` the tests find by its arguments (`tag`: unique to the test)."""
+    return ["sleep", f"{tag}.5"]
+
+
 def leave_behind(tag: str) -> None:
-    """A process that outlives the call, out of the worker's process group (as a daemon would)."""
-    subprocess.Popen(["sleep", f"{1000 + int(tag)}.5"], start_new_session=True)
+    """A process that outlives the call, out of the worker's process group (as a daemon would),
+    returned once it runs `sleep` (so that a test sees it from outside)."""
+    proc = subprocess.Popen(sleep_argv(tag), start_new_session=True)
+    while not Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(b"sleep"):
+        time.sleep(0.001)
 
 
 def memory() -> int:
@@ -57,7 +66,7 @@ def memory() -> int:
 
 def wait_on(tag: str) -> None:
     """A call that waits on a process of its own (in the worker's group) that never ends."""
-    subprocess.run(["sleep", f"{1000 + int(tag)}.5"])
+    subprocess.run(sleep_argv(tag))
 
 
 def long() -> str:

@@ -5,6 +5,7 @@ of memory or prints without end fails its call alone: the host serves the next s
 
 import asyncio
 import os
+import secrets
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,11 @@ def test_a_worker_serves_sessions_in_turn_each_in_an_empty_folder(per_worker):
     assert len(pids) == (1 if per_worker > 1 else 3)
 
 
+def unique_tag() -> str:
+    """Tells this test's `sleep` from any other's (tests run side by side)."""
+    return str(1_000_000 + secrets.randbelow(10**9))
+
+
 def sleepers(tag: str) -> list[int]:
     """Processes (outside the sandbox's view) running the `sleep` that `leave_behind(tag)` started."""
     found = []
@@ -76,7 +82,7 @@ def sleepers(tag: str) -> list[int]:
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2] == [
                 b"sleep",
-                f"{1000 + int(tag)}.5".encode(),
+                f"{tag}.5".encode(),
             ]:
                 found.append(int(pid))
         except OSError:
@@ -85,7 +91,7 @@ def sleepers(tag: str) -> list[int]:
 
 
 def test_a_process_a_session_leaves_behind_is_killed_and_its_worker_replaced():
-    tag = str(os.getpid() % 1000)
+    tag = unique_tag()
 
     async def scenario(host):
         session = await host.session(10)
@@ -149,7 +155,7 @@ def test_a_slow_call_in_flight_is_named_for_the_watchdog(monkeypatch):
 
 def test_a_call_whose_rollout_is_cancelled_is_killed_with_what_it_started(monkeypatch):
     monkeypatch.setattr(tools_host, "SLOW_S", 0.0)
-    tag = str(os.getpid() % 1000 + 1)
+    tag = unique_tag()
 
     async def scenario(host):
         session = await host.session(10)
