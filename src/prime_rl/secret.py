@@ -8,9 +8,9 @@ file, a command line, the console or W&B. Processes started by hand read the sam
 neither set there is no secret, and every check below lets everything through (the loopback-only
 defaults are then the only protection, and a server refuses a non-loopback bind: `require_for_bind`).
 
-Invariant: the secret's value leaves this module only as an `Authorization` header, through
-`headers()`, and everything else derives its own key from it (`key(label)`), so no two uses share
-bytes and none of them can give the secret away.
+Invariant: the secret's value never leaves this module, nor the process: every use derives its own
+key from it (`key(label)`), so no two uses share bytes and none of them can give the secret away.
+Requests to the run's servers are signed with one of these keys (`auth/signing.py`).
 """
 
 from __future__ import annotations
@@ -100,22 +100,6 @@ def owner_token(run_dir: str) -> str:
     a secret it is only a digest of the run folder: servers on loopback, where callers are trusted.)"""
     k = key("adapter-owner") or b"prime-rl-unkeyed"
     return hmac.new(k, str(run_dir).encode(), hashlib.sha256).hexdigest()
-
-
-def headers() -> dict[str, str]:
-    """The header that authenticates a request to the run's servers (empty without a secret)."""
-    s = value()
-    return {"Authorization": f"Bearer {s}"} if s else {}
-
-
-def accepts(authorization: str | None) -> bool:
-    """Whether a request's `Authorization` header carries this process's secret (in constant time).
-    Without a secret every request is accepted."""
-    s = value()
-    if s is None:
-        return True
-    given = (authorization or "").removeprefix("Bearer ").strip()
-    return hmac.compare_digest(given.encode(), s.encode())
 
 
 def is_loopback(host: str) -> bool:

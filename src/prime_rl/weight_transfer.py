@@ -6,7 +6,8 @@ every tensor's place without a message per tensor. Each chunk travels as one fla
 collective per chunk, not per tensor, and the receiver allocates a fresh buffer per chunk, because
 vLLM's in-place reload keeps references to loaded tensors until a layer is complete. The group is
 made for one update (a store prefix per update) and dropped after it, so a server that died or
-restarted never leaves a broken group behind. Gloo on CPU, NCCL on CUDA.
+restarted never leaves a broken group behind. The group forms through the run's own store
+(`auth/store.py`), which only the run's processes can reach. Gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -93,40 +94,6 @@ def unpack_chunk(buffer: torch.Tensor, chunk: list[Entry]) -> Iterator[tuple[str
 
 def chunk_bytes(chunk: list[Entry]) -> int:
     return sum(e.nbytes for e in chunk)
-
-
-def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """The trainer hosts the store (once, for the whole run); each worker connects per update."""
-    return dist.TCPStore(
-        host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-
-
-PROOF_KEY = "proof"
-"""The key, under an update's prefix, where the trainer puts the secret's proof for that prefix."""
-
-
-def put_proof(store: dist.Store, prefix: str, proof: bytes) -> None:
-    """The trainer: mark the update's prefix as its own (before any server is asked to join)."""
-    store.set(prefix + PROOF_KEY, proof.hex())
-
-
-def store_proof(host: str, port: int, prefix: str, proof: bytes, timeout_s: float) -> bool:
-    """A server, before it joins: whether the store at `host:port` holds the proof for `prefix`, that
-    is, was written by a holder of the run secret. torch's TCPStore listens on every interface and
-    lets anyone read and write: what makes a store the trainer's is this proof, and what keeps others
-    from the update's keys is the prefix, random and sent only over authenticated requests."""
-    import hmac
-
-    wait_s = max(1.0, min(timeout_s, 30.0))
-    try:
-        store = dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=wait_s), wait_for_workers=False
-        )
-        store.wait([prefix + PROOF_KEY], timedelta(seconds=wait_s))
-        return hmac.compare_digest(store.get(prefix + PROOF_KEY), proof.hex().encode())
-    except Exception:  # nothing listens there, no proof in time, or not a store at all
-        return False
 
 
 def join_group(store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float, cuda: bool):

@@ -56,11 +56,12 @@ class WeightReloadExtension:
         its server) and load every tensor as it arrives."""
         import torch
 
-        from prime_rl.weight_transfer import join_group, open_store, plan_from_json, receive
+        from prime_rl.auth.store import RemoteStore
+        from prime_rl.weight_transfer import join_group, plan_from_json, receive
 
         device = self.device if getattr(self, "device", None) is not None else torch.device("cpu")
         cuda = torch.device(device).type == "cuda"
-        store = open_store(host, port, is_master=False, timeout_s=timeout_s)
+        store = RemoteStore(host, port, timeout_s)  # proves itself the run's before anything joins
         group = join_group(
             store, prefix, first_rank + int(getattr(self, "rank", 0)), world_size, timeout_s, cuda
         )

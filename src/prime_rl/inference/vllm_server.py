@@ -39,9 +39,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from prime_rl import activity, secret
+from prime_rl.auth.store import RemoteStore, StoreRefused
 from prime_rl.inference.adapters import make_adapter_router
+from prime_rl.inference.authenticated import Authenticated, log_refusal
 from prime_rl.layout import READY
-from prime_rl.weight_transfer import DTYPES, chunk_bytes, plan_from_json, store_proof
+from prime_rl.weight_transfer import DTYPES, chunk_bytes, plan_from_json
 
 BROKEN = -2
 """The served step after a broadcast failed midway: part of the weights may be new."""
@@ -142,14 +144,11 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
                 {"error": f"the plan holds {planned} bytes, more than {PLAN_SLACK}x the served weights"},
                 status_code=413,
             )
-        proof = secret.key(f"weights-store/{prefix}")
-        if proof is not None and not await asyncio.to_thread(
-            store_proof, host, port, prefix, proof, timeout_s
-        ):
-            log_refusal(f"receive_weights: the store at {host}:{port} is not this run's trainer's")
-            return JSONResponse(
-                {"error": f"the store at {host}:{port} is not this run's trainer's"}, status_code=403
-            )
+        try:  # before anything pauses: the store must prove it is the run's trainer's
+            (await asyncio.to_thread(RemoteStore, host, port, timeout_s)).close()
+        except (StoreRefused, OSError) as e:
+            log_refusal(f"receive_weights: {e}")
+            return JSONResponse({"error": str(e)}, status_code=403)
         args = (host, port, prefix, first_rank, world_size, list(body["plan"]), timeout_s)
         async with lock:
             activity.doing(f"receiving the weights of step {step} from the trainer", "trainer", step)
@@ -164,61 +163,6 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
         return {"step": step, "workers": workers, "dtype": dtype, "weights_dir": str(root)}
 
     return router
-
-
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
-"""Open without the secret: whether the server is up, its version and its Prometheus counters (what
-a cluster's monitoring scrapes); none serves a completion or changes anything."""
-
-REFUSAL_LOG_EVERY_S = 10.0
-_refusals: dict = {"unsaid": 0, "last": None}
-
-
-def log_refusal(what: str) -> None:
-    """One line per refusal, and at most one per `REFUSAL_LOG_EVERY_S` (with a count of the others),
-    so that a flood of bad requests cannot flood the log."""
-    _refusals["unsaid"] += 1
-    now = time.monotonic()
-    if _refusals["last"] is not None and now - _refusals["last"] < REFUSAL_LOG_EVERY_S:
-        return
-    more = _refusals["unsaid"] - 1
-    also = f" (and {more} more since the last line)" if more else ""
-    print(f"prime_rl: refused {what}{also}", file=sys.stderr, flush=True)
-    _refusals.update(unsaid=0, last=now)
-
-
-class Authenticated:
-    """ASGI middleware: with a run secret, every request but `OPEN_PATHS` must carry it, or gets 401
-    before any route sees it. (Outermost, so vLLM's own routes are covered too.)"""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if secret.accepts(given):
-            return await self.app(scope, receive, send)
-        client = (scope.get("client") or ("?", 0))[0]
-        log_refusal(
-            f"{scope.get('method', 'WS')} {scope['path']} from {client}: {'wrong' if given else 'no'} run secret"
-        )
-        if scope["type"] == "websocket":
-            return await send({"type": "websocket.close", "code": 1008})
-        body = b'{"error": "this server needs the run secret (Authorization: Bearer ...)"}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
 
 
 STEP_HEADER = b"x-prime-rl-step"

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl import secret, tls
+from prime_rl.auth import clients
 from prime_rl.layout import weights_root
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import ADAPTERS_ROUTE, WEIGHTS_ROUTE, WeightSyncError
@@ -34,7 +35,7 @@ async def check_weights_dirs(
     pool: ServerPool, output_dir: Path, adapter: bool, timeout_s: float = 30.0
 ) -> None:
     """Raise `WeightsDirMismatch` for the first server that would refuse `<output_dir>/weights`."""
-    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), auth=clients.auth()) as http:
         roots = await asyncio.gather(*(_accepted_root(http, s, adapter) for s in pool.servers))
     for server, root in zip(pool.servers, roots, strict=True):
         refusal(server, root, output_dir, adapter)
@@ -42,7 +43,7 @@ async def check_weights_dirs(
 
 async def check_weights_dir(server: Server, output_dir: Path, adapter: bool, timeout_s: float = 30.0) -> None:
     """`check_weights_dirs` for one server (one that joins the running run)."""
-    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), auth=clients.auth()) as http:
         refusal(server, await _accepted_root(http, server, adapter), output_dir, adapter)
 
 
