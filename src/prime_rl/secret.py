@@ -111,6 +111,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bound_host(argv: list[str], default: str) -> str:
+    """The address a server given `argv` listens on: the last `--host` (vLLM's argparse takes the
+    last one, so a `--host` in `extra_args` wins over ours), in either `--host X` or `--host=X`."""
+    host = default
+    for i, arg in enumerate(argv):
+        if arg == "--host" and i + 1 < len(argv):
+            host = argv[i + 1]
+        elif arg.startswith("--host="):
+            host = arg.split("=", 1)[1]
+    return host
+
+
 def require_for_bind(host: str, what: str, allow_unauthenticated: bool = False) -> None:
     """Refuse to listen beyond loopback without a secret: anyone on the network could then change
     what the server serves. One line naming the variables, and the opt-out."""

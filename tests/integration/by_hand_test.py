@@ -8,6 +8,8 @@ shipped configs run to the end with every dispatched rollout accounted for once 
 the same steps; Ctrl-C stops the server, serving or starting, within seconds with its one line.
 """
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -24,6 +26,7 @@ import pytest
 
 from helpers.cores import server_env
 from prime_rl import secret
+from prime_rl.auth.clients import Signed
 from prime_rl.engine.server import wait_until_healthy
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
@@ -146,7 +149,12 @@ def intrude(server: Server) -> bool:
         "/v1/chat/completions": {"model": "x", "messages": [{"role": "user", "content": "x"}]},
         "/v1/load_lora_adapter": {"lora_name": "x", "lora_path": str(weights)},
     }  # fmt: skip
-    for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
+    the_secret = secret.read(server.secret)  # sent as it once was: no longer worth anything
+    for headers in (
+        {},
+        {"Authorization": "Bearer not-the-secret"},
+        {"Authorization": f"Bearer {the_secret}"},
+    ):
         for route, body in calls.items():
             answer = httpx.post(f"{server.url}{route}", json=body, headers=headers, timeout=30)
             assert answer.status_code == 401, (route, answer.status_code, answer.text[:300])
@@ -232,11 +240,8 @@ def test_the_shipped_configs_run_three_processes_by_hand(server, tmp_path):
     # within max_async_level of them.
     assert all((run / "weights" / f"step_{s}" / "READY").exists() for s in range(1, STEPS + 1))
     assert intruded
-    served = httpx.get(
-        f"{server.url}/prime_rl/weights",
-        timeout=10,
-        headers={"Authorization": f"Bearer {secret.read(server.secret)}"},
-    )
+    key = hmac.new(secret.read(server.secret).encode(), b"requests", hashlib.sha256).digest()
+    served = httpx.get(f"{server.url}/prime_rl/weights", timeout=10, auth=Signed(key))
     assert served.json()["step"] >= 1
     versions = [m["policy_version"] for m in steps]
     assert versions[-1] >= 1 and all(s - v <= 1 for s, v in enumerate(versions))

@@ -100,6 +100,7 @@ ROUTES = [
     ("get", "/prime_rl/adapters"),
     ("get", "/prime_rl/weights"),
     ("post", "/v1/chat/completions"),
+    ("get", "/metrics"),  # it names the adapters and the model
 ]
 
 
@@ -166,6 +167,8 @@ def test_load_weights_takes_only_a_newer_step_from_its_own_folder(tmp_path, run_
     assert load(one, 1).status_code == 409  # older than served
     assert load(two, 2).json()["step"] == 2  # the same step again: idempotent (a restarted run)
     assert client.get("/prime_rl/weights").json()["step"] == 2
+    assert load(one, 1, rewind=True).status_code == 409  # any caller of the run's but the orchestrator
+    client.auth = lambda request: sign_request(request, signing.request_key("orchestrator"), "orchestrator")
     assert load(one, 1, rewind=True).json()["step"] == 1  # the orchestrator bringing a server back
 
 
@@ -280,6 +283,11 @@ def test_a_server_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch)
     assert "'server.host' = '0.0.0.0'" in problem and secret.FILE_ENV in problem
     assert "server.allow_unauthenticated = true" in problem
     assert bind_problems(InferenceConfig()) == []  # loopback
+    # vLLM takes the last --host: one in extra_args is the address it binds (the review's way around).
+    for extra in (["--host", "0.0.0.0"], ["--host=0.0.0.0"]):
+        (problem,) = bind_problems(InferenceConfig(extra_args=extra))
+        assert "'extra_args' --host = '0.0.0.0'" in problem
+    assert secret.bound_host(["--host", "127.0.0.1", "--port", "1", "--host", "::"], "x") == "::"
     assert bind_problems(InferenceConfig(server={"host": "0.0.0.0", "allow_unauthenticated": True})) == []
     monkeypatch.setenv(secret.ENV, SECRET)
     secret.value.cache_clear()

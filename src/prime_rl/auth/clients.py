@@ -79,9 +79,9 @@ def sign_request(request, key: bytes, identity: str = signing.OWNER):
     return request
 
 
-def auth() -> Signed | None:
+def auth(identity: str = signing.OWNER) -> Signed | None:
     """The auth of this process's clients to the run's servers (None without a secret)."""
-    signer = Signed()
+    signer = Signed(identity=identity)
     return signer if signer.key is not None else None
 
 

@@ -47,9 +47,19 @@ class ServerNotOurs(ConnectionError):
     """The process answering at a server's address did not prove it holds the run's key."""
 
 
+ORCHESTRATOR = "orchestrator"
+"""The id the run's orchestrator signs with: the one caller that may set the run's version back
+(`load_weights` with `rewind`)."""
+
+
 def request_key(identity: str = OWNER) -> bytes | None:
-    """This process's key for signing its requests, None without a secret."""
-    return secret.key("requests") if identity == OWNER else None
+    """The request key of `identity` under this process's secret (None without a secret, or for
+    an id it does not know)."""
+    if identity == OWNER:
+        return secret.key("requests")
+    if identity == ORCHESTRATOR:
+        return secret.key("requests/orchestrator")
+    return None
 
 
 def _prove_key(key: bytes) -> bytes:

@@ -39,6 +39,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from prime_rl import activity, secret
+from prime_rl.auth import signing
 from prime_rl.auth.store import RemoteStore, StoreRefused
 from prime_rl.inference.adapters import make_adapter_router
 from prime_rl.inference.authenticated import Authenticated, log_refusal
@@ -99,7 +100,9 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
             body = await request.json()
             path, step = Path(str(body["path"])), int(body["step"])
             clear_cache = bool(body.get("clear_cache", False))
-            rewind = bool(body.get("rewind", False))
+            # Only the run's orchestrator sets the run's version back (without a secret, nobody is told apart).
+            caller = request.scope.get("prime_rl.caller", signing.ORCHESTRATOR)
+            rewind = bool(body.get("rewind", False)) and caller == signing.ORCHESTRATOR
         except Exception:
             return JSONResponse({"error": 'expected JSON {"path": str, "step": int}'}, status_code=400)
         resolved = path.resolve()
@@ -264,7 +267,7 @@ def main() -> None:
     allow_open = secret.OPT_OUT_FLAG in argv
     if allow_open:
         argv.remove(secret.OPT_OUT_FLAG)
-    host = _take(list(argv), "--host", "0.0.0.0")  # vLLM's default: every interface
+    host = secret.bound_host(argv, "0.0.0.0")  # vLLM's default: every interface
     try:
         secret.value()
         secret.require_for_bind(host, "the inference server", allow_open)

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl import activity, secret, tls
-from prime_rl.auth import clients
+from prime_rl.auth import clients, signing
 from prime_rl.engine.local import EngineBroken, EngineStopped
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
@@ -212,8 +212,9 @@ class WeightSync:
         activity.doing(f"loading the weights of step {step} into {len(servers)} server(s)", "inference")
         unreachable: list[Server] = []
         broadcast = self.broadcast(step)
+        # Signed as the orchestrator: the one caller whose `rewind` a server takes.
         async with httpx.AsyncClient(
-            timeout=self.timeout_s, verify=tls.context(), auth=clients.auth()
+            timeout=self.timeout_s, verify=tls.context(), auth=clients.auth(signing.ORCHESTRATOR)
         ) as http:
 
             async def check(server: Server) -> None:
