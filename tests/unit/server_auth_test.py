@@ -47,7 +47,9 @@ class Engine:
 def make_app(weights_dir, engine: Engine, max_update_s: float = 60.0, lora: bool = False) -> FastAPI:
     app = FastAPI()
     app.include_router(vllm_server.make_router(weights_dir, max_update_s))
-    app.include_router(adapters.make_adapter_router(weights_dir))
+    adapter_router = adapters.make_adapter_router(weights_dir)
+    app.include_router(adapter_router)
+    app.state.prime_rl_adapters = adapter_router.served
 
     @app.get("/health")
     async def health():

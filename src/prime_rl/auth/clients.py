@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from prime_rl.auth import signing
+from prime_rl.auth import signing, tenant
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", signing.PROVE_PATH})
 """Routes our servers answer without a signature: nothing is sent to them."""
@@ -79,10 +79,20 @@ def sign_request(request, key: bytes, identity: str = signing.OWNER):
     return request
 
 
+def caller(identity: str = signing.OWNER) -> tuple[str, bytes | None]:
+    """Who this process signs as, and with which key: a tenant of a shared server with its tenant
+    key (`PRIME_RL_TENANT_KEY_FILE`, whatever `identity` it asks for: a tenant has no other), else
+    `identity` under the run secret (no key without a secret)."""
+    mine = tenant.mine()
+    if mine is not None:
+        return mine
+    return identity, signing.request_key(identity)
+
+
 def auth(identity: str = signing.OWNER) -> Signed | None:
     """The auth of this process's clients to the run's servers (None without a secret)."""
-    signer = Signed(identity=identity)
-    return signer if signer.key is not None else None
+    identity, key = caller(identity)
+    return Signed(key, identity) if key is not None else None
 
 
 async def prove_server(session, url: str, key: bytes, identity: str = signing.OWNER) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, urlsplit
 
 from prime_rl import secret
+from prime_rl.auth import tenant
 
 SCHEME = "PrimeRL-HMAC"
 WINDOW_S = 120.0
@@ -59,7 +60,7 @@ def request_key(identity: str = OWNER) -> bytes | None:
         return secret.key("requests")
     if identity == ORCHESTRATOR:
         return secret.key("requests/orchestrator")
-    return None
+    return tenant.key_for(identity)  # a shared server's tenant (None: no such caller)
 
 
 def _prove_key(key: bytes) -> bytes:

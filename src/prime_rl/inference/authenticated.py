@@ -15,6 +15,7 @@ import time
 
 from prime_rl import secret
 from prime_rl.auth import signing
+from prime_rl.inference import tenants
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 """Open without a signature: whether the server is up and its version; none serves a completion,
@@ -82,6 +83,11 @@ class Authenticated:
                 return await send({"type": "websocket.close", "code": 1008})
             return await _answer(send, 401, {"error": f"this server takes only signed requests ({why})"})
         scope = {**scope, "prime_rl.caller": caller}
+        if caller not in (signing.OWNER, signing.ORCHESTRATOR):  # a tenant of a shared server
+            why = tenants.refusal(scope, body)
+            if why is not None:
+                log_refusal(f"{method} {path} from tenant {caller!r}: {why}")
+                return await _answer(send, 403, {"error": why})
         if scope["type"] == "websocket":
             return await self.app(scope, receive, send)
         replayed = False

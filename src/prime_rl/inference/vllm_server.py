@@ -273,7 +273,8 @@ def main() -> None:
         secret.require_for_bind(host, "the inference server", allow_open)
     except secret.SecretError as e:
         raise SystemExit(f"vllm_server: {e}") from None
-    routers = [make_router(weights_dir, max_update_s), make_adapter_router(adapters_root)]
+    adapter_router = make_adapter_router(adapters_root)
+    routers = [make_router(weights_dir, max_update_s), adapter_router]
     label = os.environ.get(activity.ENV_LABEL, "inference")
     activity.start(label, "inference", weights_dir.parent, doing="starting vLLM")
 
@@ -294,6 +295,7 @@ def main() -> None:
         for router in routers:
             app.include_router(router)
         Requests.app = app
+        app.state.prime_rl_adapters = adapter_router.served  # (whose adapter a tenant samples)
         if app.middleware_stack is None:
             app.add_middleware(Requests)
             app.add_middleware(Authenticated)  # added last: the outermost

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from prime_rl.auth import clients, signing
+from prime_rl.auth import clients
 from prime_rl.engine.sampling import BadRequestError, Completion, SamplingArgs
 
 KEEPALIVE_EXPIRY_S = 2.0
@@ -93,7 +93,7 @@ class ServerSampler:
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
         self.headers = {"Content-Type": "application/json"}
-        self.key = signing.request_key()
+        self.identity, self.key = clients.caller()
         """Each request is signed with it, after the server proved it holds it (`auth/`)."""
         self.timeout_s = timeout_s
         self.retries = retries
@@ -164,8 +164,8 @@ class ServerSampler:
             try:
                 headers = None
                 if self.key is not None:
-                    await clients.prove_server(session, self.url, self.key)
-                    headers = clients.sign_headers(self.key, "POST", self.url, content)
+                    await clients.prove_server(session, self.url, self.key, self.identity)
+                    headers = clients.sign_headers(self.key, "POST", self.url, content, self.identity)
                 async with session.post(self.url, data=content, headers=headers) as response:
                     status, answer = response.status, await response.read()
                     step = response.headers.get(STEP_HEADER)
