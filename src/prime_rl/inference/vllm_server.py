@@ -43,7 +43,7 @@ from prime_rl.auth import signing
 from prime_rl.auth.store import RemoteStore, StoreRefused
 from prime_rl.inference.adapters import make_adapter_router
 from prime_rl.inference.authenticated import Authenticated, log_refusal
-from prime_rl.layout import READY
+from prime_rl.layout import READY, verify_weights
 from prime_rl.weight_transfer import DTYPES, chunk_bytes, plan_from_json
 
 BROKEN = -2
@@ -115,6 +115,10 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
             )
         if not (resolved / READY).exists():
             return JSONResponse({"error": f"{path} has no {READY} marker"}, status_code=404)
+        problem = await asyncio.to_thread(verify_weights, resolved)  # before anything pauses
+        if problem is not None:
+            log_refusal(f"load_weights: {problem}")
+            return JSONResponse({"error": f"not the run's trainer's weights: {problem}"}, status_code=403)
         async with lock:
             served = getattr(request.app.state, "prime_rl_step", 0)
             if step < served and not rewind:
