@@ -19,6 +19,7 @@ from prime_rl.auth.clients import sign_request
 from prime_rl.auth.store import StoreServer
 from prime_rl.inference import adapters, authenticated, vllm_server
 from prime_rl.inference.authenticated import Authenticated
+from prime_rl.layout import WEIGHTS, write_manifest
 from prime_rl.net import free_port
 
 SECRET = RUN_SECRET
@@ -69,8 +70,10 @@ def make_app(weights_dir, engine: Engine, max_update_s: float = 60.0, lora: bool
 
 
 def published(weights_dir, step: int):
+    """A step's folder as the trainer publishes it: its keyed manifest, then READY."""
     folder = weights_dir / f"step_{step}"
     folder.mkdir(parents=True)
+    write_manifest(folder, WEIGHTS)
     (folder / "READY").touch()
     return folder
 
@@ -217,7 +220,8 @@ def test_receive_weights_joins_only_a_store_that_proves_the_secret(tmp_path, run
     # The trainer's store: it proves the key only a holder of the secret can derive.
     assert client.post("/prime_rl/receive_weights", json=receive_body(port, prefix)).status_code == 200
     (receive,) = [c[1] for c in engine.calls if c[0] == "prime_rl_receive"]
-    assert receive[-1] == 5.0  # the caller asked for an hour; the server's bound holds
+    assert receive[-2] == 5.0  # the caller asked for an hour; the server's bound holds
+    assert receive[-1] is True  # a server with the secret takes only sealed chunks on CPU
 
 
 def test_a_broadcast_that_fails_midway_marks_the_server_broken_until_a_good_update(

@@ -15,7 +15,16 @@ import torch.distributed as dist
 from prime_rl.auth import store as store_module
 from prime_rl.auth.store import HELLO, NONCE_BYTES, RemoteStore, StoreRefused, StoreServer
 from prime_rl.net import free_port
-from prime_rl.weight_transfer import join_group, make_plan, plan_from_json, plan_to_json, receive, send
+from prime_rl.weight_transfer import (
+    Unsealed,
+    join_group,
+    make_plan,
+    plan_from_json,
+    plan_to_json,
+    receive,
+    seal_key,
+    send,
+)
 
 
 @pytest.fixture
@@ -119,3 +128,31 @@ def test_a_frame_changed_on_the_way_is_refused(run_secret):
         relayed.receive()
     for s in (a, b, c, d):
         s.close()
+
+
+def test_chunks_from_whoever_took_a_pair_are_refused_before_any_tensor_is_loaded(trainer_store):
+    # gloo's pairs connect over plain TCP after the store introduced them: on CPU each chunk carries
+    # a tag under the update's key, so bytes from anyone else break the update instead of filling it.
+    port, state = trainer_store.address[1], {"a": torch.ones(4), "b": torch.zeros(3)}
+    plan = make_plan(state, chunk_bytes=16)  # two chunks
+
+    def update(prefix: str, sender_key: bytes) -> list:
+        got: list = []
+
+        def server_worker() -> None:
+            group = join_group(RemoteStore("127.0.0.1", port, 30), prefix, 1, 2, 30, cuda=False)
+            try:
+                got.extend(n for n, _ in receive(group, plan, torch.device("cpu"), seal_key(prefix)))
+            except Unsealed as e:
+                got.append(e)
+
+        worker = threading.Thread(target=server_worker)
+        worker.start()
+        group = join_group(trainer_store.store(), prefix, 0, 2, 30, cuda=False)
+        send(group, state, plan, torch.device("cpu"), sender_key)
+        worker.join(timeout=60)
+        return got
+
+    assert update("u1/", seal_key("u1/")) == ["a", "b"]
+    (refused,) = update("u2/", b"someone else's key")
+    assert isinstance(refused, Unsealed) and "chunk 0" in str(refused)

@@ -156,7 +156,9 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
         except (StoreRefused, OSError) as e:
             log_refusal(f"receive_weights: {e}")
             return JSONResponse({"error": str(e)}, status_code=403)
-        args = (host, port, prefix, first_rank, world_size, list(body["plan"]), timeout_s)
+        # The trainer seals its chunks on CPU; a server with the secret takes only sealed ones there.
+        sealed = bool(body.get("sealed", False)) or secret.value() is not None
+        args = (host, port, prefix, first_rank, world_size, list(body["plan"]), timeout_s, sealed)
         async with lock:
             activity.doing(f"receiving the weights of step {step} from the trainer", "trainer", step)
             return await update(request, step, "prime_rl_receive", args, clear_cache=False)

@@ -35,6 +35,7 @@ from prime_rl.weight_transfer import (
     join_group,
     make_plan,
     plan_to_json,
+    seal_key,
     send,
 )
 
@@ -146,6 +147,7 @@ class Broadcaster:
                 "world_size": world,
                 "plan": plan_to_json(plan),
                 "timeout_s": c.timeout_s,
+                "sealed": not torch.cuda.is_available() and seal_key(prefix) is not None,
             }
             try:
                 reply = httpx.post(
@@ -175,7 +177,7 @@ class Broadcaster:
             group = join_group(self._store.store(), prefix, 0, world, c.timeout_s, cuda)
             phases["group"] = time.perf_counter() - t
             t = time.perf_counter()
-            send(group, state, plan, device)
+            send(group, state, plan, device, None if cuda else seal_key(prefix))
             phases["send"] = time.perf_counter() - t
             del group
         except Exception as e:  # a server went away mid-update, or never joined
