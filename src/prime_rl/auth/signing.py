@@ -27,6 +27,7 @@ import hmac
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -126,7 +127,9 @@ class Verifier:
 
     keys: object = field(default=lambda identity: request_key(identity))
     window_s: float = WINDOW_S
-    _seen: dict[str, float] = field(default_factory=dict)
+    _seen: set[str] = field(default_factory=set)
+    _order: deque = field(default_factory=deque)
+    """(when, nonce) in the order they came."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def check(self, method: str, target: str, header: str | None, digest: bytes) -> tuple[str | None, str]:
@@ -152,9 +155,12 @@ class Verifier:
         with self._lock:
             if fields["n"] in self._seen:
                 return None, "a signature seen before (a replay)"
-            if len(self._seen) > 4096:  # forget what is outside the window: it is refused anyway
-                self._seen = {n: s for n, s in self._seen.items() if s > now - 2 * self.window_s}
-            self._seen[fields["n"]] = now
+            # Forget nonces older than the window (in the order they came: O(1) a request); a
+            # replay of one is refused by its time anyway.
+            while self._order and self._order[0][0] < now - 2 * self.window_s:
+                self._seen.discard(self._order.popleft()[1])
+            self._seen.add(fields["n"])
+            self._order.append((now, fields["n"]))
         return fields["id"], ""
 
 
