@@ -5,8 +5,10 @@ Where it comes from, in this order: `PRIME_RL_SECRET` (the value), `PRIME_RL_SEC
 holding it, readable by its owner only). `rl` makes one per run, a file under its output folder, and
 hands it to the processes it starts through `PRIME_RL_SECRET_FILE`, so that it is never in a config
 file, a command line, the console or W&B. Processes started by hand read the same variables; with
-neither set there is no secret, and every check below lets everything through (the loopback-only
-defaults are then the only protection, and a server refuses a non-loopback bind: `require_for_bind`).
+neither set they take the run's file in their output folder, made by the first of them (`ensure`).
+Only with `PRIME_RL_NO_SECRET=1` is there no secret: every check below then lets everything through
+(the loopback-only defaults are the only protection, and a server refuses a non-loopback bind:
+`require_for_bind`).
 
 Invariant: the secret's value never leaves this module, nor the process: every use derives its own
 key from it (`key(label)`), so no two uses share bytes and none of them can give the secret away.
@@ -26,6 +28,9 @@ from pathlib import Path
 
 ENV = "PRIME_RL_SECRET"
 FILE_ENV = "PRIME_RL_SECRET_FILE"
+NO_SECRET_ENV = "PRIME_RL_NO_SECRET"
+"""Set to 1, a process started by hand runs without a secret (loopback only, as before it had one
+by default): the explicit opt-out."""
 FILE_NAME = ".secret"
 """The file `rl` keeps the run's secret in, under its output folder (0600): a resumed run finds the
 same secret, so checkpoint manifests keyed by it still verify."""
@@ -83,6 +88,19 @@ def create(folder: Path) -> Path:
         finally:
             aside.unlink()
     read(path)  # checks its permissions
+    return path
+
+
+def ensure(folder: Path) -> Path | None:
+    """A process started by hand without a secret takes the run's: the file `FILE_NAME` in its
+    output folder, made by the first of the run's processes to start (`create`: race-free, 0600)
+    and read by the others, which share the folder. Its children inherit it. Nothing when a secret
+    is given, or with `NO_SECRET_ENV` set (the explicit opt-out). Returns the file it took."""
+    if value() is not None or os.environ.get(NO_SECRET_ENV, "").strip() not in ("", "0"):
+        return None
+    path = create(Path(folder).resolve())
+    os.environ[FILE_ENV] = str(path)
+    value.cache_clear()
     return path
 
 

@@ -50,7 +50,10 @@ class Process:
     def __init__(self, name: str, args: list[str], folder: Path, secret_file: Path | None = None):
         self.name, self.log = name, folder / f"{name}.log"
         env = server_env()  # a server's threads on this worker's cores
-        if secret_file is not None:  # as docs/by-hand.md shows: the three read the same file
+        # As a user starts them: no secret given, and no opt-out, so the three take the run's from
+        # their output folder (the first to start makes it); or the one file given.
+        env.pop(secret.NO_SECRET_ENV, None)
+        if secret_file is not None:
             env[secret.FILE_ENV] = str(secret_file)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
@@ -102,7 +105,8 @@ class Server(NamedTuple):
     run: Path
     """The output dir the server was started with: its weights load from <run>/weights."""
     secret: Path
-    """The run secret's file, which all three processes are given."""
+    """The run secret's file, which the server made in its output folder, where the trainer and the
+    orchestrator of the run find it."""
 
     @property
     def url(self) -> str:
@@ -122,10 +126,12 @@ def server(tmp_path_factory):
         "--server.port",
         str(port),
     ]
-    process = Process("inference", args, folder, secret.create(folder))
+    process = Process("inference", args, folder)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=600, process=process.proc)
-        yield Server(process, port, folder / "run", folder / secret.FILE_NAME)
+        made = folder / "run" / secret.FILE_NAME  # by the server, given no secret: safe by default
+        assert made.stat().st_mode & 0o777 == 0o600
+        yield Server(process, port, folder / "run", made)
     finally:
         if process.proc.poll() is None:
             os.killpg(process.proc.pid, signal.SIGTERM)
@@ -190,8 +196,9 @@ def test_the_shipped_configs_run_three_processes_by_hand(server, tmp_path):
     transport = free_port()
     trainer_args = ["@", str(CONFIGS / "trainer.toml"), "--output-dir", str(server.run),
                     "--max-steps", str(STEPS), "--transport.port", str(transport)]  # fmt: skip
-    trainer = Process("trainer", trainer_args, tmp_path, server.secret)
-    orch = Process("orchestrator", orchestrator_args(server.run, server, transport), tmp_path, server.secret)
+    # No secret given: both read the one the server made in the run's output folder.
+    trainer = Process("trainer", trainer_args, tmp_path)
+    orch = Process("orchestrator", orchestrator_args(server.run, server, transport), tmp_path)
     intruded = False
     try:
         deadline = time.monotonic() + 900

@@ -315,3 +315,27 @@ def test_the_secret_file_is_the_owners_alone_and_kept_for_a_resumed_run(tmp_path
     with pytest.raises(secret.SecretError, match="cannot read the secret file"):
         secret.value()
     secret.value.cache_clear()
+
+
+def test_by_hand_the_first_process_makes_the_runs_secret_and_the_others_read_it(tmp_path, monkeypatch):
+    # No secret given and no opt-out: safe by default.
+    for name in (secret.ENV, secret.FILE_ENV, secret.NO_SECRET_ENV):
+        monkeypatch.delenv(name, raising=False)
+    secret.value.cache_clear()
+    try:
+        made = secret.ensure(tmp_path / "run")  # the first process (say, the server)
+        assert (
+            made == (tmp_path / "run" / secret.FILE_NAME).resolve() and made.stat().st_mode & 0o777 == 0o600
+        )
+        first = secret.value()
+        monkeypatch.delenv(secret.FILE_ENV)  # another process of the run, started apart
+        secret.value.cache_clear()
+        assert secret.ensure(tmp_path / "run") == made and secret.value() == first
+        # The explicit opt-out: nothing made, nothing taken.
+        monkeypatch.delenv(secret.FILE_ENV)
+        monkeypatch.setenv(secret.NO_SECRET_ENV, "1")
+        secret.value.cache_clear()
+        assert secret.ensure(tmp_path / "other") is None and secret.value() is None
+        assert not (tmp_path / "other").exists()
+    finally:
+        secret.value.cache_clear()
