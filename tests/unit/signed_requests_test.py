@@ -92,3 +92,18 @@ def test_a_server_that_proves_the_key_gets_signed_requests_each_once(run_secret)
     header = signing.sign(signing.request_key(), "POST", "/work", b"{}")
     assert client.post("/work", content=b"{}", headers={"Authorization": header}).status_code == 200
     assert client.post("/work", content=b"{}", headers={"Authorization": header}).status_code == 401
+
+
+def test_a_run_whose_server_cannot_prove_its_key_stops_at_start_in_one_line(run_secret, squatter):
+    # (A server started with another secret, or none, answers as the squatter does: no proof.)
+    from prime_rl.orchestrator.config import ClientConfig
+    from prime_rl.orchestrator.loop.servers import ServerPool
+    from prime_rl.orchestrator.loop.weights_dir import SecretRefused, check_weights_dirs
+
+    url, seen = squatter
+    pool = ServerPool(ClientConfig(base_urls=[f"{url}/v1"]))
+    with pytest.raises(SecretRefused) as e:
+        asyncio.run(check_weights_dirs(pool, "/runs/x", adapter=False))
+    assert "did not prove it holds this run's key" in str(e.value) and "\n" not in str(e.value)
+    assert "PRIME_RL_SECRET_FILE" in str(e.value) and "PRIME_RL_TENANT_KEY_FILE" in str(e.value)
+    assert all("Authorization" not in s["headers"] for s in seen)

@@ -57,6 +57,13 @@ def refusal(server: Server, root: Path | None, output_dir: Path, adapter: bool) 
             f"the inference server at {server.root_url} refuses this run's requests (401: {given}): "
             f"give the orchestrator and the trainer the server's secret, {secret.FILE_ENV}=<its file>"
         )
+    if root == NOT_OURS:
+        raise SecretRefused(
+            f"the inference server at {server.root_url} did not prove it holds this run's key (started "
+            f"with another secret, or none, or another process has its port), so nothing was sent to it: "
+            f"start it with the run's secret ({secret.FILE_ENV}=<output_dir>/{secret.FILE_NAME}), or, "
+            f"for a shared server, use the tenant key its owner issued (PRIME_RL_TENANT_KEY_FILE)"
+        )
     if root is None or published == root or root in published.parents:
         return
     what = "adapters" if adapter else "weights"
@@ -75,6 +82,8 @@ def refusal(server: Server, root: Path | None, output_dir: Path, adapter: bool) 
 
 UNAUTHORIZED = Path("/401")
 """`_accepted_root`'s answer for a server that refused this run's secret."""
+NOT_OURS = Path("/not-ours")
+"""`_accepted_root`'s answer for a server that did not prove it holds this run's key."""
 
 
 async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool) -> Path | None:
@@ -87,6 +96,11 @@ async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool)
         resp = await http.get(f"{server.root_url}{route}")
         if resp.status_code == 401:
             return UNAUTHORIZED
+    except clients.ServerNotOurs:
+        return NOT_OURS
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    try:
         if resp.status_code != 200 or (adapter and not resp.json().get("enabled")):
             return None
         return Path(resp.json()[key])
