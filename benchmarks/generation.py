@@ -60,7 +60,9 @@ def start_server(model: str, max_model_len: int, out: Path, extra: list[str] = (
            "--model.max_model_len", str(max_model_len), "--server.port", str(port), "--output_dir", str(out)]  # fmt: skip
     if extra:
         cmd += ["--extra_args", json.dumps(list(extra))]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # A benchmark server on loopback: no secret unless this process has one (benchmarks/auth.py).
+    env = {**os.environ, "PRIME_RL_NO_SECRET": os.environ.get("PRIME_RL_NO_SECRET", "1")}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=300, process=proc)
     except Exception:

@@ -110,7 +110,9 @@ def start_server(model: Path, runs: Path, rank: int):
     log = (runs / "server.log").open("w")
     cmd = [str(Path(sys.executable).parent / "inference"), "@", str(config), "--model.name", str(model),
            "--model.max-model-len", "512", "--server.port", str(port), "--output-dir", str(runs / "full")]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # A benchmark server on loopback: no secret unless this process has one (benchmarks/auth.py).
+    env = {**os.environ, "PRIME_RL_NO_SECRET": os.environ.get("PRIME_RL_NO_SECRET", "1")}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=900, process=proc)
     except Exception:

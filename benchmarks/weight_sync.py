@@ -160,7 +160,9 @@ def main() -> None:
     cmd = [str(Path(sys.executable).parent / "inference"), "--model.name", str(folder), "--model.max-model-len", "256",
            "--server.port", str(port), "--output-dir", str(out)]  # fmt: skip
     log = (tmp / "inference.log").open("w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # A benchmark server on loopback: no secret, as the in-process trainer side has none.
+    env = {**os.environ, "PRIME_RL_NO_SECRET": os.environ.get("PRIME_RL_NO_SECRET", "1")}
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_until_healthy(base, timeout_s=900, process=server)

@@ -24,6 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent / "envs"))
 # No model hub here: a model name that is not a local folder fails at once instead of retrying.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The processes the tests start by hand (a server in one folder, an orchestrator in another) run as
+# they did before a secret was the default, on loopback: the explicit opt-out. Tests of the default
+# take it away (`tests/integration/by_hand_test.py`); `rl` makes its run's secret regardless.
+os.environ.setdefault("PRIME_RL_NO_SECRET", "1")
+
 
 def pytest_configure(config) -> None:
     # The suite starts some 400 Python processes that import prime_rl, its environments and these

@@ -91,7 +91,10 @@ class FakeServer:
     """Serve `GET /prime_rl/adapters` as a LoRA server with this root (unset: no such route)."""
 
     def __post_init__(self):
+        from prime_rl.inference.authenticated import Authenticated
+
         app = FastAPI()
+        app.add_middleware(Authenticated)  # under a run secret, it takes what our servers take
 
         @app.get("/health")
         async def health():

@@ -144,7 +144,16 @@ since about 2019) it is twice as fast (1.8 GB/s against 0.94 on an EPYC core; CR
 FILES_KEY = "checkpoint-files"
 MANIFEST_KEY = "checkpoint-manifest"
 """The labels of the run secret's keys (`secret.key`) for the files' hashes and for the manifest's
-own MAC: two keys, so that no hash of a file can ever pass for the MAC of a manifest."""
+own MAC: two keys, so that no hash of a file can ever pass for the MAC of a manifest. Published
+weights have keys of their own (`WEIGHTS`), so that no checkpoint's manifest passes for theirs."""
+
+CHECKPOINT, WEIGHTS = "checkpoint", "weights"
+"""What a manifest vouches for: the label of its keys."""
+
+
+def _labels(kind: str) -> tuple[str, str]:
+    return f"{kind}-files", f"{kind}-manifest"
+
 
 TRUST_UNKEYED = "PRIME_RL_TRUST_UNKEYED_CHECKPOINTS"
 """Set (to anything but 0) in the environment, a process with a run secret still takes a checkpoint
@@ -189,15 +198,16 @@ def _files(folder: Path) -> dict[str, Path]:
     return {
         str(p.relative_to(folder)): p
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name not in (MANIFEST, DONE)
+        if p.is_file() and p.name not in (MANIFEST, DONE, READY)
     }
 
 
-def write_manifest(folder: Path) -> None:
+def write_manifest(folder: Path, what: str = CHECKPOINT) -> None:
     """Record every file under `folder` in its MANIFEST.json: relative path, size and hash (CRC-32,
     or keyed by the run secret when there is one, with a MAC over the whole manifest)."""
     folder = Path(folder)
-    key = secret.key(FILES_KEY)
+    files_label, manifest_label = _labels(what)
+    key = secret.key(files_label)
     if key is None:
         files = {name: {"size": p.stat().st_size, CRC32: _crc32(p)} for name, p in _files(folder).items()}
         manifest = {"hash": CRC32, "files": files}
@@ -206,7 +216,7 @@ def write_manifest(folder: Path) -> None:
             name: {"size": p.stat().st_size, KEYED: _keyed(p, key)} for name, p in _files(folder).items()
         }
         manifest = {"hash": KEYED, "folder": folder.name, "files": files}
-        manifest["mac"] = _manifest_mac(manifest, secret.key(MANIFEST_KEY))
+        manifest["mac"] = _manifest_mac(manifest, secret.key(manifest_label))
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)
@@ -219,10 +229,10 @@ def _unkeyed(folder: Path, what: str) -> str:
     )
 
 
-def _check_keyed(folder: Path, manifest: dict) -> str | None:
+def _check_keyed(folder: Path, manifest: dict, what: str) -> str | None:
     """Why a keyed manifest is not this run's manifest of exactly these files, or None."""
     path = folder / MANIFEST
-    key = secret.key(MANIFEST_KEY)
+    key = secret.key(_labels(what)[1])
     if key is None:
         return (
             f"{path} is keyed by a run secret and this process has none: set {secret.FILE_ENV} to the run's "
@@ -238,16 +248,25 @@ def _check_keyed(folder: Path, manifest: dict) -> str | None:
     return None
 
 
-def verify_checkpoint(folder: Path) -> str | None:
+def verify_weights(folder: Path) -> str | None:
+    """Why the published weights in `folder` are not the run's trainer's (as `verify_checkpoint`,
+    under the weights' own keys, `READY` for `DONE`): checked before a server or the engine loads
+    them, so that someone who can write the run folder cannot plant a step."""
+    return verify_checkpoint(folder, WEIGHTS)
+
+
+def verify_checkpoint(folder: Path, what: str = CHECKPOINT) -> str | None:
     """Why the checkpoint in `folder` cannot be trusted (missing, incomplete, a file missing, added,
     of another size or content than its manifest says, the manifest changed), or None when it is
     intact. Without a run secret, a complete checkpoint written before manifests existed is trusted as
     it is; with one, only a manifest keyed by it is (or, with `TRUST_UNKEYED` set, an unkeyed one)."""
     folder = Path(folder)
-    if not (folder / DONE).exists():
-        return f"{folder} is not a complete checkpoint (no {DONE})"
+    marker = DONE if what == CHECKPOINT else READY
+    if not (folder / marker).exists():
+        return f"{folder} is not a complete {what} (no {marker})"
+    files_label = _labels(what)[0]
     # Deleting a manifest or rewriting it unkeyed must not get around the keys.
-    strict = secret.key(FILES_KEY) is not None and not _trust_unkeyed()
+    strict = secret.key(files_label) is not None and not _trust_unkeyed()
     if not (folder / MANIFEST).exists():
         return _unkeyed(folder, "is missing") if strict else None
     try:
@@ -258,7 +277,7 @@ def verify_checkpoint(folder: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{folder / MANIFEST} cannot be read ({type(e).__name__}: {e})"
     if kind == KEYED:
-        problem = _check_keyed(folder, manifest)
+        problem = _check_keyed(folder, manifest, what)
         if problem:
             return problem
     elif kind != CRC32:
@@ -274,7 +293,7 @@ def verify_checkpoint(folder: Path) -> str | None:
             if size != want["size"]:
                 return f"{path} is {size} bytes, its manifest says {want['size']}"
             expected = want[kind]
-            digest = _crc32(path) if kind == CRC32 else _keyed(path, secret.key(FILES_KEY))
+            digest = _crc32(path) if kind == CRC32 else _keyed(path, secret.key(files_label))
         except (OSError, KeyError, TypeError) as e:  # unreadable, or an entry no writer made
             return f"{path} cannot be checked ({type(e).__name__}: {e})"
         if digest != expected:

@@ -5,12 +5,14 @@ Where it comes from, in this order: `PRIME_RL_SECRET` (the value), `PRIME_RL_SEC
 holding it, readable by its owner only). `rl` makes one per run, a file under its output folder, and
 hands it to the processes it starts through `PRIME_RL_SECRET_FILE`, so that it is never in a config
 file, a command line, the console or W&B. Processes started by hand read the same variables; with
-neither set there is no secret, and every check below lets everything through (the loopback-only
-defaults are then the only protection, and a server refuses a non-loopback bind: `require_for_bind`).
+neither set they take the run's file in their output folder, made by the first of them (`ensure`).
+Only with `PRIME_RL_NO_SECRET=1` is there no secret: every check below then lets everything through
+(the loopback-only defaults are the only protection, and a server refuses a non-loopback bind:
+`require_for_bind`).
 
-Invariant: the secret's value leaves this module only as an `Authorization` header, through
-`headers()`, and everything else derives its own key from it (`key(label)`), so no two uses share
-bytes and none of them can give the secret away.
+Invariant: the secret's value never leaves this module, nor the process: every use derives its own
+key from it (`key(label)`), so no two uses share bytes and none of them can give the secret away.
+Requests to the run's servers are signed with one of these keys (`auth/signing.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from pathlib import Path
 
 ENV = "PRIME_RL_SECRET"
 FILE_ENV = "PRIME_RL_SECRET_FILE"
+NO_SECRET_ENV = "PRIME_RL_NO_SECRET"
+"""Set to 1, a process started by hand runs without a secret (loopback only, as before it had one
+by default): the explicit opt-out."""
 FILE_NAME = ".secret"
 """The file `rl` keeps the run's secret in, under its output folder (0600): a resumed run finds the
 same secret, so checkpoint manifests keyed by it still verify."""
@@ -86,6 +91,19 @@ def create(folder: Path) -> Path:
     return path
 
 
+def ensure(folder: Path) -> Path | None:
+    """A process started by hand without a secret takes the run's: the file `FILE_NAME` in its
+    output folder, made by the first of the run's processes to start (`create`: race-free, 0600)
+    and read by the others, which share the folder. Its children inherit it. Nothing when a secret
+    is given, or with `NO_SECRET_ENV` set (the explicit opt-out). Returns the file it took."""
+    if value() is not None or os.environ.get(NO_SECRET_ENV, "").strip() not in ("", "0"):
+        return None
+    path = create(Path(folder).resolve())
+    os.environ[FILE_ENV] = str(path)
+    value.cache_clear()
+    return path
+
+
 def key(label: str) -> bytes | None:
     """A 32-byte key for one use of the secret (`label` names the use), None without a secret."""
     s = value()
@@ -102,22 +120,6 @@ def owner_token(run_dir: str) -> str:
     return hmac.new(k, str(run_dir).encode(), hashlib.sha256).hexdigest()
 
 
-def headers() -> dict[str, str]:
-    """The header that authenticates a request to the run's servers (empty without a secret)."""
-    s = value()
-    return {"Authorization": f"Bearer {s}"} if s else {}
-
-
-def accepts(authorization: str | None) -> bool:
-    """Whether a request's `Authorization` header carries this process's secret (in constant time).
-    Without a secret every request is accepted."""
-    s = value()
-    if s is None:
-        return True
-    given = (authorization or "").removeprefix("Bearer ").strip()
-    return hmac.compare_digest(given.encode(), s.encode())
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -125,6 +127,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def bound_host(argv: list[str], default: str) -> str:
+    """The address a server given `argv` listens on: the last `--host` (vLLM's argparse takes the
+    last one, so a `--host` in `extra_args` wins over ours), in either `--host X` or `--host=X`."""
+    host = default
+    for i, arg in enumerate(argv):
+        if arg == "--host" and i + 1 < len(argv):
+            host = argv[i + 1]
+        elif arg.startswith("--host="):
+            host = arg.split("=", 1)[1]
+    return host
 
 
 def require_for_bind(host: str, what: str, allow_unauthenticated: bool = False) -> None:

@@ -6,17 +6,22 @@ every tensor's place without a message per tensor. Each chunk travels as one fla
 collective per chunk, not per tensor, and the receiver allocates a fresh buffer per chunk, because
 vLLM's in-place reload keeps references to loaded tensors until a layer is complete. The group is
 made for one update (a store prefix per update) and dropped after it, so a server that died or
-restarted never leaves a broken group behind. Gloo on CPU, NCCL on CUDA.
+restarted never leaves a broken group behind. The group forms through the run's own store
+(`auth/store.py`), which only the run's processes can reach. Gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from prime_rl import secret
 
 DTYPES = {
     str(d).removeprefix("torch."): d
@@ -95,40 +100,6 @@ def chunk_bytes(chunk: list[Entry]) -> int:
     return sum(e.nbytes for e in chunk)
 
 
-def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """The trainer hosts the store (once, for the whole run); each worker connects per update."""
-    return dist.TCPStore(
-        host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-
-
-PROOF_KEY = "proof"
-"""The key, under an update's prefix, where the trainer puts the secret's proof for that prefix."""
-
-
-def put_proof(store: dist.Store, prefix: str, proof: bytes) -> None:
-    """The trainer: mark the update's prefix as its own (before any server is asked to join)."""
-    store.set(prefix + PROOF_KEY, proof.hex())
-
-
-def store_proof(host: str, port: int, prefix: str, proof: bytes, timeout_s: float) -> bool:
-    """A server, before it joins: whether the store at `host:port` holds the proof for `prefix`, that
-    is, was written by a holder of the run secret. torch's TCPStore listens on every interface and
-    lets anyone read and write: what makes a store the trainer's is this proof, and what keeps others
-    from the update's keys is the prefix, random and sent only over authenticated requests."""
-    import hmac
-
-    wait_s = max(1.0, min(timeout_s, 30.0))
-    try:
-        store = dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=wait_s), wait_for_workers=False
-        )
-        store.wait([prefix + PROOF_KEY], timedelta(seconds=wait_s))
-        return hmac.compare_digest(store.get(prefix + PROOF_KEY), proof.hex().encode())
-    except Exception:  # nothing listens there, no proof in time, or not a store at all
-        return False
-
-
 def join_group(store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float, cuda: bool):
     """A process group of `world_size` ranks under `prefix`; blocks until all of them joined. It
     leaves torch's default group alone (vLLM's workers already have one of their own)."""
@@ -148,11 +119,32 @@ def broadcast(group, buffer: torch.Tensor):
     return group.broadcast([buffer], options)
 
 
-def send(group, state: dict[str, torch.Tensor], plan: Plan, device: torch.device) -> None:
-    """Rank 0: broadcast `state` chunk by chunk, packing the next chunk while one is on the wire."""
+TAG = 32
+
+
+def seal_key(prefix: str) -> bytes | None:
+    """The key that seals one update's chunks on CPU (gloo), None without a run secret. gloo's pairs
+    connect over plain TCP once the store introduced them: a tag per chunk means that whoever took a
+    pair can break the update, never fill it. (NCCL, on GPUs, checks its own random magic.)"""
+    return secret.key(f"weights-chunks/{prefix}")
+
+
+def _tag(key: bytes, index: int, data: torch.Tensor) -> torch.Tensor:
+    mac = hmac.new(key, index.to_bytes(8, "big"), hashlib.sha256)
+    mac.update(data.numpy().data)
+    return torch.frombuffer(bytearray(mac.digest()), dtype=torch.uint8)
+
+
+def send(
+    group, state: dict[str, torch.Tensor], plan: Plan, device: torch.device, key: bytes | None = None
+) -> None:
+    """Rank 0: broadcast `state` chunk by chunk, packing the next chunk while one is on the wire;
+    with `key` (CPU only), each chunk ends with its tag."""
     in_flight = None
-    for chunk in plan:
+    for i, chunk in enumerate(plan):
         buffer = pack_chunk(state, chunk, device)
+        if key is not None:
+            buffer = torch.cat([buffer, _tag(key, i, buffer)])
         work = broadcast(group, buffer)
         if in_flight is not None:
             in_flight[1].wait()
@@ -161,17 +153,32 @@ def send(group, state: dict[str, torch.Tensor], plan: Plan, device: torch.device
         in_flight[1].wait()
 
 
-def receive(group, plan: Plan, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+class Unsealed(RuntimeError):
+    """A chunk whose tag is not the run's: someone else's bytes on a pair of the group."""
+
+
+def receive(
+    group, plan: Plan, device: torch.device, key: bytes | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The other ranks: the named tensors, in plan order; the next chunk arrives while the caller
-    loads this one."""
+    loads this one. With `key`, a chunk is checked before any of its tensors is handed out."""
+    extra = TAG if key is not None else 0
 
     def start(chunk: list[Entry]):
-        buffer = torch.empty(chunk_bytes(chunk), dtype=torch.uint8, device=device)  # fresh: see above
+        buffer = torch.empty(chunk_bytes(chunk) + extra, dtype=torch.uint8, device=device)  # fresh: see above
         return buffer, broadcast(group, buffer)
 
     following = start(plan[0]) if plan else None
+    refused = None
     for i, chunk in enumerate(plan):
         buffer, work = following
         work.wait()
         following = start(plan[i + 1]) if i + 1 < len(plan) else None
-        yield from unpack_chunk(buffer, chunk)
+        if key is not None:
+            buffer, tag = buffer[:-TAG], buffer[-TAG:]
+            if not hmac.compare_digest(tag.numpy().tobytes(), _tag(key, i, buffer).numpy().tobytes()):
+                refused = refused or f"chunk {i} of the update is not the trainer's (its tag does not match)"
+        if refused is None:
+            yield from unpack_chunk(buffer, chunk)
+    if refused is not None:  # (raised after every chunk was taken: rank 0 is not left waiting)
+        raise Unsealed(refused)

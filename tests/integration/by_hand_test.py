@@ -8,6 +8,8 @@ shipped configs run to the end with every dispatched rollout accounted for once 
 the same steps; Ctrl-C stops the server, serving or starting, within seconds with its one line.
 """
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -24,6 +26,7 @@ import pytest
 
 from helpers.cores import server_env
 from prime_rl import secret
+from prime_rl.auth.clients import Signed
 from prime_rl.engine.server import wait_until_healthy
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
@@ -47,7 +50,10 @@ class Process:
     def __init__(self, name: str, args: list[str], folder: Path, secret_file: Path | None = None):
         self.name, self.log = name, folder / f"{name}.log"
         env = server_env()  # a server's threads on this worker's cores
-        if secret_file is not None:  # as docs/by-hand.md shows: the three read the same file
+        # As a user starts them: no secret given, and no opt-out, so the three take the run's from
+        # their output folder (the first to start makes it); or the one file given.
+        env.pop(secret.NO_SECRET_ENV, None)
+        if secret_file is not None:
             env[secret.FILE_ENV] = str(secret_file)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
@@ -99,7 +105,8 @@ class Server(NamedTuple):
     run: Path
     """The output dir the server was started with: its weights load from <run>/weights."""
     secret: Path
-    """The run secret's file, which all three processes are given."""
+    """The run secret's file, which the server made in its output folder, where the trainer and the
+    orchestrator of the run find it."""
 
     @property
     def url(self) -> str:
@@ -119,10 +126,12 @@ def server(tmp_path_factory):
         "--server.port",
         str(port),
     ]
-    process = Process("inference", args, folder, secret.create(folder))
+    process = Process("inference", args, folder)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", timeout_s=600, process=process.proc)
-        yield Server(process, port, folder / "run", folder / secret.FILE_NAME)
+        made = folder / "run" / secret.FILE_NAME  # by the server, given no secret: safe by default
+        assert made.stat().st_mode & 0o777 == 0o600
+        yield Server(process, port, folder / "run", made)
     finally:
         if process.proc.poll() is None:
             os.killpg(process.proc.pid, signal.SIGTERM)
@@ -146,7 +155,12 @@ def intrude(server: Server) -> bool:
         "/v1/chat/completions": {"model": "x", "messages": [{"role": "user", "content": "x"}]},
         "/v1/load_lora_adapter": {"lora_name": "x", "lora_path": str(weights)},
     }  # fmt: skip
-    for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
+    the_secret = secret.read(server.secret)  # sent as it once was: no longer worth anything
+    for headers in (
+        {},
+        {"Authorization": "Bearer not-the-secret"},
+        {"Authorization": f"Bearer {the_secret}"},
+    ):
         for route, body in calls.items():
             answer = httpx.post(f"{server.url}{route}", json=body, headers=headers, timeout=30)
             assert answer.status_code == 401, (route, answer.status_code, answer.text[:300])
@@ -182,8 +196,9 @@ def test_the_shipped_configs_run_three_processes_by_hand(server, tmp_path):
     transport = free_port()
     trainer_args = ["@", str(CONFIGS / "trainer.toml"), "--output-dir", str(server.run),
                     "--max-steps", str(STEPS), "--transport.port", str(transport)]  # fmt: skip
-    trainer = Process("trainer", trainer_args, tmp_path, server.secret)
-    orch = Process("orchestrator", orchestrator_args(server.run, server, transport), tmp_path, server.secret)
+    # No secret given: both read the one the server made in the run's output folder.
+    trainer = Process("trainer", trainer_args, tmp_path)
+    orch = Process("orchestrator", orchestrator_args(server.run, server, transport), tmp_path)
     intruded = False
     try:
         deadline = time.monotonic() + 900
@@ -232,11 +247,8 @@ def test_the_shipped_configs_run_three_processes_by_hand(server, tmp_path):
     # within max_async_level of them.
     assert all((run / "weights" / f"step_{s}" / "READY").exists() for s in range(1, STEPS + 1))
     assert intruded
-    served = httpx.get(
-        f"{server.url}/prime_rl/weights",
-        timeout=10,
-        headers={"Authorization": f"Bearer {secret.read(server.secret)}"},
-    )
+    key = hmac.new(secret.read(server.secret).encode(), b"requests", hashlib.sha256).digest()
+    served = httpx.get(f"{server.url}/prime_rl/weights", timeout=10, auth=Signed(key))
     assert served.json()["step"] >= 1
     versions = [m["policy_version"] for m in steps]
     assert versions[-1] >= 1 and all(s - v <= 1 for s, v in enumerate(versions))

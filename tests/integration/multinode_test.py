@@ -8,14 +8,16 @@
   is trained once, and every dispatched rollout is accounted for.
 """
 
+import hashlib
+import hmac
 import json
 import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import torch
@@ -24,6 +26,8 @@ from rl_test import write_config
 from safetensors.torch import load_file
 
 from helpers.grad_worker import make_samples
+from prime_rl import secret
+from prime_rl.auth.clients import Signed
 from prime_rl.contract import OrchestratorSide
 from prime_rl.monitor import read_metrics
 from prime_rl.net import free_port
@@ -120,11 +124,12 @@ def two_free_ports() -> int:
                 continue
 
 
-def requests_running(port: int) -> float:
+def requests_running(port: int, run: Path) -> float:
+    """From the server's `/metrics`, which takes only the run's signed requests."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-    except OSError:
+        key = hmac.new(secret.read(run / secret.FILE_NAME).encode(), b"requests", hashlib.sha256).digest()
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, auth=Signed(key)).text
+    except (OSError, httpx.HTTPError, secret.SecretError):
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:num_requests_running"))  # fmt: skip
@@ -147,7 +152,7 @@ def test_two_inference_servers_one_killed_mid_run_the_run_completes_on_the_other
         orch_metrics = run / "orchestrator" / "metrics.jsonl"
         wait_until(lambda: len(jsonl(orch_metrics)) >= 2, "2 orchestrator steps", [proc])
         # Kill it while it is generating, so that rollouts are lost with it.
-        wait_until(lambda: requests_running(port + 1) > 0, "inference-1 to be generating", [proc])
+        wait_until(lambda: requests_running(port + 1, run) > 0, "inference-1 to be generating", [proc])
         victim = next(
             p for p in psutil.Process(proc.pid).children()
             if "prime_rl.inference.vllm_server" in p.cmdline() and str(port + 1) in p.cmdline()

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from prime_rl import secret
+from prime_rl.auth import clients
 from prime_rl.net import free_port
 from prime_rl.transport.messages import MicroBatch
 from prime_rl.transport.zmq_transport import ZmqReceiver
@@ -130,7 +130,7 @@ def test_a_group_is_one_n_request_to_real_vllm_and_each_rollout_keeps_its_own_ch
     rollouts, wire = asyncio.run(go())
     assert [len(choices) for _, choices in wire.seen] == [8]  # one request, n = 8
     # The server said which step it served when it answered: every rollout carries it.
-    served = httpx.get(f"{base}/prime_rl/weights", headers=secret.headers()).json()["step"]
+    served = httpx.get(f"{base}/prime_rl/weights", auth=clients.auth()).json()["step"]
     assert {(r.turns[0].version, r.policy_span) for r in rollouts} == {(served, (0, served))}
     assert not [r.error for r in rollouts if r.failed]
     tok = AutoTokenizer.from_pretrained(model)

@@ -168,7 +168,12 @@ def test_the_published_adapter_is_peft_format_and_exports_as_the_trained_model(t
     publisher.publish(trainer.model, 2)
     publisher.close()
     folder = tmp_path / "weights" / "step_2"
-    assert sorted(f.name for f in folder.iterdir()) == ["READY", lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
+    assert sorted(f.name for f in folder.iterdir()) == [
+        "MANIFEST.json",
+        "READY",
+        lora.ADAPTER_CONFIG,
+        lora.ADAPTER_WEIGHTS,
+    ]
     adapter_config = json.loads((folder / lora.ADAPTER_CONFIG).read_text())
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 4
     assert adapter_config["base_model_name_or_path"] == str(tiny_model)

@@ -13,6 +13,7 @@ import pytest
 
 from fake_server import MODEL, FakeServer, Reply
 from prime_rl import secret
+from prime_rl.auth import clients
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.inference.member import Member, door
 from prime_rl.layout import READY, pool_path
@@ -79,19 +80,18 @@ def test_a_server_joins_with_the_secret_loaded_with_the_current_weights_and_one_
             assert json.loads(pool_path(run).read_text()) == {"url": url}
             monitor = asyncio.create_task(health.run())
             async with httpx.AsyncClient(base_url=url) as http:
-                refused = await http.post(
-                    "/pool/join", json={"url": second.base_url}, headers={"Authorization": "Bearer wrong"}
-                )
-                assert refused.status_code == 401 and "wrong run secret" in refused.json()["error"]
+                for forged in ({"Authorization": f"Bearer {run_secret}"}, {}):  # the secret itself, nothing
+                    refused = await http.post("/pool/join", json={"url": second.base_url}, headers=forged)
+                    assert refused.status_code == 401 and "pool takes only" in refused.json()["error"]
                 assert len(pool.servers) == 1  # nothing changed
-                ok = await http.post("/pool/join", json={"url": second.base_url}, headers=secret.headers())
+                ok = await http.post("/pool/join", json={"url": second.base_url}, auth=clients.auth())
                 assert ok.status_code == 200 and ok.json() == {"step": 3}
                 member = pool.find(second.base_url)
                 assert member is not None and not member.up  # no work before it serves step 3
                 while not member.up:
                     await asyncio.sleep(0.02)
                 assert [load["step"] for load in second.loads] == [3] and member.step == 3
-                listed = (await http.get("/pool", headers=secret.headers())).json()
+                listed = (await http.get("/pool", auth=clients.auth())).json()
                 assert {m["url"]: m["state"] for m in listed["members"]} == {
                     first.base_url: "serving",
                     second.base_url: "serving",
@@ -119,7 +119,7 @@ def test_a_leaving_server_gets_no_new_group_and_its_groups_in_flight_are_handed_
             pool.servers[1].up, pool.servers[1].joining = True, False
             async with httpx.AsyncClient(base_url=url, timeout=30) as http:
                 left = await http.post(
-                    "/pool/leave", json={"url": first.base_url, "drain_s": 0.2}, headers=secret.headers()
+                    "/pool/leave", json={"url": first.base_url, "drain_s": 0.2}, auth=clients.auth()
                 )
             assert left.status_code == 200 and left.json()["handed_back"] == len(on_first)
             assert pool.servers == [pool.find(second.base_url)]

@@ -31,6 +31,27 @@ def test_a_long_run_path_gets_a_private_socket_folder_in_the_temp_folder(tmp_pat
     assert server_env(config, base={})["VLLM_RPC_BASE_PATH"] == str(folder)
 
 
+def test_the_long_paths_socket_folder_cannot_be_made_first_by_someone_else(tmp_path, monkeypatch):
+    # Its name was a digest of the run's path: another user who made that folder first (or a link
+    # there) stopped the run. Now it is random, made by `mkdtemp`; a kept name that is no longer
+    # ours and private is replaced, not refused.
+    import hashlib
+
+    system_tmp = tmp_path / "tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    config = InferenceConfig(output_dir=tmp_path / ("deep-" * 12) / "run")
+    run_dir = (tmp_path / ("deep-" * 12) / "run").resolve() / "inference"
+    old_name = system_tmp / f"prime-rl-{hashlib.sha1(str(run_dir / 'tmp').encode()).hexdigest()[:12]}"
+    old_name.mkdir(mode=0o777)
+    old_name.chmod(0o777)  # a neighbour's squat under the name it used to have
+    first = Path(server_env(config, base={})["TMPDIR"])
+    assert first != old_name and mode(first) == 0o700
+    first.chmod(0o777)  # the kept folder is no longer private (someone changed it)
+    second = Path(server_env(config, base={})["TMPDIR"])
+    assert second != first and mode(second) == 0o700
+
+
 def test_a_short_run_path_keeps_its_socket_folder_in_the_run_and_private(tmp_path):
     out = Path(tempfile.mkdtemp(dir="/tmp", prefix="r"))  # short enough for the sockets
     try:

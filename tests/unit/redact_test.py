@@ -26,9 +26,9 @@ KEY = "sk-judge-0123456789"
 
 HIDDEN = ["api_key", "OPENAI_API_KEY", "hf_token", "access_token", "token", "password", "client_secret",
           "private_key", "apiKey", "HFToken", "headers", "extra_headers", "Authorization", "X-Api-Key",
-          "Cookie"]  # fmt: skip
+          "Cookie", "PGPASSWORD", "passphrase", "ssh_passphrase", "jwt", "session_id", "sessionId"]  # fmt: skip
 SHOWN = ["max_tokens", "max_new_tokens", "num_tokens", "tokenizer", "tokenizer_name", "key_dim", "seq_len",
-         "api_key_file", "token_budget", "temperature", "id"]  # fmt: skip
+         "api_key_file", "token_budget", "temperature", "id", "session", "session_count"]  # fmt: skip
 
 
 def test_the_rule_hides_keys_that_name_a_secret_and_not_counts_or_tokenizers():

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fake_server import FakeServer
+from prime_rl.auth.store import RemoteStore, StoreServer
 from prime_rl.net import free_port
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.parallel.dist import World
@@ -18,7 +19,6 @@ from prime_rl.weight_transfer import (
     chunk_bytes,
     join_group,
     make_plan,
-    open_store,
     pack_chunk,
     plan_from_json,
     plan_to_json,
@@ -35,18 +35,18 @@ def test_a_state_dict_crosses_a_gloo_group_in_chunks_intact():
     # Tensors stay whole and in order; a chunk only grows past the limit with a single big tensor.
     assert [e.name for chunk in plan for e in chunk] == list(state)
     assert all(chunk_bytes(c) <= 1024 or len(c) == 1 for c in plan) and len(plan) > 1
-    port, received = free_port(), {}
-    store = open_store("127.0.0.1", port, is_master=True, timeout_s=30)
+    server, received = StoreServer("127.0.0.1", free_port(), timeout_s=30), {}
+    port = server.address[1]
 
     def worker(rank: int) -> None:
-        group = join_group(open_store("127.0.0.1", port, False, 30), "u/", rank, 3, 30, cuda=False)
+        group = join_group(RemoteStore("127.0.0.1", port, 30), "u/", rank, 3, 30, cuda=False)
         for name, tensor in receive(group, plan_from_json(plan_to_json(plan)), torch.device("cpu")):
             received[(rank, name)] = tensor.clone() if rank == 1 else tensor  # views of fresh buffers
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in (1, 2)]
     for t in threads:
         t.start()
-    group = join_group(store, "u/", 0, 3, 30, cuda=False)
+    group = join_group(server.store(), "u/", 0, 3, 30, cuda=False)
     send(group, state, plan, torch.device("cpu"))
     for t in threads:
         t.join(timeout=60)
@@ -117,7 +117,7 @@ def test_a_group_that_breaks_once_is_formed_again_and_the_step_is_broadcast():
             posts.append(body["prefix"])
             if len(posts) == 1:
                 return self.reply(500, {"error": "Gloo connectFullMesh failed"})
-            store = open_store(body["host"], body["port"], False, body["timeout_s"])
+            store = RemoteStore(body["host"], body["port"], body["timeout_s"])
             group = join_group(store, body["prefix"], body["first_rank"], body["world_size"], 30, False)
             for name, tensor in receive(group, plan_from_json(body["plan"]), torch.device("cpu")):
                 received[name] = tensor.clone()

@@ -5,7 +5,8 @@ The rule (`is_secret_key`): a key is secret-looking when its last word names a s
 split into words at `_`, `-`, `.`, spaces and lowerCamel humps and lower-cased; its last word is
 what the value is (`api_key` is a key, `key_dim` a dimension, `max_tokens` a count). The words are
 key(s), token, secret(s), password(s), passwd, credential(s), apikey, bearer, auth, authorization,
-cookie(s), header(s). So `api_key`, `OPENAI_API_KEY`, `hf_token`, `access_token`, `apiKey`,
+cookie(s), header(s), passphrase, jwt, sessionid; a last word ending in password, passwd or
+passphrase (`PGPASSWORD`); and `session_id`. So `api_key`, `OPENAI_API_KEY`, `hf_token`, `access_token`, `apiKey`,
 `password`, `client_secret`, `headers`, `extra_headers`, `Authorization` and `X-Api-Key` are
 redacted, and `max_tokens`, `max_new_tokens`, `num_tokens`, `tokenizer`, `key_dim`,
 `api_key_file`, `token_budget` and `seq_len` are not. ("tokens" is left out on purpose: it counts.)
@@ -30,10 +31,13 @@ WORDS = frozenset(
     {
         "key", "keys", "token", "secret", "secrets", "password", "passwords", "passwd", "credential",
         "credentials", "apikey", "bearer", "auth", "authorization", "cookie", "cookies", "header",
-        "headers",
+        "headers", "passphrase", "jwt", "sessionid",
     }
 )  # fmt: skip
 """Last words of secret-looking keys."""
+
+SUFFIXES = ("password", "passwd", "passphrase")
+"""A last word ending so is secret-looking too (`PGPASSWORD`, `dbpasswd`)."""
 
 _HUMP = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")  # apiKey, HFToken
 
@@ -43,8 +47,9 @@ def is_secret_key(key: Any) -> bool:
     if not isinstance(key, str):
         return False
     words = re.split(r"[_\-.\s]+", _HUMP.sub("_", key).lower())
-    last = next((w for w in reversed(words) if w), "")
-    return last in WORDS
+    words = [w for w in words if w]
+    last = words[-1] if words else ""
+    return last in WORDS or last.endswith(SUFFIXES) or words[-2:] == ["session", "id"]
 
 
 def _hidden(key: Any, value: Any) -> bool:

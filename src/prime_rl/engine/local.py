@@ -227,6 +227,11 @@ class LocalEngine:
 
     async def load_weights(self, path: Path, step: int) -> Reload:
         """Serve the weights in folder `path` (an HF folder: the trainer's `step_<step>`) from now on."""
+        from prime_rl.layout import verify_weights
+
+        problem = await asyncio.to_thread(verify_weights, path)  # planted weights are never loaded
+        if problem is not None:
+            raise EngineBroken(f"refused to load {path}, not the run's trainer's weights: {problem}")
         async with self._lock:
             t0 = time.perf_counter()
             if not self._between_steps:

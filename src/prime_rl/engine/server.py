@@ -82,15 +82,22 @@ IPC_PATH_BUDGET = 60
 
 
 def short_tmp_dir(preferred: Path) -> Path:
-    """`preferred` if socket paths under it stay short enough, else a short per-run folder in /tmp
-    (the same one for every start of the run; `private_dir` makes it safe to reuse)."""
+    """`preferred` if socket paths under it stay short enough, else a short folder in the system's
+    temp folder: made by `mkdtemp` (a random name, 0700, created by us or not at all, so nobody can
+    make it first), and its name kept beside `preferred` for the run's next start, which reuses it
+    while it is still ours and private."""
     if len(str(preferred)) <= IPC_PATH_BUDGET:
         return preferred
-    import hashlib
     import tempfile
 
-    digest = hashlib.sha1(str(preferred).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"prime-rl-{digest}"
+    note = preferred.parent / "tmp-path"
+    with contextlib.suppress(OSError, UnsafeFolder):
+        kept = Path(note.read_text().strip())
+        if kept.is_absolute() and kept.name.startswith("prime-rl-") and kept.exists():
+            return private_dir(kept)
+    folder = Path(tempfile.mkdtemp(prefix="prime-rl-"))
+    note.write_text(f"{folder}\n")
+    return folder
 
 
 class UnsafeFolder(RuntimeError):

@@ -51,20 +51,23 @@ class WeightReloadExtension:
         world_size: int,
         plan: list,
         timeout_s: float,
+        sealed: bool = False,
     ) -> None:
         """Join the trainer's broadcast group for one update (as `first_rank` + this worker's rank in
         its server) and load every tensor as it arrives."""
         import torch
 
-        from prime_rl.weight_transfer import join_group, open_store, plan_from_json, receive
+        from prime_rl.auth.store import RemoteStore
+        from prime_rl.weight_transfer import join_group, plan_from_json, receive, seal_key
 
         device = self.device if getattr(self, "device", None) is not None else torch.device("cpu")
         cuda = torch.device(device).type == "cuda"
-        store = open_store(host, port, is_master=False, timeout_s=timeout_s)
+        store = RemoteStore(host, port, timeout_s)  # proves itself the run's before anything joins
         group = join_group(
             store, prefix, first_rank + int(getattr(self, "rank", 0)), world_size, timeout_s, cuda
         )
-        stream = receive(group, plan_from_json(plan), device)
+        key = seal_key(prefix) if sealed and not cuda else None
+        stream = receive(group, plan_from_json(plan), device, key)
         self.reload_weights(weights_iterator=stream)
         for _ in stream:  # take every chunk even if the loader skipped the last names: rank 0 waits on us
             pass

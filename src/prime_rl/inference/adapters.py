@@ -32,11 +32,26 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from prime_rl import secret
+from prime_rl.auth import signing
 from prime_rl.layout import READY
 
 
 def _digest(owner: str) -> str:
     return hashlib.sha256(owner.encode()).hexdigest()
+
+
+def tenant_of(request_or_scope) -> str | None:
+    """The tenant a request was signed by (`auth/tenant.py`), None for the server's own run."""
+    scope = getattr(request_or_scope, "scope", request_or_scope)
+    caller = scope.get("prime_rl.caller")
+    return caller if caller not in (None, signing.OWNER, signing.ORCHESTRATOR) else None
+
+
+def owner_of(request_or_scope, token: str) -> str:
+    """Who holds an adapter claimed by this request: a tenant by its name, whatever token it gives
+    (so that no tenant can name another's adapters), the server's own run by its owner token."""
+    tenant = tenant_of(request_or_scope)
+    return _digest(f"tenant:{tenant}") if tenant is not None else _digest(token)
 
 
 @dataclass
@@ -66,7 +81,7 @@ def make_adapter_router(root: Path) -> APIRouter:
     async def load_adapter(request: Request):
         try:
             body = await request.json()
-            name, owner = str(body["name"]), _digest(str(body["owner"]))
+            name, owner = str(body["name"]), owner_of(request, str(body["owner"]))
             path = Path(str(body["path"])) if body.get("path") is not None else None
             step = int(body.get("step", 0))
             if not name or not owner:
@@ -101,7 +116,7 @@ def make_adapter_router(root: Path) -> APIRouter:
     async def unload_adapter(request: Request):
         try:
             body = await request.json()
-            name, owner = str(body["name"]), _digest(str(body["owner"]))
+            name, owner = str(body["name"]), owner_of(request, str(body["owner"]))
         except Exception:
             return refuse(400, 'expected JSON {"name": str, "owner": str}')
         async with locks.setdefault(name, asyncio.Lock()):
@@ -117,10 +132,11 @@ def make_adapter_router(root: Path) -> APIRouter:
     @router.get("/prime_rl/adapters")
     async def adapters(request: Request):
         rank = enabled(request)
-        caller = _digest(request.headers.get(secret.OWNER_HEADER, ""))
+        caller = owner_of(request, request.headers.get(secret.OWNER_HEADER, ""))
         mine = {n: {"step": s.step} for n, s in served.items() if hmac.compare_digest(s.owner, caller)}
         return {"enabled": bool(rank), "max_rank": rank, "root": str(root), "adapters": mine}
 
+    router.served = served  # (the door checks a tenant's sampling requests against it: `tenants.py`)
     return router
 
 

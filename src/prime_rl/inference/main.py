@@ -7,6 +7,7 @@ one line and no traceback, whether it is starting or serving.
 import sys
 from pathlib import Path
 
+from prime_rl import secret
 from prime_rl.config import parse_config, raise_problems
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import UnsafeFolder, server_command, server_env
@@ -20,6 +21,15 @@ LEAVE_MARGIN_S = 45.0
 """Beyond `pool.drain_s`: the orchestrator's answer (30 s) and vLLM's stop."""
 
 
+def check_inference(config: InferenceConfig) -> None:
+    problems = inference_problems(config)
+    try:  # by hand without a secret: the run's, from its output folder (vLLM inherits it)
+        secret.ensure(config.output_dir)
+    except secret.SecretError as e:
+        problems.append(str(e))
+    raise_problems(problems + bind_problems(config))
+
+
 def main(argv: list[str] | None = None) -> None:
     setup_logging("inference")
     take_signals()
@@ -29,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
             InferenceConfig,
             argv,
             prog="inference",
-            check=lambda c: raise_problems(inference_problems(c) + bind_problems(c)),
+            check=check_inference,
         )
         env = server_env(config)  # creates <output_dir>/inference
         if config.pool.join:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import secret, tls
+from prime_rl import tls
+from prime_rl.auth import clients
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import is_healthy
 from prime_rl.layout import pool_path
@@ -80,7 +81,7 @@ class Member:
     def _post(self, route: str, body: dict, timeout_s: float) -> httpx.Response:
         address = door(self.config.pool.join)
         return httpx.post(
-            f"{address}{route}", json=body, timeout=timeout_s, headers=secret.headers(), verify=tls.context()
+            f"{address}{route}", json=body, timeout=timeout_s, auth=clients.auth(), verify=tls.context()
         )
 
     def join(self, stopping: threading.Event) -> None:
@@ -142,7 +143,7 @@ class Member:
             try:
                 address = door(join)
                 members = httpx.get(
-                    f"{address}/pool", timeout=10.0, headers=secret.headers(), verify=tls.context()
+                    f"{address}/pool", timeout=10.0, auth=clients.auth(), verify=tls.context()
                 ).json()["members"]
                 if not any(m["url"].removesuffix("/v1") == self.url for m in members):
                     resp = self._post("/pool/join", {"url": self.url}, 30.0)

@@ -46,11 +46,12 @@ def bind_problems(config: InferenceConfig) -> list[str]:
     from prime_rl import secret
 
     problems = []
-    host = config.server.host
+    host = secret.bound_host(["--host", config.server.host, *config.extra_args], config.server.host)
+    where = "'server.host'" if host == config.server.host else "'extra_args' --host"
     try:
         if not (secret.is_loopback(host) or config.server.allow_unauthenticated or secret.value()):
             problems.append(
-                f"'server.host' = '{host}' listens beyond loopback without a run secret, so anyone who "
+                f"{where} = '{host}' listens beyond loopback without a run secret, so anyone who "
                 f"reaches it could change the model it serves: set {secret.FILE_ENV} or {secret.ENV} (`rl` "
                 f"does it for you), bind 127.0.0.1, or set server.allow_unauthenticated = true"
             )

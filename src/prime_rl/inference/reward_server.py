@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pydantic import Field
 
 from prime_rl import secret
+from prime_rl.auth import signing
+from prime_rl.auth.ratelimit import RateLimited
 from prime_rl.config import RootConfig, parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.model.reward import RewardModel, RewardModelError, load_reward_model
@@ -59,31 +62,57 @@ class RewardServerConfig(RootConfig):
     the model); one more gets HTTP 503 at once, which the orchestrator's client retries after a
     back-off, rather than a thread and a body of its own."""
 
+    max_connections_per_address: int = Field(default=8, ge=1)
+    """Connections served at once from one address: a neighbour's many connections leave room for
+    the run's client (one more gets HTTP 503 at once)."""
+
+    read_deadline_s: float = Field(default=30.0, gt=0)
+    """A request (its line, headers and body) must arrive whole within this long of its first
+    wait, however slowly its bytes trickle: a connection past it is closed."""
+
     allow_unauthenticated: bool = False
     """Listen beyond loopback without a run secret (PRIME_RL_SECRET or PRIME_RL_SECRET_FILE), so that
     anyone who reaches the port may use it (also: --prime-rl-allow-unauthenticated)."""
 
 
-READ_TIMEOUT_S = 60.0
-"""A connection that sends nothing for this long is closed: a silent client must not hold a slot."""
-
-
 class _BoundedServer(ThreadingHTTPServer):
-    """A thread per connection, at most `max_connections` at once; the one more gets 503."""
+    """A thread per connection, at most `max_connections` at once and `per_address` from one
+    address; the one more gets 503."""
 
     daemon_threads = True
+    request_queue_size = 128  # (socketserver's 5 drops a burst of connections: clients wait 1 s or more)
     _BUSY_BODY = b'{"error": "too many connections; retry"}'
     BUSY = (
         b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
     )
 
-    def __init__(self, address, handler, max_connections: int):
+    def __init__(self, address, handler, max_connections: int, per_address: int, refusals):
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.per_address, self.refusals = per_address, refusals
+        self.by_address: dict[str, int] = {}
+        self.counting = threading.Lock()
         super().__init__(address, handler)
 
+    def _take(self, address: str) -> bool:
+        with self.counting:
+            if self.by_address.get(address, 0) >= self.per_address:
+                return False
+            if not self.slots.acquire(blocking=False):
+                return False
+            self.by_address[address] = self.by_address.get(address, 0) + 1
+            return True
+
+    def _give(self, address: str) -> None:
+        with self.counting:
+            self.by_address[address] -= 1
+            if not self.by_address[address]:
+                del self.by_address[address]
+            self.slots.release()
+
     def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
+        if not self._take(client_address[0]):
+            self.refusals.say(f"refused a connection from {client_address[0]}: too many connections")
             # Answered from the accept loop, without reading the request: a small send to a new socket
             # does not block.
             with contextlib.suppress(OSError):
@@ -93,14 +122,14 @@ class _BoundedServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self._give(client_address[0])
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._give(client_address[0])
 
 
 def parse_conversations(body: bytes) -> list[tuple[list[dict], list[dict]]]:
@@ -124,9 +153,29 @@ def make_server(config: RewardServerConfig, model: RewardModel) -> ThreadingHTTP
     """The server, bound (refused, `SecretError`, beyond loopback without a secret or the opt-out)."""
     secret.require_for_bind(config.host, "reward-server", config.allow_unauthenticated)
     lock = threading.Lock()  # one forward pass at a time: they share the model and the cores
+    verifier = signing.Verifier()
+    refusals = RateLimited(log)
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = READ_TIMEOUT_S
+        timeout = config.read_deadline_s
+
+        def handle_one_request(self):
+            # The deadline covers reading the request whole: bytes trickled one at a time each
+            # reset a per-read timeout, never this. (Scoring, after the read, is not bounded here.)
+            self._reading = True
+            timer = threading.Timer(config.read_deadline_s, self._cut)
+            timer.daemon = True
+            timer.start()
+            try:
+                super().handle_one_request()
+            finally:
+                timer.cancel()
+
+        def _cut(self) -> None:
+            if self._reading:
+                refusals.say(f"closed a connection from {self.client_address[0]}: no whole request in time")
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
 
         def _answer(self, status: int, payload: dict) -> None:
             body = json.dumps(payload).encode()
@@ -136,14 +185,16 @@ def make_server(config: RewardServerConfig, model: RewardModel) -> ThreadingHTTP
             self.end_headers()
             self.wfile.write(body)
 
-        def _refused(self) -> bool:
-            """Whether the request lacks the run secret (then answered 401, and logged once)."""
-            given = self.headers.get(secret.HEADER)
-            if secret.accepts(given):
+        def _refused(self, body: bytes = b"") -> bool:
+            """Whether the request is not signed by the run (then answered 401, and logged)."""
+            if secret.value() is None:
                 return False
-            why = "without the run secret" if given is None else "with a wrong secret"
-            log.warning("refused %s %s from %s %s", self.command, self.path, self.client_address[0], why)
-            self._answer(401, {"error": "this server wants the run's secret (Authorization: Bearer ...)"})
+            given = self.headers.get(secret.HEADER)
+            caller, why = verifier.check(self.command, self.path, given, signing.body_digest(body))
+            if caller == signing.OWNER:
+                return False
+            refusals.say(f"refused {self.command} {self.path} from {self.client_address[0]}: {why}")
+            self._answer(401, {"error": f"this server takes only the run's signed requests ({why})"})
             return True
 
         def _body(self) -> bytes | None:
@@ -158,23 +209,26 @@ def make_server(config: RewardServerConfig, model: RewardModel) -> ThreadingHTTP
                 self.close_connection = True  # the body is never read, so the connection is useless
                 self._answer(413, {"error": f"body of {size} bytes; at most {config.max_body_bytes}"})
             else:
-                return self.rfile.read(size)
+                body = self.rfile.read(size)
+                self._reading = False
+                return body if len(body) == size else None
             return None
 
         def do_GET(self):
+            self._reading = False
             if self.path.rstrip("/") == "/health":
                 self._answer(200, {"status": "ok"})
+            elif self.path.startswith(signing.PROVE_PATH + "?") and secret.value() is not None:
+                self._answer(*signing.proof_answer(self.path.partition("?")[2]))
             elif not self._refused():
                 self._answer(404, {"error": f"no route {self.path}"})
 
         def do_POST(self):
-            if self._refused():
+            body = self._body()  # (bounded, and read whole before the signature can be checked)
+            if body is None or self._refused(body):
                 return
             if self.path.rstrip("/") != "/score":
                 return self._answer(404, {"error": f"no route {self.path}"})
-            body = self._body()
-            if body is None:
-                return
             try:
                 conversations = parse_conversations(body)
             except ValueError as e:
@@ -190,7 +244,13 @@ def make_server(config: RewardServerConfig, model: RewardModel) -> ThreadingHTTP
         def log_message(self, format, *args):  # the default writes every request to stderr
             log.debug(format, *args)
 
-    return _BoundedServer((config.host, config.port), Handler, config.max_connections)
+    return _BoundedServer(
+        (config.host, config.port),
+        Handler,
+        config.max_connections,
+        config.max_connections_per_address,
+        refusals,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,9 +39,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from prime_rl import activity, secret
+from prime_rl.auth import signing
+from prime_rl.auth.store import RemoteStore, StoreRefused
 from prime_rl.inference.adapters import make_adapter_router
-from prime_rl.layout import READY
-from prime_rl.weight_transfer import DTYPES, chunk_bytes, plan_from_json, store_proof
+from prime_rl.inference.authenticated import Authenticated, log_refusal
+from prime_rl.layout import READY, verify_weights
+from prime_rl.weight_transfer import DTYPES, chunk_bytes, plan_from_json
 
 BROKEN = -2
 """The served step after a broadcast failed midway: part of the weights may be new."""
@@ -97,7 +100,9 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
             body = await request.json()
             path, step = Path(str(body["path"])), int(body["step"])
             clear_cache = bool(body.get("clear_cache", False))
-            rewind = bool(body.get("rewind", False))
+            # Only the run's orchestrator sets the run's version back (without a secret, nobody is told apart).
+            caller = request.scope.get("prime_rl.caller", signing.ORCHESTRATOR)
+            rewind = bool(body.get("rewind", False)) and caller == signing.ORCHESTRATOR
         except Exception:
             return JSONResponse({"error": 'expected JSON {"path": str, "step": int}'}, status_code=400)
         resolved = path.resolve()
@@ -110,6 +115,10 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
             )
         if not (resolved / READY).exists():
             return JSONResponse({"error": f"{path} has no {READY} marker"}, status_code=404)
+        problem = await asyncio.to_thread(verify_weights, resolved)  # before anything pauses
+        if problem is not None:
+            log_refusal(f"load_weights: {problem}")
+            return JSONResponse({"error": f"not the run's trainer's weights: {problem}"}, status_code=403)
         async with lock:
             served = getattr(request.app.state, "prime_rl_step", 0)
             if step < served and not rewind:
@@ -142,15 +151,14 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
                 {"error": f"the plan holds {planned} bytes, more than {PLAN_SLACK}x the served weights"},
                 status_code=413,
             )
-        proof = secret.key(f"weights-store/{prefix}")
-        if proof is not None and not await asyncio.to_thread(
-            store_proof, host, port, prefix, proof, timeout_s
-        ):
-            log_refusal(f"receive_weights: the store at {host}:{port} is not this run's trainer's")
-            return JSONResponse(
-                {"error": f"the store at {host}:{port} is not this run's trainer's"}, status_code=403
-            )
-        args = (host, port, prefix, first_rank, world_size, list(body["plan"]), timeout_s)
+        try:  # before anything pauses: the store must prove it is the run's trainer's
+            (await asyncio.to_thread(RemoteStore, host, port, timeout_s)).close()
+        except (StoreRefused, OSError) as e:
+            log_refusal(f"receive_weights: {e}")
+            return JSONResponse({"error": str(e)}, status_code=403)
+        # The trainer seals its chunks on CPU; a server with the secret takes only sealed ones there.
+        sealed = bool(body.get("sealed", False)) or secret.value() is not None
+        args = (host, port, prefix, first_rank, world_size, list(body["plan"]), timeout_s, sealed)
         async with lock:
             activity.doing(f"receiving the weights of step {step} from the trainer", "trainer", step)
             return await update(request, step, "prime_rl_receive", args, clear_cache=False)
@@ -164,61 +172,6 @@ def make_router(weights_dir: Path, max_update_s: float = DEFAULT_MAX_UPDATE_S) -
         return {"step": step, "workers": workers, "dtype": dtype, "weights_dir": str(root)}
 
     return router
-
-
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
-"""Open without the secret: whether the server is up, its version and its Prometheus counters (what
-a cluster's monitoring scrapes); none serves a completion or changes anything."""
-
-REFUSAL_LOG_EVERY_S = 10.0
-_refusals: dict = {"unsaid": 0, "last": None}
-
-
-def log_refusal(what: str) -> None:
-    """One line per refusal, and at most one per `REFUSAL_LOG_EVERY_S` (with a count of the others),
-    so that a flood of bad requests cannot flood the log."""
-    _refusals["unsaid"] += 1
-    now = time.monotonic()
-    if _refusals["last"] is not None and now - _refusals["last"] < REFUSAL_LOG_EVERY_S:
-        return
-    more = _refusals["unsaid"] - 1
-    also = f" (and {more} more since the last line)" if more else ""
-    print(f"prime_rl: refused {what}{also}", file=sys.stderr, flush=True)
-    _refusals.update(unsaid=0, last=now)
-
-
-class Authenticated:
-    """ASGI middleware: with a run secret, every request but `OPEN_PATHS` must carry it, or gets 401
-    before any route sees it. (Outermost, so vLLM's own routes are covered too.)"""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if secret.accepts(given):
-            return await self.app(scope, receive, send)
-        client = (scope.get("client") or ("?", 0))[0]
-        log_refusal(
-            f"{scope.get('method', 'WS')} {scope['path']} from {client}: {'wrong' if given else 'no'} run secret"
-        )
-        if scope["type"] == "websocket":
-            return await send({"type": "websocket.close", "code": 1008})
-        body = b'{"error": "this server needs the run secret (Authorization: Bearer ...)"}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
 
 
 STEP_HEADER = b"x-prime-rl-step"
@@ -320,13 +273,14 @@ def main() -> None:
     allow_open = secret.OPT_OUT_FLAG in argv
     if allow_open:
         argv.remove(secret.OPT_OUT_FLAG)
-    host = _take(list(argv), "--host", "0.0.0.0")  # vLLM's default: every interface
+    host = secret.bound_host(argv, "0.0.0.0")  # vLLM's default: every interface
     try:
         secret.value()
         secret.require_for_bind(host, "the inference server", allow_open)
     except secret.SecretError as e:
         raise SystemExit(f"vllm_server: {e}") from None
-    routers = [make_router(weights_dir, max_update_s), make_adapter_router(adapters_root)]
+    adapter_router = make_adapter_router(adapters_root)
+    routers = [make_router(weights_dir, max_update_s), adapter_router]
     label = os.environ.get(activity.ENV_LABEL, "inference")
     activity.start(label, "inference", weights_dir.parent, doing="starting vLLM")
 
@@ -347,6 +301,7 @@ def main() -> None:
         for router in routers:
             app.include_router(router)
         Requests.app = app
+        app.state.prime_rl_adapters = adapter_router.served  # (whose adapter a tenant samples)
         if app.middleware_stack is None:
             app.add_middleware(Requests)
             app.add_middleware(Authenticated)  # added last: the outermost

@@ -4,7 +4,7 @@ import asyncio
 import os
 import sys
 
-from prime_rl import activity
+from prime_rl import activity, secret
 from prime_rl.config import parse_config
 from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     take_signals()
     try:
         config = parse_config(OrchestratorConfig, argv, prog="orchestrator", check=check_orchestrator)
+        secret.ensure(config.output_dir)  # by hand without one: the run's, from its output folder
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         activity.start("orchestrator", "orchestrator", config.output_dir, doing="loading the envs")
         asyncio.run(make_orchestrator(config).run())

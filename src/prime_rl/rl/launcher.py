@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from prime_rl import activity, secret
+from prime_rl.auth import tenant
 from prime_rl.config.files import write_config
 from prime_rl.disk import DiskFull, writing
 from prime_rl.engine.server import UnsafeFolder, is_healthy, server_env
@@ -357,7 +358,10 @@ def install_signal_handlers(launcher: Launcher) -> None:
 def run_secret(out: Path) -> dict[str, str]:
     """The environment that gives the run's processes its secret: the one this process was given, or
     a file made under the output folder (kept for a resumed run). Never the value itself: a file's
-    name in the environment, so that no command line, config file or log holds the secret."""
+    name in the environment, so that no command line, config file or log holds the secret. (A run
+    that is a tenant of a shared server keeps a secret of its own too; its tenant key file, checked
+    here, reaches the children in their environment.)"""
+    tenant.mine()
     if os.environ.get(secret.ENV) or os.environ.get(secret.FILE_ENV):
         secret.value()  # a bad file is one line now, not a failure in every child
         return {}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from prime_rl import activity
+from prime_rl import activity, secret
 from prime_rl.config import parse_config
 from prime_rl.layout import refusal_path
 from prime_rl.logging_setup import setup_logging
@@ -270,6 +270,11 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_config(
             TrainerConfig, argv, prog="trainer", check=check_trainer, commands=FAKE_GPU_HELP
         )
+        try:  # by hand without one: the run's, from its output folder (`rl` gives its own)
+            secret.ensure(config.output_dir)
+        except secret.SecretError as e:
+            sys.stderr.write(f"trainer: error: {e}\n")
+            raise SystemExit(2) from None
         if fake_gpu:
             from prime_rl.trainer.gpu.dry_run import main_dry_run
 

@@ -3,15 +3,20 @@
 Layout: `<dir>/step_<step>/rank_<rank>/<index>.msgpack` for micro-batches and
 `<dir>/step_<step>/batch.msgpack` for whole training batches. Invariant: a file appears under
 its final name only once it is complete (written to a temporary name, flushed, then renamed),
-so a reader never sees half a message.
+so a reader never sees half a message. With a run secret, each file ends with an HMAC-SHA-256 of its
+place (step, rank, index) and its bytes (`seal`): a file someone else wrote, changed or moved is
+refused, in one line naming it, before it is decoded, let alone trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import time
 from pathlib import Path
 
+from prime_rl import secret
 from prime_rl.disk import writing
 from prime_rl.transport.base import TransportError, TransportTimeout, check_run
 from prime_rl.transport.messages import Message, MicroBatch, TrainingBatch, decode, encode
@@ -22,6 +27,34 @@ def message_path(root: Path, message: Message) -> Path:
     if isinstance(message, TrainingBatch):
         return step_dir / "batch.msgpack"
     return step_dir / f"rank_{message.header.rank}" / f"{message.index:04d}.msgpack"
+
+
+SEAL_KEY = "file-transport"
+TAG = 32
+
+
+def _tag(key: bytes, place: str, data: bytes) -> bytes:
+    return hmac.new(key, place.encode() + b"\n" + data, hashlib.sha256).digest()
+
+
+def seal(root: Path, path: Path, data: bytes) -> bytes:
+    """`data` as written at `path`: with a run secret, followed by its tag."""
+    key = secret.key(SEAL_KEY)
+    return data if key is None else data + _tag(key, str(path.relative_to(root)), data)
+
+
+def unseal(root: Path, path: Path, data: bytes) -> bytes:
+    """The message bytes of the file at `path`; `TransportError` when its tag is not the run's."""
+    key = secret.key(SEAL_KEY)
+    if key is None:
+        return data
+    body, tag = data[:-TAG], data[-TAG:]
+    if len(data) < TAG or not hmac.compare_digest(tag, _tag(key, str(path.relative_to(root)), body)):
+        raise TransportError(
+            f"{path} is not sealed with this run's key: written, changed or moved by someone else "
+            f"(or by a process without the run secret); it is not trained on"
+        )
+    return body
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -49,7 +82,7 @@ class FileSender:
     def send(self, message: Message) -> None:
         path = message_path(self.root, message)
         with writing(path, "a micro-batch for the trainer"):
-            write_atomic(path, encode(message))
+            write_atomic(path, seal(self.root, path, encode(message)))
 
     def close(self) -> None:
         pass
@@ -88,7 +121,7 @@ class FileReceiver:
                     f"{path} did not appear within {timeout:.0f} s: is the orchestrator running?"
                 )
             time.sleep(self.poll_s)
-        message = check_run(decode(path.read_bytes()), self.run_id, str(path))
+        message = check_run(decode(unseal(self.root, path, path.read_bytes())), self.run_id, str(path))
         if not isinstance(message, MicroBatch):
             raise TransportError(f"{path} holds a {type(message).__name__}, expected a MicroBatch")
         if message.index + 1 >= message.count:

@@ -6,7 +6,6 @@ connection pool); vLLM's engine in this process (`ENGINE_URL`) is called directl
 
 from __future__ import annotations
 
-from prime_rl import secret
 from prime_rl.engine.local import ENGINE_URL
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.envs.sampler import EngineSampler, ServerSampler
@@ -32,7 +31,6 @@ class Clients:
                 sampler = ServerSampler(
                     base_url,
                     key[1],
-                    secret.value() or "prime-rl",
                     self.config.timeout_s,
                     self.config.max_retries,
                 )

@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prime_rl import secret, tls
+from prime_rl import tls
+from prime_rl.auth import clients
 from prime_rl.model.reward import RewardModelError, load_reward_model
 from prime_rl.orchestrator.envs.http_retry import post_json
 from prime_rl.orchestrator.rewards import bind
@@ -112,9 +113,7 @@ class RemoteScorer:
         self.config = config
         self.key = key
         self.base = config.url.rstrip("/")
-        self._client = httpx.AsyncClient(
-            timeout=config.timeout_s, verify=tls.context(), headers=secret.headers()
-        )
+        self._client = httpx.AsyncClient(timeout=config.timeout_s, verify=tls.context(), auth=clients.auth())
 
     async def check(self) -> None:
         """Fail fast, naming the key, when the server does not answer its health route."""

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from prime_rl.auth import clients
 from prime_rl.engine.sampling import BadRequestError, Completion, SamplingArgs
 
 KEEPALIVE_EXPIRY_S = 2.0
@@ -88,10 +89,12 @@ class ServerSampler:
 
     RETRY_STATUS = frozenset({408, 409, 429})
 
-    def __init__(self, base_url: str, model: str, api_key: str, timeout_s: float, retries: int):
+    def __init__(self, base_url: str, model: str, timeout_s: float, retries: int):
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
-        self.headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+        self.headers = {"Content-Type": "application/json"}
+        self.identity, self.key = clients.caller()
+        """Each request is signed with it, after the server proved it holds it (`auth/`)."""
         self.timeout_s = timeout_s
         self.retries = retries
         self._session = None  # made on the event loop that uses it
@@ -159,13 +162,17 @@ class ServerSampler:
             if attempt:
                 await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 8.0) * (0.75 + 0.5 * random.random()))
             try:
-                async with session.post(self.url, data=content) as response:
+                headers = None
+                if self.key is not None:
+                    await clients.prove_server(session, self.url, self.key, self.identity)
+                    headers = clients.sign_headers(self.key, "POST", self.url, content, self.identity)
+                async with session.post(self.url, data=content, headers=headers) as response:
                     status, answer = response.status, await response.read()
                     step = response.headers.get(STEP_HEADER)
             except TimeoutError:
                 error = TimeoutError(f"{self.url}: no answer within {self.timeout_s:g}s")
                 continue
-            except aiohttp.ClientError as e:
+            except (aiohttp.ClientError, clients.ServerNotOurs) as e:
                 error = ConnectError(f"{self.url}: {type(e).__name__}: {e}")
                 continue
             if status < 400:

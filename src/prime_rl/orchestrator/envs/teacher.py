@@ -19,7 +19,8 @@ import logging
 import time
 from dataclasses import replace
 
-from prime_rl import secret, tls
+from prime_rl import tls
+from prime_rl.auth import clients
 from prime_rl.orchestrator.envs.http_retry import post_json
 from prime_rl.orchestrator.envs_config import TeacherConfig
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
@@ -40,9 +41,7 @@ class Teacher:
         self.config = config
         self.model = config.model
         self.base = config.base_url.rstrip("/")
-        self._client = httpx.AsyncClient(
-            timeout=config.timeout_s, verify=tls.context(), headers=secret.headers()
-        )
+        self._client = httpx.AsyncClient(timeout=config.timeout_s, verify=tls.context(), auth=clients.auth())
         self._slots = asyncio.Semaphore(config.concurrency)
 
     async def check(self, wait_s: float = 0.0) -> None:

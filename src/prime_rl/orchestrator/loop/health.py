@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import httpx
 
-from prime_rl import secret, tls
+from prime_rl import tls
+from prime_rl.auth import clients
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable, Server, ServerPool
 from prime_rl.orchestrator.loop.weights import UNKNOWN, WeightSync, WeightSyncError, served_step
 
@@ -80,7 +81,7 @@ class ServerHealth:
 
     async def _watch(self) -> None:
         async with httpx.AsyncClient(
-            timeout=self.request_timeout_s, verify=tls.context(), headers=secret.headers()
+            timeout=self.request_timeout_s, verify=tls.context(), auth=clients.auth()
         ) as http:
             while True:
                 with contextlib.suppress(TimeoutError):

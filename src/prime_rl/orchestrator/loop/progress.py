@@ -25,7 +25,8 @@ from prime_rl.monitor import forget_steps_from
 from prime_rl.orchestrator.loop.examples import Cursor
 from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting
 from prime_rl.orchestrator.messages import Example
-from prime_rl.transport.file_transport import write_atomic
+from prime_rl.transport.base import TransportError
+from prime_rl.transport.file_transport import seal, unseal, write_atomic
 from prime_rl.transport.messages import TrainingBatch, decode, encode
 
 log = logging.getLogger("prime_rl.orchestrator")
@@ -72,7 +73,8 @@ def batch_path(output_dir: Path, step: int) -> Path:
 
 def save_batch(output_dir: Path, batch: TrainingBatch, keep_from: int = 0) -> None:
     """Save a step's batch; forget batches the trainer finished long ago (before `keep_from` - KEEP)."""
-    write_atomic(batch_path(output_dir, batch.header.step), encode(batch))
+    path = batch_path(output_dir, batch.header.step)
+    write_atomic(path, seal(Path(output_dir), path, encode(batch)))
     for path in batch_path(output_dir, 0).parent.glob("step_*.msgpack"):
         if int(path.stem.removeprefix("step_")) < keep_from - KEEP_BATCHES:
             path.unlink(missing_ok=True)
@@ -82,7 +84,11 @@ def load_batch(output_dir: Path, step: int) -> TrainingBatch | None:
     path = batch_path(output_dir, step)
     if not path.exists():
         return None
-    batch = decode(path.read_bytes())
+    try:  # a batch someone else planted is never re-sent: the step is made anew
+        batch = decode(unseal(Path(output_dir), path, path.read_bytes()))
+    except TransportError as e:
+        log.warning("%s", e)
+        return None
     assert isinstance(batch, TrainingBatch)
     return batch
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from aiohttp import web
 
 from prime_rl import secret
+from prime_rl.auth import signing
 from prime_rl.layout import pool_path
 from prime_rl.orchestrator.config import PoolConfig
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
@@ -71,6 +72,7 @@ class Registry:
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
         self._refused = {"unsaid": 0, "last": None}
+        self._verifier = signing.Verifier()
 
     async def start(self) -> str:
         """Open the door; returns its URL (also written to `pool.json`)."""
@@ -114,14 +116,21 @@ class Registry:
 
     @web.middleware
     async def _authenticated(self, request: web.Request, handler):
-        if secret.value() is None or secret.accepts(request.headers.get("Authorization")):
+        if secret.value() is None:
             return await handler(request)
-        given = "wrong" if request.headers.get("Authorization") else "no"
-        self._log_refusal(f"{request.method} {request.path} from {request.remote}: {given} run secret")
+        if request.path == signing.PROVE_PATH:
+            status, body = signing.proof_answer(request.query_string, self._verifier.keys)
+            return web.json_response(body, status=status)
+        given = request.headers.get("Authorization")
+        body = await request.read() if signing.parse(given) else b""  # bounded by client_max_size
+        caller, why = self._verifier.check(request.method, request.raw_path, given, signing.body_digest(body))
+        if caller == signing.OWNER:
+            return await handler(request)
+        self._log_refusal(f"{request.method} {request.path} from {request.remote}: {why or 'not the run'}")
         return web.json_response(
             {
-                "error": f"{given} run secret: this run's pool takes only servers that hold the run's "
-                f"(start them with {secret.FILE_ENV}=<the run's output_dir>/{secret.FILE_NAME})"
+                "error": f"{why or 'not the run'}: this run's pool takes only servers that hold the run's "
+                f"secret (start them with {secret.FILE_ENV}=<the run's output_dir>/{secret.FILE_NAME})"
             },
             status=401,
         )

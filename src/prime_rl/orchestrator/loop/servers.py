@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from prime_rl import secret, tls
+from prime_rl import tls
+from prime_rl.auth import clients
 from prime_rl.engine.local import ENGINE_URL, LocalEngine
 from prime_rl.orchestrator.config import ClientConfig
 
@@ -157,7 +158,7 @@ async def wait_healthy(
     deadline = time.monotonic() + timeout_s
     delay, last = first_delay_s, "no answer"
     warned = False
-    async with httpx.AsyncClient(timeout=5.0, verify=tls.context(), headers=secret.headers()) as http:
+    async with httpx.AsyncClient(timeout=5.0, verify=tls.context(), auth=clients.auth()) as http:
         while True:
             try:
                 resp = await http.get(f"{root_url}/health")

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl import activity, secret, tls
+from prime_rl.auth import clients, signing
 from prime_rl.engine.local import EngineBroken, EngineStopped
 from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
@@ -113,7 +114,7 @@ class WeightSync:
         if self.adapter is None:
             return
         async with httpx.AsyncClient(
-            timeout=self.timeout_s, verify=tls.context(), headers=secret.headers()
+            timeout=self.timeout_s, verify=tls.context(), auth=clients.auth()
         ) as http:
             await asyncio.gather(*(self._claim(http, s) for s in self.pool.servers))
 
@@ -135,7 +136,7 @@ class WeightSync:
         if self.adapter is None:
             return
         body = {"name": self.adapter.name, "owner": self.adapter.owner}
-        async with httpx.AsyncClient(timeout=10.0, verify=tls.context(), headers=secret.headers()) as http:
+        async with httpx.AsyncClient(timeout=10.0, verify=tls.context(), auth=clients.auth()) as http:
             for server in self.pool.servers:
                 with contextlib.suppress(httpx.HTTPError):  # a server that is gone holds nothing
                     await http.post(f"{server.root_url}{UNLOAD_ADAPTER_ROUTE}", json=body)
@@ -211,8 +212,9 @@ class WeightSync:
         activity.doing(f"loading the weights of step {step} into {len(servers)} server(s)", "inference")
         unreachable: list[Server] = []
         broadcast = self.broadcast(step)
+        # Signed as the orchestrator: the one caller whose `rewind` a server takes.
         async with httpx.AsyncClient(
-            timeout=self.timeout_s, verify=tls.context(), headers=secret.headers()
+            timeout=self.timeout_s, verify=tls.context(), auth=clients.auth(signing.ORCHESTRATOR)
         ) as http:
 
             async def check(server: Server) -> None:

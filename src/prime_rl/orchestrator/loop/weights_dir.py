@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl import secret, tls
+from prime_rl.auth import clients
 from prime_rl.layout import weights_root
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import ADAPTERS_ROUTE, WEIGHTS_ROUTE, WeightSyncError
@@ -34,7 +35,7 @@ async def check_weights_dirs(
     pool: ServerPool, output_dir: Path, adapter: bool, timeout_s: float = 30.0
 ) -> None:
     """Raise `WeightsDirMismatch` for the first server that would refuse `<output_dir>/weights`."""
-    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), auth=clients.auth()) as http:
         roots = await asyncio.gather(*(_accepted_root(http, s, adapter) for s in pool.servers))
     for server, root in zip(pool.servers, roots, strict=True):
         refusal(server, root, output_dir, adapter)
@@ -42,7 +43,7 @@ async def check_weights_dirs(
 
 async def check_weights_dir(server: Server, output_dir: Path, adapter: bool, timeout_s: float = 30.0) -> None:
     """`check_weights_dirs` for one server (one that joins the running run)."""
-    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), headers=secret.headers()) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, verify=tls.context(), auth=clients.auth()) as http:
         refusal(server, await _accepted_root(http, server, adapter), output_dir, adapter)
 
 
@@ -55,6 +56,13 @@ def refusal(server: Server, root: Path | None, output_dir: Path, adapter: bool) 
         raise SecretRefused(
             f"the inference server at {server.root_url} refuses this run's requests (401: {given}): "
             f"give the orchestrator and the trainer the server's secret, {secret.FILE_ENV}=<its file>"
+        )
+    if root == NOT_OURS:
+        raise SecretRefused(
+            f"the inference server at {server.root_url} did not prove it holds this run's key (started "
+            f"with another secret, or none, or another process has its port), so nothing was sent to it: "
+            f"start it with the run's secret ({secret.FILE_ENV}=<output_dir>/{secret.FILE_NAME}), or, "
+            f"for a shared server, use the tenant key its owner issued (PRIME_RL_TENANT_KEY_FILE)"
         )
     if root is None or published == root or root in published.parents:
         return
@@ -74,6 +82,8 @@ def refusal(server: Server, root: Path | None, output_dir: Path, adapter: bool) 
 
 UNAUTHORIZED = Path("/401")
 """`_accepted_root`'s answer for a server that refused this run's secret."""
+NOT_OURS = Path("/not-ours")
+"""`_accepted_root`'s answer for a server that did not prove it holds this run's key."""
 
 
 async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool) -> Path | None:
@@ -86,6 +96,11 @@ async def _accepted_root(http: httpx.AsyncClient, server: Server, adapter: bool)
         resp = await http.get(f"{server.root_url}{route}")
         if resp.status_code == 401:
             return UNAUTHORIZED
+    except clients.ServerNotOurs:
+        return NOT_OURS
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    try:
         if resp.status_code != 200 or (adapter and not resp.json().get("enabled")):
             return None
         return Path(resp.json()[key])

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from prime_rl import secret, tls
+from prime_rl import tls
+from prime_rl.auth import clients
+from prime_rl.auth.store import StoreServer
 from prime_rl.engine.local import ENGINE_URL
 from prime_rl.layout import pool_path
 from prime_rl.trainer.config import WeightBroadcastConfig
@@ -32,9 +34,8 @@ from prime_rl.weight_transfer import (
     chunk_bytes,
     join_group,
     make_plan,
-    open_store,
     plan_to_json,
-    put_proof,
+    seal_key,
     send,
 )
 
@@ -119,7 +120,7 @@ class Broadcaster:
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
         c = self.config
-        with httpx.Client(verify=tls.context(), headers=secret.headers()) as http:
+        with httpx.Client(verify=tls.context(), auth=clients.auth()) as http:
             found = {url: self._ask(http, url) for url in self.members(http)}
         live = {url: a[0] for url, a in found.items() if a}
         if not live:
@@ -127,15 +128,12 @@ class Broadcaster:
         # Weights travel in the servers' dtype (bf16 servers: half the bytes of fp32 master weights).
         dtypes = {a[1] for a in found.values() if a}
         cast = next(iter(dtypes)) if len(dtypes) == 1 and next(iter(dtypes)) in DTYPES else None
-        if self._store is None:
-            self._store = open_store(self.host, c.port, is_master=True, timeout_s=c.timeout_s)
+        if self._store is None:  # on the broadcast's interface only, for the run's processes only
+            self._store = StoreServer(self.host, c.port, c.timeout_s)
         plan = make_plan(state, int(c.chunk_mb * 2**20), cast)
         world = 1 + sum(live.values())
-        # Random and sent only in authenticated requests: nobody else can name this update's keys.
-        prefix = f"prime_rl/step_{step}/{secrets.token_hex(16)}/"
-        proof = secret.key(f"weights-store/{prefix}")
-        if proof is not None:
-            put_proof(self._store, prefix, proof)
+        # Fresh per update, so that no key of an earlier group is read as this one's.
+        prefix = f"prime_rl/step_{step}/{secrets.token_hex(8)}/"
         answers: dict[str, str] = {}
         phases["ask"] = time.perf_counter() - t0
 
@@ -149,6 +147,7 @@ class Broadcaster:
                 "world_size": world,
                 "plan": plan_to_json(plan),
                 "timeout_s": c.timeout_s,
+                "sealed": not torch.cuda.is_available() and seal_key(prefix) is not None,
             }
             try:
                 reply = httpx.post(
@@ -156,7 +155,7 @@ class Broadcaster:
                     json=body,
                     timeout=3 * c.timeout_s + 30,
                     verify=tls.context(),
-                    headers=secret.headers(),
+                    auth=clients.auth(),
                 )
                 answers[url] = (
                     "ok" if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"
@@ -175,10 +174,10 @@ class Broadcaster:
             cuda = torch.cuda.is_available()
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             t = time.perf_counter()
-            group = join_group(self._store, prefix, 0, world, c.timeout_s, cuda)
+            group = join_group(self._store.store(), prefix, 0, world, c.timeout_s, cuda)
             phases["group"] = time.perf_counter() - t
             t = time.perf_counter()
-            send(group, state, plan, device)
+            send(group, state, plan, device, None if cuda else seal_key(prefix))
             phases["send"] = time.perf_counter() - t
             del group
         except Exception as e:  # a server went away mid-update, or never joined
@@ -186,6 +185,7 @@ class Broadcaster:
         t = time.perf_counter()
         for thread in threads:
             thread.join()
+        self._store.table.drop(prefix)
         phases["answers"] = time.perf_counter() - t
         confirmed = [url for url in live if answers.get(url) == "ok"]
         failed = {url: answers.get(url, "no answer") for url in live if url not in confirmed}

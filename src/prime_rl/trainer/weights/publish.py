@@ -31,7 +31,16 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prime_rl.disk import writing
-from prime_rl.layout import BROADCAST, READY, TRAINER_STATS, marked_steps, step_dir, weights_root
+from prime_rl.layout import (
+    BROADCAST,
+    READY,
+    TRAINER_STATS,
+    WEIGHTS,
+    marked_steps,
+    step_dir,
+    weights_root,
+    write_manifest,
+)
 from prime_rl.trainer import lora as lora_files
 from prime_rl.trainer.config import LoRAConfig
 from prime_rl.trainer.parallel.dist import World
@@ -134,6 +143,7 @@ class Publisher:
                 self._tokenizer.save_pretrained(path)
             if stats:
                 (path / TRAINER_STATS).write_text(json.dumps(stats))
+            write_manifest(path, WEIGHTS)  # keyed: nobody else's weights pass for this step's
             (path / READY).touch()
 
     def _write(self, step: int, state: dict[str, torch.Tensor], config, stats: dict | None = None) -> None:
