@@ -15,6 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import tomllib
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -192,8 +195,28 @@ def test_collective_broadcast_puts_the_trainers_weights_on_two_real_servers_with
     text = toml.read_text().replace("[inference.server]\nport = ", f"[inference.server]\nport = {port}\n#")
     toml.write_text(text.replace("max_async_level = 1", "max_async_level = 0"))  # sampler = trainer's weights
     run = tmp_path / "run"
-    done = subprocess.run([RL, "@", str(toml)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rl = subprocess.Popen([RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The review's hijack, all through the run: a neighbour reads the broadcast store's keys with
+    # torch's own client (to learn an update's prefix and join its group as rank 0). It reads nothing.
+    read: list = []
+
+    def neighbour() -> None:
+        config = run / "configs" / "trainer.toml"
+        while rl.poll() is None:
+            try:
+                store_port = tomllib.loads(config.read_text())["weight_broadcast"]["port"]
+                client = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False,
+                                                    timeout=timedelta(seconds=2), wait_for_workers=False)  # fmt: skip
+                read.append(client.list_keys())
+            except Exception:
+                continue
+
+    attacker = threading.Thread(target=neighbour, daemon=True)
+    attacker.start()
+    out, _ = rl.communicate(timeout=900)
+    attacker.join(timeout=60)
+    assert rl.returncode == 0, out[-6000:]
+    assert read == []
 
     urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
     published = sorted((run / "weights").glob("step_*"))
