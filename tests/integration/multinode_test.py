@@ -199,10 +199,11 @@ def test_collective_broadcast_puts_the_trainers_weights_on_two_real_servers_with
     # The review's hijack, all through the run: a neighbour reads the broadcast store's keys with
     # torch's own client (to learn an update's prefix and join its group as rank 0). It reads nothing.
     read: list = []
+    done = threading.Event()
 
     def neighbour() -> None:
         config = run / "configs" / "trainer.toml"
-        while rl.poll() is None:
+        while not done.wait(0.3):  # (a try every 0.3 s at most, until the run is over)
             try:
                 store_port = tomllib.loads(config.read_text())["weight_broadcast"]["port"]
                 client = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False,
@@ -214,6 +215,7 @@ def test_collective_broadcast_puts_the_trainers_weights_on_two_real_servers_with
     attacker = threading.Thread(target=neighbour, daemon=True)
     attacker.start()
     out, _ = rl.communicate(timeout=900)
+    done.set()
     attacker.join(timeout=60)
     assert rl.returncode == 0, out[-6000:]
     assert read == []
