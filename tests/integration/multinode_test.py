@@ -29,6 +29,7 @@ from rl_test import write_config
 from safetensors.torch import load_file
 
 from helpers.grad_worker import make_samples
+from helpers.secrets import holding
 from prime_rl import secret
 from prime_rl.auth.clients import Signed
 from prime_rl.contract import OrchestratorSide
@@ -52,11 +53,15 @@ def deployment(trainer_nodes: int, ranks: int) -> str:
 def write_run(tmp_path: Path, name: str, model: Path, trainer_nodes: int, ranks: int) -> tuple[Path, Path]:
     run, data = tmp_path / name, tmp_path / f"{name}-data"
     sender = FileSender(data)
-    for step in range(STEPS):
-        side = OrchestratorSide("test", SEQ_LEN, WORLD)
-        for rank_mbs in pack(make_samples(12, seed=step), SEQ_LEN, WORLD, RUN_ID, step, orchestrator=side):
-            for mb in rank_mbs:
-                sender.send(mb)
+    # Written as the run's orchestrator would: sealed with the run's secret (`rl` keeps that file).
+    with holding(secret.create(run)):
+        for step in range(STEPS):
+            side = OrchestratorSide("test", SEQ_LEN, WORLD)
+            for rank_mbs in pack(
+                make_samples(12, seed=step), SEQ_LEN, WORLD, RUN_ID, step, orchestrator=side
+            ):
+                for mb in rank_mbs:
+                    sender.send(mb)
     toml = tmp_path / f"{name}.toml"
     toml.write_text(
         f'model = "{model}"\noutput_dir = "{run}"\nmax_steps = {STEPS}\nseq_len = {SEQ_LEN}\n'
