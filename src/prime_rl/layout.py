@@ -251,7 +251,10 @@ def _check_keyed(folder: Path, manifest: dict, what: str) -> str | None:
 def verify_weights(folder: Path) -> str | None:
     """Why the published weights in `folder` are not the run's trainer's (as `verify_checkpoint`,
     under the weights' own keys, `READY` for `DONE`): checked before a server or the engine loads
-    them, so that someone who can write the run folder cannot plant a step."""
+    them, so that someone who can write the run folder cannot plant a step. Without a run secret
+    nothing can vouch for a folder: None (the server's route still wants `READY`)."""
+    if secret.key(_labels(WEIGHTS)[0]) is None:
+        return None
     return verify_checkpoint(folder, WEIGHTS)
 
 

@@ -31,6 +31,8 @@ from rl_test import write_config
 from safetensors.torch import load_file
 
 from helpers.cores import server_env
+from helpers.secrets import holding
+from prime_rl import secret
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
 from prime_rl.contract import OrchestratorSide
@@ -80,16 +82,18 @@ def replay(run: Path, out: Path, steps: int, seq_len: int) -> Path:
     """Train a fresh trainer, never interrupted, on the batches the run saved; return its weights dir."""
     transport = out / "transport"
     sender = FileSender(transport)
-    for step in range(steps):
-        batch = load_batch(run, step)
-        assert batch is not None, f"the run did not save the batch of step {step}"
-        for mb in pack(
-            batch.samples, seq_len, 1, "replay", step, orchestrator=OrchestratorSide("replay", seq_len, 1)
-        )[0]:
-            sender.send(mb)
+    with holding(run / secret.FILE_NAME):  # the run's saved batches, sealed with its secret; so are these
+        for step in range(steps):
+            batch = load_batch(run, step)
+            assert batch is not None, f"the run did not save the batch of step {step}"
+            for mb in pack(
+                batch.samples, seq_len, 1, "replay", step, orchestrator=OrchestratorSide("replay", seq_len, 1)
+            )[0]:
+                sender.send(mb)
     cmd = [str(BIN / "trainer"), "@", str(run / "configs" / "trainer.toml"), "--output_dir", str(out),
            "--transport.type", "filesystem", "--transport.dir", str(transport), "--transport.run_id", "replay"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as `rl` runs the trainer on 2 cores
+    # As `rl` runs the trainer on 2 cores; with the run's secret, whose seals the data carries.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", secret.FILE_ENV: str(run / secret.FILE_NAME)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "weights" / f"step_{steps}"

@@ -15,6 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import tomllib
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -26,6 +29,7 @@ from rl_test import write_config
 from safetensors.torch import load_file
 
 from helpers.grad_worker import make_samples
+from helpers.secrets import holding
 from prime_rl import secret
 from prime_rl.auth.clients import Signed
 from prime_rl.contract import OrchestratorSide
@@ -49,11 +53,15 @@ def deployment(trainer_nodes: int, ranks: int) -> str:
 def write_run(tmp_path: Path, name: str, model: Path, trainer_nodes: int, ranks: int) -> tuple[Path, Path]:
     run, data = tmp_path / name, tmp_path / f"{name}-data"
     sender = FileSender(data)
-    for step in range(STEPS):
-        side = OrchestratorSide("test", SEQ_LEN, WORLD)
-        for rank_mbs in pack(make_samples(12, seed=step), SEQ_LEN, WORLD, RUN_ID, step, orchestrator=side):
-            for mb in rank_mbs:
-                sender.send(mb)
+    # Written as the run's orchestrator would: sealed with the run's secret (`rl` keeps that file).
+    with holding(secret.create(run)):
+        for step in range(STEPS):
+            side = OrchestratorSide("test", SEQ_LEN, WORLD)
+            for rank_mbs in pack(
+                make_samples(12, seed=step), SEQ_LEN, WORLD, RUN_ID, step, orchestrator=side
+            ):
+                for mb in rank_mbs:
+                    sender.send(mb)
     toml = tmp_path / f"{name}.toml"
     toml.write_text(
         f'model = "{model}"\noutput_dir = "{run}"\nmax_steps = {STEPS}\nseq_len = {SEQ_LEN}\n'
@@ -192,8 +200,30 @@ def test_collective_broadcast_puts_the_trainers_weights_on_two_real_servers_with
     text = toml.read_text().replace("[inference.server]\nport = ", f"[inference.server]\nport = {port}\n#")
     toml.write_text(text.replace("max_async_level = 1", "max_async_level = 0"))  # sampler = trainer's weights
     run = tmp_path / "run"
-    done = subprocess.run([RL, "@", str(toml)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rl = subprocess.Popen([RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The review's hijack, all through the run: a neighbour reads the broadcast store's keys with
+    # torch's own client (to learn an update's prefix and join its group as rank 0). It reads nothing.
+    read: list = []
+    done = threading.Event()
+
+    def neighbour() -> None:
+        config = run / "configs" / "trainer.toml"
+        while not done.wait(0.3):  # (a try every 0.3 s at most, until the run is over)
+            try:
+                store_port = tomllib.loads(config.read_text())["weight_broadcast"]["port"]
+                client = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False,
+                                                    timeout=timedelta(seconds=2), wait_for_workers=False)  # fmt: skip
+                read.append(client.list_keys())
+            except Exception:
+                continue
+
+    attacker = threading.Thread(target=neighbour, daemon=True)
+    attacker.start()
+    out, _ = rl.communicate(timeout=900)
+    done.set()
+    attacker.join(timeout=60)
+    assert rl.returncode == 0, out[-6000:]
+    assert read == []
 
     urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
     published = sorted((run / "weights").glob("step_*"))

@@ -318,9 +318,11 @@ def test_the_secret_file_is_the_owners_alone_and_kept_for_a_resumed_run(tmp_path
 
 
 def test_by_hand_the_first_process_makes_the_runs_secret_and_the_others_read_it(tmp_path, monkeypatch):
-    # No secret given and no opt-out: safe by default.
+    # No secret given and no opt-out: safe by default. (Set, then removed, through monkeypatch: it
+    # puts back what was there before, whatever `ensure` writes into the environment meanwhile.)
     for name in (secret.ENV, secret.FILE_ENV, secret.NO_SECRET_ENV):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     secret.value.cache_clear()
     try:
         made = secret.ensure(tmp_path / "run")  # the first process (say, the server)

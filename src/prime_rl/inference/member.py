@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import tls
+from prime_rl import secret, tls
 from prime_rl.auth import clients
 from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import is_healthy
@@ -94,6 +94,16 @@ class Member:
             if is_healthy(self.url):
                 try:
                     resp = self._post("/pool/join", {"url": self.url}, 30.0)
+                except clients.ServerNotOurs:
+                    # The pool holds another key: another run's secret, or a process on its port.
+                    # Nothing was sent to it; asking again would not change its answer.
+                    self.refused = (
+                        f"the run's pool at {door(p.join)} did not prove it holds this server's secret "
+                        f"(the run has another; start the server with the run's, "
+                        f"{secret.FILE_ENV}=<output_dir>/{secret.FILE_NAME})"
+                    )
+                    print(f"inference: error: {self.refused}", file=sys.stderr, flush=True)
+                    return
                 except (httpx.HTTPError, FileNotFoundError) as e:
                     last = str(e) or type(e).__name__
                 else:

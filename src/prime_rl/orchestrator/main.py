@@ -5,6 +5,7 @@ import os
 import sys
 
 from prime_rl import activity, secret
+from prime_rl.auth import tenant
 from prime_rl.config import parse_config
 from prime_rl.contract import ContractError
 from prime_rl.disk import DiskFull
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = parse_config(OrchestratorConfig, argv, prog="orchestrator", check=check_orchestrator)
         secret.ensure(config.output_dir)  # by hand without one: the run's, from its output folder
+        tenant.mine()  # a tenant key file that cannot be used: one line now, not at the first request
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         activity.start("orchestrator", "orchestrator", config.output_dir, doing="loading the envs")
         asyncio.run(make_orchestrator(config).run())
