@@ -31,7 +31,7 @@ from rl_test import write_config
 from safetensors.torch import load_file
 
 from helpers.cores import server_env
-from helpers.secrets import holding
+from helpers.run_secret import holding
 from prime_rl import secret
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml

@@ -29,7 +29,7 @@ from rl_test import write_config
 from safetensors.torch import load_file
 
 from helpers.grad_worker import make_samples
-from helpers.secrets import holding
+from helpers.run_secret import holding
 from prime_rl import secret
 from prime_rl.auth.clients import Signed
 from prime_rl.contract import OrchestratorSide
