@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers.scripted import Scripted
@@ -70,7 +71,12 @@ def test_tool_add_calls_its_tool_in_the_sandbox_with_the_same_results():
     assert r.completion[3]["content"].startswith("Error: no tool named 'mul'")
     if os.geteuid() == 0:
         assert uid != 0  # the tools ran as the sandbox's own user
-    assert not os.path.exists(f"/proc/{host_pid}")
+    # Gone once closed: waited for, since the host ends after `close` returns (its parent reaps it).
+    try:
+        _, alive = psutil.wait_procs([psutil.Process(host_pid)], timeout=120)
+    except psutil.NoSuchProcess:
+        alive = []
+    assert not alive
 
 
 def test_an_env_with_tools_stops_in_one_line_where_the_machine_cannot_sandbox(monkeypatch):
