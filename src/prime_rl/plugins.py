@@ -2,10 +2,14 @@
 functions): a registry of built-ins by name, and a dotted import path for the user's own.
 
 A config section picks one with `type`: a built-in's name, or 'package.module:function'. A built-in
-is one module holding its function and its config (a `BaseConfig` whose `type` is `Literal[name]`,
-a docstring under every field), listed once in its kind's registry; its own fields reach the
-function as keyword arguments. The user's own function gets the `kwargs` table. Fields that every
-member of a kind shares live in the kind's base config and are read by the caller, not passed.
+is a function and its config (a `BaseConfig` whose `type` is `Literal[name]`, a docstring under
+every field), listed once in its kind's registry. Where they live depends on the kind: an advantage
+or reward function shares one module with its config (`orchestrator/advantages/grpo.py`), while a
+loss or token estimator has a module of its own for the function (`trainer/losses/cpgd.py`) and its
+config in the kind's `config.py`, whose registry names the function by import path, so that configs
+load no torch. A built-in's own fields reach the function as keyword arguments; the user's own
+function gets the `kwargs` table. Fields that every member of a kind shares live in the kind's base
+config and are read by the caller, not passed.
 
 Invariant: a path that does not resolve to a callable raises `PluginError` whose message names the
 config key, the path and what is wrong, never an ImportError traceback.

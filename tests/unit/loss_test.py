@@ -104,6 +104,20 @@ def test_a_sequence_ratio_with_a_token_correction_names_both_keys():
     TrainerConfig(loss={"ratio_type": "sequence"}, rollout_correction={"type": "seq_mask"})
 
 
+@pytest.mark.parametrize("loss", [{}, {"type": "cispo"}, {"type": "my_package.losses:mine"}])
+def test_tis_is_refused_under_the_default_old_policy_of_every_loss(loss):
+    """A loss that does not set `old_policy` divides by the sampler (its field's default), a user's
+    own included, so a TIS weight on top would count the sampler's mismatch twice."""
+    from pydantic import ValidationError
+
+    from prime_rl.trainer.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match=r"loss.old_policy = 'sampler' .* 'tis'"):
+        TrainerConfig(loss=loss, rollout_correction={"type": "tis"})
+    config = TrainerConfig(loss={**loss, "old_policy": "trainer"}, rollout_correction={"type": "tis"})
+    assert config.loss.old_policy == "trainer" and config.rollout_correction.type == "tis"
+
+
 def test_the_trainer_differentiates_the_entropy_only_for_a_bonus(tiny_model, tmp_path):
     import sys
     from pathlib import Path

@@ -362,14 +362,16 @@ class TrainerConfig(TrainingConfig):
 
     @model_validator(mode="after")
     def _correction_agrees_with_the_ratio(self):
+        # Every loss config, a user's included, is a LossBase: both fields are always set, so their
+        # defaults ('token', 'sampler') are the ones LossBase declares.
         kind = self.rollout_correction.type
-        if getattr(self.loss, "ratio_type", "token") == "sequence" and kind in ("tis", "icepop"):
+        if self.loss.ratio_type == "sequence" and kind in ("tis", "icepop"):
             raise ValueError(
                 f"loss.ratio_type = 'sequence' weighs each sample by one ratio, but rollout_correction.type = "
                 f"'{kind}' reweights or drops its tokens one by one: use rollout_correction.type = 'seq_mask' "
                 "(or 'none') with a sequence ratio"
             )
-        if getattr(self.loss, "old_policy", "trainer") == "sampler" and kind == "tis":
+        if self.loss.old_policy == "sampler" and kind == "tis":
             raise ValueError(
                 "loss.old_policy = 'sampler' already divides the loss's ratio by the sampler's "
                 "probability, and rollout_correction.type = 'tis' would weight each token by that "

@@ -84,7 +84,7 @@ __all__ = ["BadRequestError", "Completion", "ConnectError", "EngineSampler", "Sa
 
 class ServerSampler:
     """A vLLM server's `/v1/completions`, prompt as token ids, over one aiohttp session (its C
-    parser and pool cost a fraction of openai's client per call: see docs/benchmarks.md).
+    parser and pool cost a fraction of openai's client per call: see docs/benchmarks-history.md).
     Connection errors, timeouts, 408/409/429 and 5xx are retried `retries` times with backoff."""
 
     RETRY_STATUS = frozenset({408, 409, 429})

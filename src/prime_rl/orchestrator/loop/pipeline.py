@@ -7,9 +7,10 @@ Every step returns new values and changes none of its inputs; the orchestrator r
 in a worker thread, once per step, so user code (advantage functions) never runs on the event loop.
 
 Invariants: every rollout of the input groups is in the result exactly once, counted as trained or
-filtered for its env; an advantage that reaches a sample was validated (`advantage.py`); a filtered
-rollout gets no sample. Normalization over the batch is not done here: it happens once, in the
-trainer (`trainer.advantage.batch_normalize`).
+filtered for its env; an advantage that reaches a sample was validated (one finite float per rollout,
+by `Advantage` in `orchestrator/advantages/base.py`); a filtered rollout gets no sample.
+Normalization over the batch is not done here: it happens once, in the trainer
+(`trainer.advantage.batch_normalize`).
 """
 
 from __future__ import annotations
