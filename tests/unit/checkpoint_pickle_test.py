@@ -12,7 +12,7 @@ import torch
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.rl.trainer import Trainer
-from prime_rl.trainer.weights.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from prime_rl.trainer.weights.checkpoint import Checkpointer, CheckpointError
 from prime_rl.trainer.weights.no_pickle import SafePlanner
 
 
@@ -30,14 +30,16 @@ class Planted:
 def saved(tiny_model, tmp_path):
     world = World()
     trainer = Trainer(TrainerConfig(model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path), world)
-    path = save_checkpoint(
-        tmp_path / "ckpt", 1, trainer.model, trainer.optimizer, trainer.scheduler, world, 2
-    )
+    path = checkpointer(trainer, world, tmp_path / "ckpt").save(1)
     return trainer, world, path
 
 
+def checkpointer(trainer, world, root) -> Checkpointer:
+    return Checkpointer(root, world, 2, trainer.model, trainer.optimizer, trainer.scheduler)
+
+
 def load(trainer, world, path):
-    load_checkpoint(path.parent, 1, trainer.model, trainer.optimizer, trainer.scheduler, world)
+    checkpointer(trainer, world, path.parent).load(1)
 
 
 def test_an_untouched_checkpoint_loads(saved):

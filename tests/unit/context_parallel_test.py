@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from prime_rl.trainer.config import TrainedModelConfig, TrainerConfig
-from prime_rl.trainer.model import ModelLoadError, load_model
+from prime_rl.trainer.model import ModelLoadError, build_model
 from prime_rl.trainer.parallel.context_parallel import shard_micro_batch
 from prime_rl.trainer.parallel.dist import World, WorldError, init_world
 
@@ -208,7 +208,7 @@ def test_a_model_whose_attention_cannot_be_split_names_the_key(tiny_model, tmp_p
     with pytest.raises(
         ModelLoadError, match=r"trainer.parallel.cp = 2 for trainer.model.name = .*sliding-window.*use cp = 1"
     ):
-        load_model(TrainedModelConfig(name=str(folder)), world)
+        build_model(TrainedModelConfig(name=str(folder)), world)
 
 
 def test_the_trainer_console_script_says_it_in_one_line(tiny_model):

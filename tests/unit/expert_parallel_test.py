@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from prime_rl.trainer.config import TrainedModelConfig, TrainerConfig
-from prime_rl.trainer.model import ModelLoadError, load_model
+from prime_rl.trainer.model import ModelLoadError, build_model
 from prime_rl.trainer.moe.expert_parallel import ep_problem
 from prime_rl.trainer.parallel.dist import World, WorldError, init_world
 
@@ -90,7 +90,7 @@ def test_a_dense_model_given_by_hub_id_is_refused_at_load(tiny_model):
         match=r"trainer.parallel.ep = 2, but trainer.model.name = .* cannot be split into experts across "
         r"ranks: Qwen3ForCausalLM is a dense model \(it has no experts to split\)\. Use ep = 1",
     ):
-        load_model(TrainedModelConfig(name=str(tiny_model)), World(rank=0, world_size=2, ep=2))
+        build_model(TrainedModelConfig(name=str(tiny_model)), World(rank=0, world_size=2, ep=2))
 
 
 def test_ep2_checkpoints_resume_under_ep1(tiny_moe_model, tmp_path):

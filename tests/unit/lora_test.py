@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from prime_rl.config import parse_config
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.logprobs import forward_logprobs
-from prime_rl.trainer.model import ModelLoadError, load_model
+from prime_rl.trainer.model import ModelLoadError, build_model
 from prime_rl.trainer.parallel.dist import World
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -41,7 +41,7 @@ def test_only_the_adapter_trains_and_it_starts_as_the_base_model(tiny_model, tmp
     from transformers import AutoModelForCausalLM
 
     config = lora_config(tiny_model, tmp_path, target_modules=["q_proj", "down_proj"])
-    model = load_model(config.model, World(), config.lora, seed=0)
+    model = build_model(config.model, World(), lora=config.lora, seed=0)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert {n.split(".")[-4] for n in trained} == {"q_proj", "down_proj"}
@@ -49,7 +49,7 @@ def test_only_the_adapter_trains_and_it_starts_as_the_base_model(tiny_model, tmp
     ids = [5, 17, 42, 99, 7, 3]
     torch.testing.assert_close(logprobs(model, ids), logprobs(base, ids))
     # The same adapter on every rank and in every run: A is drawn from the seed.
-    again = load_model(config.model, World(), config.lora, seed=0)
+    again = build_model(config.model, World(), lora=config.lora, seed=0)
     name = trained[0] if ".lora_A." in trained[0] else trained[1]
     torch.testing.assert_close(dict(model.named_parameters())[name], dict(again.named_parameters())[name])
 
@@ -57,7 +57,7 @@ def test_only_the_adapter_trains_and_it_starts_as_the_base_model(tiny_model, tmp
 def test_a_target_module_the_model_lacks_is_named(tiny_model, tmp_path):
     config = lora_config(tiny_model, tmp_path, target_modules=["q_proj", "query_key_value"])
     with pytest.raises(ModelLoadError) as e:
-        load_model(config.model, World(), config.lora)
+        build_model(config.model, World(), lora=config.lora)
     msg = str(e.value)
     assert "trainer.lora.target_modules" in msg and "'query_key_value'" in msg and "q_proj" in msg
 
@@ -90,8 +90,8 @@ def test_two_ranks_train_the_adapters_as_one_does(tiny_model, tmp_path):
     assert names == set(two["after"])
     assert any(".lora_A." in n and not n.startswith("critic.") for n in names)
     assert any(n.startswith("critic.body.") and ".lora_B." in n for n in names)
-    assert "critic.value_head.weight" in names
-    assert all(".lora_" in n or n.startswith("critic.value_head.") for n in names)
+    assert "critic.head.weight" in names
+    assert all(".lora_" in n or n.startswith("critic.head.") for n in names)
     for name in names:
         moved = (one["after"][name] - one["before"][name]).abs().max()
         assert moved > 0, f"{name} did not train"
@@ -129,20 +129,20 @@ def test_the_reference_is_the_base_model_with_the_adapters_off(tiny_model, tmp_p
 
 def test_a_checkpoint_holds_the_adapter_and_resumes_it(tiny_model, tmp_path):
     from prime_rl.trainer.rl.trainer import Trainer
-    from prime_rl.trainer.weights.checkpoint import load_checkpoint, save_checkpoint
+    from prime_rl.trainer.weights.checkpoint import Checkpointer
 
     config = lora_config(tiny_model, tmp_path)
     world = World()
     trainer = Trainer(config, world)
     trainer.train_step(rank_micro_batches(world, 0, 0), 0)
-    path = save_checkpoint(
-        tmp_path / "ckpt", 1, trainer.model, trainer.optimizer, trainer.scheduler, world, 2
-    )
+    path = Checkpointer(
+        tmp_path / "ckpt", world, 2, trainer.model, trainer.optimizer, trainer.scheduler
+    ).save(1)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     base = sum(p.numel() * 4 for n, p in trainer.model.named_parameters() if not p.requires_grad)
     assert size < base / 2  # the frozen base weights are not in it
     fresh = Trainer(config, world)
-    load_checkpoint(tmp_path / "ckpt", 1, fresh.model, fresh.optimizer, fresh.scheduler, world)
+    Checkpointer(tmp_path / "ckpt", world, 2, fresh.model, fresh.optimizer, fresh.scheduler).load(1)
     for (n, a), b in zip(trainer.model.named_parameters(), fresh.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=n)
     # Both go on identically: the optimizer state came back too.
@@ -198,14 +198,16 @@ def test_the_published_adapter_is_peft_format_and_exports_as_the_trained_model(t
 
 def test_a_full_fine_tuning_checkpoint_does_not_load_into_adapters(tiny_model, tmp_path):
     from prime_rl.trainer.rl.trainer import Trainer
-    from prime_rl.trainer.weights.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from prime_rl.trainer.weights.checkpoint import Checkpointer, CheckpointError
 
     world = World()
     full = Trainer(TrainerConfig(model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path), world)
-    save_checkpoint(tmp_path / "ckpt", 1, full.model, full.optimizer, full.scheduler, world, 2)
+    Checkpointer(tmp_path / "ckpt", world, 2, full.model, full.optimizer, full.scheduler).save(1)
     adapters = Trainer(lora_config(tiny_model, tmp_path), world)
     with pytest.raises(CheckpointError, match="does not load into this trainer: RuntimeError: Missing key"):
-        load_checkpoint(tmp_path / "ckpt", 1, adapters.model, adapters.optimizer, adapters.scheduler, world)
+        Checkpointer(
+            tmp_path / "ckpt", world, 2, adapters.model, adapters.optimizer, adapters.scheduler
+        ).load(1)
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from trainer_test import micro_batches
 
 
-def trainer(tiny_model, tmp_path, mini_batches: int, lr: float = 1e-2, **loss) -> Trainer:
+def trainer(tiny_model, tmp_path, mini_batches: int, lr: float = 1e-2, loss_fn=None, **loss) -> Trainer:
     config = TrainerConfig(model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path,
                            mini_batches=mini_batches, optim={"lr": lr}, loss=loss)  # fmt: skip
-    return Trainer(config, World())
+    return Trainer(config, World(), loss_fn)
+
+
+def nan_gradient(inputs):
+    """A loss that is 0, finite, on every token, and whose gradient is NaN: d sqrt(|x|)/dx at 0 is
+    inf * sign(0) = inf * 0."""
+    from prime_rl.trainer.losses import LossOutputs
+
+    return LossOutputs((inputs.trainer_logprobs - inputs.trainer_logprobs.detach()).abs().sqrt())
 
 
 def params(t: Trainer) -> dict[str, torch.Tensor]:
@@ -114,3 +122,21 @@ def test_a_step_of_fewer_micro_batches_than_mini_batches_still_counts_its_update
     assert metrics["optimizer_steps"] == 1
     one, _ = trainer(tiny_model, tmp_path / "one", 1, old_policy="sampler").train_step(batch[:1])
     assert "optimizer_steps" not in one
+
+
+def test_updates_skipped_for_a_non_finite_gradient_are_not_counted_and_do_not_move_the_schedule(
+    tiny_model, tmp_path, batch
+):
+    """A finite loss whose gradient is NaN: `update` skips each mini-batch's update, so the step
+    reports 0 optimizer steps (it reported 2), the parameters and the learning-rate schedule stay,
+    and both skipped updates are counted as non-finite (the trainer's `max_nan_steps` reads it)."""
+    import math
+
+    t = trainer(tiny_model, tmp_path, 2, loss_fn=nan_gradient, old_policy="sampler")
+    before = params(t)
+    metrics, _ = t.train_step(batch)
+    assert math.isfinite(metrics["loss"]) and math.isnan(metrics["grad_norm"])
+    assert metrics["optimizer_steps"] == 0
+    assert metrics["nonfinite_updates"] == 2
+    assert all(torch.equal(before[k], v) for k, v in params(t).items())
+    assert t.scheduler.last_epoch == 0

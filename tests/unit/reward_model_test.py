@@ -30,11 +30,12 @@ from prime_rl.orchestrator.envs.scoring import Hook, RewardError, Scorer
 from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
 from prime_rl.trainer.batch import PackedBatch
+from prime_rl.trainer.head import ScalarHead
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.reward_model.data import pack_pairs, split_pairs
 from prime_rl.trainer.reward_model.main import RewardModelTrainConfig, train
-from prime_rl.trainer.reward_model.objective import BradleyTerry, ScoreModel, check_classifier
+from prime_rl.trainer.reward_model.objective import BradleyTerry, check_classifier
 from prime_rl.trainer.step import accumulate
 
 BASE = str(Path(__file__).parents[2] / "models" / "reverse_text-tiny")
@@ -169,11 +170,11 @@ def test_a_run_stopped_after_a_checkpoint_resumes_and_ends_as_an_uninterrupted_o
     steps, crash = [], True
     real_step = BradleyTerry.train_step
 
-    def crash_at_step_5(self, micro_batches):
+    def crash_at_step_5(self, micro_batches, step=0):
         steps.append(micro_batches[0].header.step)
         if micro_batches[0].header.step == 5 and crash:  # steps 0-4 logged, the newest checkpoint is step 4's
             raise Crash
-        return real_step(self, micro_batches)
+        return real_step(self, micro_batches, step)
 
     monkeypatch.setattr(BradleyTerry, "train_step", crash_at_step_5)
     with pytest.raises(Crash):
@@ -244,11 +245,13 @@ def test_a_step_follows_the_gradient_of_the_mean_pair_loss_over_the_batch(tmp_pa
 def test_a_body_that_would_not_save_as_its_classifier_is_refused_before_training(tmp_path):
     config = small_config(tmp_path, "run")
     body = AutoModel.from_pretrained(BASE)
-    check_classifier(ScoreModel(body, 128, 0, 0.02), config)  # the tiny model's hidden size
+    check_classifier(
+        ScalarHead(body, 128, bias=False, seed=0, std=0.02), config
+    )  # the tiny model's hidden size
     with pytest.raises(
         ModelLoadError, match=r"Qwen3ForSequenceClassification's .*other shapes: \['score.weight'\]"
     ):
-        check_classifier(ScoreModel(body, 64, 0, 0.02), config)
+        check_classifier(ScalarHead(body, 64, bias=False, seed=0, std=0.02), config)
 
 
 def as_flags(settings: dict, prefix: str = "") -> list[str]:

@@ -86,3 +86,73 @@ def test_bad_sft_data_names_file_and_line(tiny_model, tmp_path, content, message
     with pytest.raises(SFTDataError, match=message) as exc:
         run_sft(config)
     assert f"{data}:1" in str(exc.value)
+
+
+class Crash(Exception):
+    pass
+
+
+def sft_config(tiny_model, tmp_path, data, name: str, **over) -> SFTConfig:
+    fields = dict(model={"name": str(tiny_model)}, output_dir=str(tmp_path / name), max_steps=6, batch_size=3,
+                  seq_len=64, optim={"lr": 3e-3}, data={"path": str(data)})  # fmt: skip
+    return SFTConfig(**{**fields, **over})
+
+
+@pytest.fixture
+def words(tmp_path):
+    data = tmp_path / "data.jsonl"
+    rows = [
+        {"prompt": w, "completion": w[::-1]} for w in ("abc", "hello", "xyz", "prime", "rl", "tokens", "q")
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    return data
+
+
+def test_an_sft_run_stopped_after_a_checkpoint_resumes_and_ends_as_an_uninterrupted_one(
+    tiny_model, tmp_path, words, monkeypatch
+):
+    """Through the trainers' one loop: the checkpoint holds the model, optimizer, schedule and where
+    the sample stream stands, so the resumed run trains steps 4 and 5 on the samples the whole run
+    did and saves the same weights."""
+    from safetensors.torch import load_file
+
+    from prime_rl.trainer.sft.objective import SFT
+
+    whole = run_sft(sft_config(tiny_model, tmp_path, words, "whole"))
+    real_step, steps, crash = SFT.train_step, [], [True]
+
+    def crash_at_step_4(self, micro_batches, step=0):
+        steps.append(step)
+        if step == 4 and crash[0]:
+            raise Crash
+        return real_step(self, micro_batches, step)
+
+    monkeypatch.setattr(SFT, "train_step", crash_at_step_4)
+    with pytest.raises(Crash):
+        run_sft(sft_config(tiny_model, tmp_path, words, "stopped", ckpt={"interval": 2}))
+    steps.clear()
+    crash[0] = False
+    resumed = run_sft(
+        sft_config(tiny_model, tmp_path, words, "stopped", ckpt={"interval": 2, "resume_step": -1})
+    )
+    assert steps == [4, 5]
+    a, b = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_sft_resume_with_another_batch_size_goes_on_from_the_samples_the_checkpoint_consumed(
+    tiny_model, tmp_path, words, monkeypatch
+):
+    """The data position is the checkpoint's (12 samples after 4 steps of 3), not the new batch size
+    times the step (4 x 5 = 20), which would skip samples no step trained on."""
+    import prime_rl.trainer.sft.main as sft_main
+
+    run_sft(sft_config(tiny_model, tmp_path, words, "run", max_steps=4, ckpt={"interval": 2}))
+    starts = []
+    real = sft_main.sample_stream
+    monkeypatch.setattr(
+        sft_main, "sample_stream", lambda s, seed, start: starts.append(start) or real(s, seed, start)
+    )
+    run_sft(sft_config(tiny_model, tmp_path, words, "run", max_steps=5, batch_size=5,
+                       ckpt={"interval": 2, "resume_step": -1}))  # fmt: skip
+    assert starts == [12]

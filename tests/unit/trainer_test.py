@@ -32,7 +32,7 @@ from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.run import NaNLossError
-from prime_rl.trainer.weights.checkpoint import save_checkpoint
+from prime_rl.trainer.weights.checkpoint import Checkpointer
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
 from prime_rl.transport.packing import pack
@@ -307,13 +307,15 @@ def test_a_checkpoint_another_process_changed_resumes_from_the_one_before(
             model={"name": str(tiny_model)}, seq_len=128, output_dir=tmp_path, ckpt={"resume_step": -1}
         )
         trainer = Trainer(config, world)
-        root = checkpoint_root(tmp_path)
-        save_checkpoint(root, 2, trainer.model, trainer.optimizer, trainer.scheduler, world, keep=3)
+        checkpointer = Checkpointer(
+            checkpoint_root(tmp_path), world, 3, trainer.model, trainer.optimizer, trainer.scheduler
+        )
+        checkpointer.save(2)
         at_2 = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         with torch.no_grad():
             for p in trainer.model.parameters():
                 p.add_(1.0)
-        newest = save_checkpoint(root, 4, trainer.model, trainer.optimizer, trainer.scheduler, world, keep=3)
+        newest = checkpointer.save(4)
         files = json.loads((newest / "MANIFEST.json").read_text())["files"]
         shard = newest / max(files, key=lambda f: files[f]["size"])
         data = bytearray(shard.read_bytes())
@@ -325,7 +327,7 @@ def test_a_checkpoint_another_process_changed_resumes_from_the_one_before(
             use_secret("run-secret")
 
         with caplog.at_level(logging.WARNING, logger="prime_rl"):
-            assert resume(config, world, trainer) == 2
+            assert resume(config, world, checkpointer)[0] == 2
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         named = (
             f"{newest / 'MANIFEST.json'} is not keyed by the run secret"
@@ -393,10 +395,28 @@ def test_model_folder_that_does_not_load_is_a_clear_error(tmp_path):
         train(config)
     proc = subprocess.run([TRAINER, "--model.name", str(broken), "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "trainer: error: model" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "trainer: error: trainer.model.name" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
 
 
-def test_nan_loss_skips_the_step_and_stops_after_n(tiny_model, tmp_path):
+def nan_loss(inputs):
+    from prime_rl.trainer.losses import LossOutputs
+
+    return LossOutputs(inputs.trainer_logprobs * float("nan"))
+
+
+def nan_gradient(inputs):
+    """Finite (0) on every token, with a NaN gradient: d sqrt(|x|)/dx at 0 is inf * sign(0)."""
+    from prime_rl.trainer.losses import LossOutputs
+
+    return LossOutputs((inputs.trainer_logprobs - inputs.trainer_logprobs.detach()).abs().sqrt())
+
+
+@pytest.mark.parametrize("bad", [nan_loss, nan_gradient])
+def test_nan_loss_skips_the_step_and_stops_after_n(tiny_model, tmp_path, bad):
     data = tmp_path / "data"
     sender = FileSender(data)
     for step in range(4):
@@ -406,13 +426,8 @@ def test_nan_loss_skips_the_step_and_stops_after_n(tiny_model, tmp_path):
         model={"name": str(tiny_model)}, output_dir=str(tmp_path / "out"), max_steps=4, seq_len=128, max_nan_steps=2,
         transport={"type": "filesystem", "dir": str(data), "run_id": "n", "timeout_s": 30},
     )  # fmt: skip
-    from prime_rl.trainer.losses import LossOutputs
-
-    def nan_loss(inputs):
-        return LossOutputs(inputs.trainer_logprobs * float("nan"))
-
     with pytest.raises(NaNLossError, match="2 consecutive steps"):
-        train(config, loss_fn=nan_loss)
+        train(config, loss_fn=bad)
     start = load_file(Path(tiny_model) / "model.safetensors")
     after = load_file(tmp_path / "out" / "weights" / "step_1" / "model.safetensors")
     assert all(torch.equal(start[k], after[k]) for k in start)  # the NaN step did not update

@@ -269,6 +269,10 @@ class TrainingConfig(RootConfig):
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpoints."""
 
+    max_nan_steps: int = Field(default=3, ge=1)
+    """Consecutive steps with a non-finite loss or gradient norm (each skipped: no parameter, no
+    learning-rate schedule moves) after which training stops with one line."""
+
     publish: PublishConfig = PublishConfig()
     """Weights published under output_dir/weights as training goes."""
 
@@ -347,9 +351,6 @@ class TrainerConfig(TrainingConfig):
 
     transport: TransportConfig = TransportConfig()
     """Where micro-batches come from."""
-
-    max_nan_steps: int = Field(default=3, ge=1)
-    """Consecutive steps with a non-finite loss (each skipped) after which training stops."""
 
     @model_validator(mode="after")
     def _adapters_travel_as_files(self):

@@ -162,7 +162,7 @@ def position_logprobs(
     **model_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(targets[i]), entropy) at each position i of a packed sequence of shape [T]: the
-    model's own method when `load_model` gave it one (FSDP runs it like forward), else computed here.
+    model's own method when `build_model` gave it one (FSDP runs it like forward), else computed here.
     With `rows` ([R] int64 positions), only those positions' (0 elsewhere). `model_kwargs` go to the
     model's body (the context-parallel shard)."""
     method = getattr(model, "prime_rl_position_logprobs", None)

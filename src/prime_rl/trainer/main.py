@@ -1,20 +1,17 @@
 """`uv run trainer @ trainer.toml`; several ranks: `uv run python -m prime_rl.trainer.parallel.torchrun
 --nproc-per-node N -m prime_rl.trainer.main @ trainer.toml`.
 
-The loop per step: receive this rank's micro-batches, train, publish the weights of step + 1,
-export tokens and checkpoint when configured, log one line.
+RL's wiring of the trainers' one loop (`trainer/loop.py`): its micro-batches come from the
+orchestrator (`data.StepReceiver`), and after each step it publishes the weights of step + 1 (files
+or the collective broadcast) and exports tokens when configured.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 from prime_rl import activity, secret
 from prime_rl.config import parse_config
@@ -23,28 +20,18 @@ from prime_rl.logging_setup import setup_logging
 from prime_rl.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.config import TrainerConfig, contract_side
 from prime_rl.trainer.data import StepReceiver, share_with_cp_group
+from prime_rl.trainer.loop import Steps, metrics_log, resume, train_loop
 from prime_rl.trainer.losses import LossFn
-from prime_rl.trainer.memory import is_out_of_memory, keep_freed_memory, out_of_memory
-from prime_rl.trainer.parallel.dist import (
-    World,
-    collective_error,
-    collective_failure,
-    init_world,
-    init_world_or_exit,
-    patient,
-    run_rank,
-)
+from prime_rl.trainer.memory import keep_freed_memory
+from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, patient, run_rank
 from prime_rl.trainer.preflight import check_trainer
 from prime_rl.trainer.rl.trainer import Trainer
-from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS, NaNLossError, resume_step
-from prime_rl.trainer.weights.checkpoint import (
-    checkpoint_root,
-    load_checkpoint,
-    save_checkpoint,
-)
+from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS
+from prime_rl.trainer.weights.checkpoint import Checkpointer, checkpoint_root
 from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.transport import make_receiver, transport_dir
 from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.messages import MicroBatch
 from prime_rl.transport.zmq_transport import rank_address
 
 log = logging.getLogger("prime_rl.trainer")
@@ -80,6 +67,37 @@ TRAINER_STATS_OF = {"is_ratio_ess": "is_ratio/all/ess", "mismatch_kl": "mismatch
 """What a published step carries for the orchestrator (`layout.TRAINER_STATS`): name -> step metric."""
 
 
+def step_line(step: int, metrics: dict[str, float]) -> str:
+    """The trainer's line for a step."""
+    if not metrics["loss_tokens"]:
+        return (
+            f"step {step} | no samples: every rollout of the step was filtered or failed, nothing trained | "
+            f"{metrics['time/step']:.1f}s (wait for data {metrics['time/wait_for_data']:.1f}s)"
+        )
+    return (
+        f"step {step} | loss {metrics['loss']:.4f} | entropy {metrics.get('entropy/all/mean', float('nan')):.3f} | "
+        f"mismatch_kl {metrics.get('mismatch_kl/all/mean', float('nan')):.2e} | grad_norm {metrics['grad_norm']:.3f} | "
+        f"{metrics['throughput/tokens_per_s']:.0f} tok/s | {metrics['time/step']:.1f}s (wait for data "
+        f"{metrics['time/wait_for_data']:.1f}s, train {metrics['time/train']:.1f}s){step_line_extras(metrics)}"
+    )
+
+
+def receive(config: TrainerConfig, world: World, output_dir: Path, start: int) -> StepReceiver | None:
+    """This rank's micro-batches from the orchestrator; None on a cp peer (its group's first rank
+    shares them: the orchestrator sends to data-parallel ranks)."""
+    if world.cp_rank != 0:
+        return None
+    run_id = resolve_run_id(config.transport, output_dir)
+    return StepReceiver(
+        make_receiver(
+            config.transport, run_id, world.dp_rank, output_dir, start_step=start, seq_len=config.seq_len
+        ),
+        config.seq_len,
+        contract_side(config, world.dp),
+        refusal_path(output_dir),
+    )
+
+
 def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | None = None) -> None:
     world = world or init_world(config.parallel.cp, config.parallel.ep, config.dist_timeout_s)
     keep_freed_memory(world)
@@ -88,146 +106,68 @@ def train(config: TrainerConfig, world: World | None = None, loss_fn: LossFn | N
     # (io: reading a large model or checkpoint is progress, however long it takes)
     activity.doing("loading the model and its checkpoint", io=True)
     trainer = Trainer(config, world, loss_fn)
-    start = resume_step(config, world)
-    critic = (trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None
-    if start:
-        extra = load_checkpoint(
-            checkpoint_root(output_dir),
-            start,
-            trainer.model,
-            trainer.optimizer,
-            trainer.scheduler,
-            world,
-            critic=critic,
-        )
-        trainer.load_extra_state(extra)
-        log.info("resumed from checkpoint step %d", start)
+    checkpointer = Checkpointer(
+        checkpoint_root(output_dir),
+        world,
+        config.ckpt.keep,
+        trainer.model,
+        trainer.optimizer,
+        trainer.scheduler,
+        critic=(trainer.critic, trainer.critic_optimizer) if trainer.critic is not None else None,
+        state=trainer.extra_state,
+    )
+    start, state = resume(config, world, checkpointer)
+    trainer.load_extra_state(state)
     broadcaster = None
     if config.weight_broadcast.type == "collective":
         from prime_rl.trainer.weights.broadcast import Broadcaster
 
         broadcaster = Broadcaster(config.weight_broadcast, Path(config.output_dir))
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, broadcaster, config.lora)
-    run_id = resolve_run_id(config.transport, output_dir)
-    receiver = None
-    if world.cp_rank == 0:  # the orchestrator sends to data-parallel ranks; cp peers get a copy
-        receiver = StepReceiver(
-            make_receiver(
-                config.transport, run_id, world.dp_rank, output_dir, start_step=start, seq_len=config.seq_len
-            ),
-            config.seq_len,
-            contract_side(config, world.dp),
-            refusal_path(output_dir),
-        )
-    metrics_log = None
-    if world.is_main:
-        from prime_rl.monitor import MetricsLogger, forget_steps_from
-
-        # Steps after the checkpoint are trained again: their old records would be duplicates.
-        forget_steps_from(output_dir / "trainer" / "metrics.jsonl", start)
-        metrics_log = MetricsLogger(
-            output_dir / "trainer" / "metrics.jsonl", config.wandb, config=config.model_dump(mode="json")
-        )
-    if metrics_log is not None:  # (no console marker: `rl` keeps this line in the trainer's log)
+    receiver = receive(config, world, output_dir, start)
+    # Steps after the checkpoint are trained again: their old records would be duplicates.
+    metrics = metrics_log(
+        world,
+        output_dir / "trainer" / "metrics.jsonl",
+        start,
+        config.wandb,
+        config=config.model_dump(mode="json"),
+    )
+    if metrics is not None:  # (no console marker: `rl` keeps this line in the trainer's log)
         log.info("ready for the orchestrator's micro-batches (%s)", transport_source(config, output_dir))
-    nan_streak = 0
-    t0, t_ckpt = time.perf_counter(), 0.0
-    step = start
-    try:
-        for step in range(start, config.max_steps):
-            t_get = time.perf_counter()
-            # (cp peers take theirs from their group's first rank, a trainer rank)
-            activity.doing(
-                f"waiting for the micro-batches of step {step}",
-                "orchestrator" if receiver else "trainer",
-                step,
-            )
-            # A cp peer waits for its leader's data in a collective while the leader waits for the
-            # orchestrator (up to transport.timeout_s); the leader's own side waits as usual.
-            data_wait_s = config.transport.timeout_s + config.dist_timeout_s if receiver is None else 0.0
-            with patient(world, data_wait_s, world.cp_group):
-                micro_batches = share_with_cp_group(receiver.get(step) if receiver else None, world)
-            t_wait = time.perf_counter() - t_get
-            activity.doing(f"step {step}: training", "", step)
-            try:
-                metrics, results = trainer.train_step(micro_batches, step)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not is_out_of_memory(e):
-                    raise
-                longest = max((mb.num_tokens for mb in micro_batches), default=0)
-                raise out_of_memory(e, config, step, longest, world.world_size) from None
-            if not math.isfinite(metrics["loss"]):
-                nan_streak += 1
-                log.warning("step %d: non-finite loss, update skipped (%d in a row)", step, nan_streak)
-                if nan_streak >= config.max_nan_steps:
-                    raise NaNLossError(
-                        f"{nan_streak} consecutive steps had a non-finite loss (max_nan_steps)"
-                    )
-            else:
-                nan_streak = 0
-            stats = {k: metrics[m] for k, m in TRAINER_STATS_OF.items() if m in metrics}
-            activity.doing(f"step {step}: publishing the weights of step {step + 1}", "", step, io=True)
-            metrics["time/publish_blocking"] = publisher.publish(trainer.model, step + 1, stats)
-            metrics["time/publish_write"] = publisher.last_write_s
-            if publisher.last_broadcast is not None:
-                metrics["weights/broadcast"] = publisher.last_broadcast
-            if config.export.enabled:
-                from prime_rl.trainer.export import export_tokens
 
-                export_tokens(output_dir, step, results, world)
-            metrics["time/wait_for_data"] = t_wait
-            metrics["time/checkpoint"] = t_ckpt  # the previous step's, which this step's clock includes
-            metrics["time/step"] = time.perf_counter() - t0
-            if metrics_log is not None:
-                metrics_log.log(step, metrics)
-            if metrics_log is not None and not metrics["loss_tokens"]:
-                log.info(
-                    "step %d | no samples: every rollout of the step was filtered or failed, nothing trained | "
-                    "%.1fs (wait for data %.1fs)",
-                    step,
-                    metrics["time/step"],
-                    t_wait,
-                )
-            elif metrics_log is not None:
-                log.info(
-                    "step %d | loss %.4f | entropy %.3f | mismatch_kl %.2e | grad_norm %.3f | %.0f tok/s | "
-                    "%.1fs (wait for data %.1fs, train %.1fs)%s",
-                    step,
-                    metrics["loss"],
-                    metrics.get("entropy/all/mean", float("nan")),
-                    metrics.get("mismatch_kl/all/mean", float("nan")),
-                    metrics["grad_norm"],
-                    metrics["throughput/tokens_per_s"],
-                    metrics["time/step"],
-                    t_wait,
-                    metrics["time/train"],
-                    step_line_extras(metrics),
-                )
-            # The checkpoint is the step's commit point: its metrics line is written before it, so a
-            # kill after it loses nothing, and one before it has the step trained and logged again.
-            t0, t_ckpt = time.perf_counter(), 0.0
-            if config.ckpt.interval and (step + 1) % config.ckpt.interval == 0:
-                activity.doing(f"step {step}: writing the checkpoint of step {step + 1}", "", step, io=True)
-                save_checkpoint(
-                    checkpoint_root(output_dir),
-                    step + 1,
-                    trainer.model,
-                    trainer.optimizer,
-                    trainer.scheduler,
-                    world,
-                    config.ckpt.keep,
-                    critic=critic,
-                    extra=trainer.extra_state(),
-                )
-                t_ckpt = time.perf_counter() - t0
-    except RuntimeError as e:
-        if not world.distributed or not collective_failure(e):
-            raise
-        raise collective_error(e, world, "trainer.dist_timeout_s", step) from None
+    def batches(step: int) -> list[MicroBatch]:
+        # (cp peers take theirs from their group's first rank, a trainer rank)
+        activity.doing(
+            f"waiting for the micro-batches of step {step}", "orchestrator" if receiver else "trainer", step
+        )
+        # A cp peer waits for its leader's data in a collective while the leader waits for the
+        # orchestrator (up to transport.timeout_s); the leader's own side waits as usual.
+        data_wait_s = config.transport.timeout_s + config.dist_timeout_s if receiver is None else 0.0
+        with patient(world, data_wait_s, world.cp_group):
+            return share_with_cp_group(receiver.get(step) if receiver else None, world)
+
+    def after(step: int, metrics: dict[str, float], results: list) -> dict[str, float]:
+        """Publish the weights of step + 1 (with the stats the orchestrator reads), export tokens."""
+        stats = {k: metrics[m] for k, m in TRAINER_STATS_OF.items() if m in metrics}
+        activity.doing(f"step {step}: publishing the weights of step {step + 1}", "", step, io=True)
+        out = {"time/publish_blocking": publisher.publish(trainer.model, step + 1, stats)}
+        out["time/publish_write"] = publisher.last_write_s
+        if publisher.last_broadcast is not None:
+            out["weights/broadcast"] = publisher.last_broadcast
+        if config.export.enabled:
+            from prime_rl.trainer.export import export_tokens
+
+            export_tokens(output_dir, step, results, world)
+        return out
+
+    steps = Steps(batches, step_line, after, "prime_rl.trainer", "trainer.dist_timeout_s")
+    try:
+        train_loop(config, world, trainer, checkpointer, start, steps, metrics)
     finally:
         publisher.close()
-        if metrics_log is not None:
-            metrics_log.close()
+        if metrics is not None:
+            metrics.close()
         if receiver is not None:
             receiver.receiver.close()
 

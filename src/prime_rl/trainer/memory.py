@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.config import TrainingConfig
 from prime_rl.trainer.parallel.dist import World
 
 
@@ -23,7 +23,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
-def advice(config: TrainerConfig, ranks: int) -> list[str]:
+def advice(config: TrainingConfig, ranks: int) -> list[str]:
     """The knobs to turn, as `key = value` suggestions, for a step that did not fit."""
     model, cp = config.model, config.parallel.cp
     out = []
@@ -42,7 +42,7 @@ def advice(config: TrainerConfig, ranks: int) -> list[str]:
 
 
 def out_of_memory(
-    error: BaseException, config: TrainerConfig, step: int, tokens: int, ranks: int
+    error: BaseException, config: TrainingConfig, step: int, tokens: int, ranks: int
 ) -> OutOfMemory:
     where = "GPU" if isinstance(error, torch.OutOfMemoryError) else "CPU"
     first = " ".join(str(error).split())[:160]

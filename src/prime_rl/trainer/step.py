@@ -11,7 +11,7 @@ step does the rest, the same for every kind:
 2. forward and backward of each micro-batch, with the mixture-of-experts bookkeeping around it;
 3. multiply the gradients by the factor FSDP divided them by (the ranks it shards over);
 4. clip and update each trained part, or leave every parameter as it is when the step has no loss
-   token or a non-finite loss.
+   token, a non-finite loss or a non-finite gradient norm (counted in `nonfinite_updates`).
 
 Invariant: the parts' gradients are zero (None) when the step starts and when it ends; the step's
 counts that every rank of a cp group holds (samples, total tokens) are counted on its cp rank 0 only.
@@ -271,7 +271,9 @@ def train_step(
         own = objective.metrics(records, ctx)
     metrics = state.metrics(own)
     if mini_batches > 1:
-        metrics["optimizer_steps"] = float(sum(bool(o.metrics) and o.schedule for o in outcomes))
+        metrics["optimizer_steps"] = float(sum(o.updated for o in outcomes))
+    # (the loop counts a step with any such update toward `max_nan_steps`)
+    metrics["nonfinite_updates"] = float(sum(o.nonfinite for o in outcomes))
     n = ctx.totals
     for key in {k for o in outcomes for k in o.metrics}:
         values = [o.metrics[key] for o in outcomes if key in o.metrics]
@@ -296,17 +298,34 @@ def train_step(
 class Settled:
     metrics: dict[str, float]
     """The update's (grad norms); a non-finite loss's grad_norm is NaN; none without loss tokens."""
+    updated: bool
+    """Whether the policy's parameters moved (its loss and gradient norm were finite)."""
     schedule: bool
-    """Whether the learning-rate schedule moves on (not after a non-finite loss)."""
+    """Whether the learning-rate schedule moves on (not after a non-finite loss or gradient)."""
+    nonfinite: bool
+    """The loss, or a trained part's gradient norm, was not finite: the step counts toward
+    `max_nan_steps`."""
 
 
 def settle(parts: Sequence[Part], trains: Sequence[bool], world: World, n: Totals, loss: float) -> Settled:
     """Update the parts from their gradients, or, with no loss token to learn from (every sample
     filtered or failed) or a non-finite loss, drop the gradients and leave the parameters as they
-    are (an AdamW step on zero gradients would still move them)."""
-    if n.loss_tokens == 0 or not math.isfinite(loss):
+    are (an AdamW step on zero gradients would still move them). A part whose gradient norm is not
+    finite skips its update (`update`): for the policy that is a skipped step like a NaN loss."""
+    if n.loss_tokens == 0:  # nothing to learn from is no reason to stop the schedule
         for part in parts:
             part.optimizer.zero_grad(set_to_none=True)
-        # Nothing to learn from is no reason to stop the schedule; a broken loss is.
-        return Settled({"grad_norm": float("nan")} if n.loss_tokens > 0 else {}, n.loss_tokens == 0)
-    return Settled(update(parts, trains, world), True)
+        return Settled({}, updated=False, schedule=True, nonfinite=False)
+    if not math.isfinite(loss):
+        for part in parts:
+            part.optimizer.zero_grad(set_to_none=True)
+        return Settled({"grad_norm": float("nan")}, updated=False, schedule=False, nonfinite=True)
+    metrics = update(parts, trains, world)
+    norms = [metrics[f"{p.prefix}grad_norm"] for p, t in zip(parts, trains, strict=True) if t]
+    policy = math.isfinite(metrics["grad_norm"]) if trains[0] else True
+    return Settled(
+        metrics,
+        updated=trains[0] and policy,
+        schedule=policy,
+        nonfinite=not all(math.isfinite(x) for x in norms),
+    )

@@ -27,13 +27,14 @@ from pathlib import Path
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
 from prime_rl.shutdown import Stopped, exit_stopped, take_signals
-from prime_rl.trainer.loop import metrics_log, resume, train_steps
+from prime_rl.trainer.loop import Steps, metrics_log, resume, train_loop
 from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.reward_model.config import RewardModelTrainConfig
 from prime_rl.trainer.reward_model.data import PairsError, pack_pairs, pair_stream, read_pairs, split_pairs
 from prime_rl.trainer.reward_model.objective import BradleyTerry, save_reward_model
 from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS
+from prime_rl.trainer.weights.checkpoint import Checkpointer, checkpoint_root
 from prime_rl.transport.messages import MicroBatch
 
 __all__ = ["PairsError", "RewardModelTrainConfig", "main", "read_pairs", "train"]
@@ -71,8 +72,15 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
         first["accuracy"],
         first["margin"],
     )
-    start = resume(config, world, rm)
-    stream = pair_stream(train_pairs, config.seed, start * config.batch_size)
+    position = {"pairs": 0}  # where the pair stream stands: kept in the checkpoints
+    checkpointer = Checkpointer(
+        checkpoint_root(output_dir), world, config.ckpt.keep, rm.model, rm.optimizer, rm.scheduler,
+        state=lambda: dict(position),
+    )  # fmt: skip
+    start, state = resume(config, world, checkpointer)
+    # (a checkpoint from before the position was kept: every step took batch_size pairs)
+    position["pairs"] = state.get("pairs", start * config.batch_size)
+    stream = pair_stream(train_pairs, config.seed, position["pairs"])
     metrics = metrics_log(
         world, output_dir / "reward_model" / "metrics.jsonl", start, config.wandb, evals=True
     )
@@ -80,29 +88,27 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
 
     def batches(step: int) -> list[MicroBatch]:
         batch = [next(stream) for _ in range(config.batch_size)]
+        position["pairs"] += len(batch)
         return pack_pairs(batch, config.seq_len, world.dp, "reward_model", step)[world.dp_rank]
 
-    def evaluation(step: int) -> dict[str, float]:
+    def evaluation(step: int, figures: dict[str, float], records: list) -> dict[str, float]:
         nonlocal held
         if (step + 1) % config.eval_interval and step + 1 != config.max_steps:
             return {}
         held = rm.evaluate(eval_batches)
         return {f"eval/{k}": v for k, v in held.items()}
 
-    t0 = time.perf_counter()
-    for step, figures in train_steps(config, world, rm, start, batches, also=evaluation):
-        if metrics is not None:
-            metrics.log(step, figures)
-            log.info(
-                "step %d | loss %.4f | accuracy %.3f | grad_norm %.3f%s | %.1fs",
-                step,
-                figures["loss"],
-                figures["accuracy"],
-                figures["grad_norm"],
-                f" | held-out accuracy {figures['eval/accuracy']:.3f}" if "eval/accuracy" in figures else "",
-                time.perf_counter() - t0,
-            )
-        t0 = time.perf_counter()
+    def line(step: int, figures: dict[str, float]) -> str:
+        held_out = (
+            f" | held-out accuracy {figures['eval/accuracy']:.3f}" if "eval/accuracy" in figures else ""
+        )
+        return (
+            f"step {step} | loss {figures['loss']:.4f} | accuracy {figures['accuracy']:.3f} | "
+            f"grad_norm {figures['grad_norm']:.3f}{held_out} | {figures['time/step']:.1f}s"
+        )
+
+    steps = Steps(batches, line, evaluation, logger="prime_rl.reward_model")
+    train_loop(config, world, rm, checkpointer, start, steps, metrics)
     if held is None:  # resumed from the last step's checkpoint: nothing trained here
         held = rm.evaluate(eval_batches)
     out = save_dir(config)

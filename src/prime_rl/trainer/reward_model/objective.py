@@ -22,20 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
 
 from prime_rl.disk import writing
 from prime_rl.trainer import lora as lora_files
 from prime_rl.trainer.batch import PackedBatch
-from prime_rl.trainer.model import (
-    DTYPES,
-    ModelLoadError,
-    add_adapters,
-    building,
-    instantiate,
-    place,
-    set_attention,
-)
+from prime_rl.trainer.head import ScalarHead
+from prime_rl.trainer.model import DTYPES, ModelLoadError, build_model
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.parallel.context_parallel import SequenceShard
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
@@ -44,62 +36,28 @@ from prime_rl.trainer.step import Context, Part, train_step
 from prime_rl.transport.messages import MicroBatch
 
 HEAD = "score"
-"""The head's name, the same as HF's sequence classifiers', so its weight saves as `score.weight`."""
+"""The head's name in HF's sequence classifiers, under which the saved folder keeps its weight."""
 
 
-class ScoreModel(torch.nn.Module):
-    def __init__(self, body: torch.nn.Module, hidden_size: int, seed: int, std: float):
-        super().__init__()
-        self.body = body
-        self.score = torch.nn.Linear(hidden_size, 1, bias=False)
-        # Drawn from a generator of its own: every rank, and a resumed run, starts from the same head.
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            self.score.weight.copy_(torch.randn(1, hidden_size, generator=g) * std)
+def load_score_model(config: RewardModelTrainConfig, world: World) -> ScalarHead:
+    """The body of `model.name` with a fresh head (seeded by `seed`, drawn at the body's
+    `initializer_range`, no bias), placed and sharded like the trainer's policy; with `lora`, the
+    body trains an adapter and the head is trained fully."""
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **model_kwargs) -> torch.Tensor:
-        """One score per packed position [N] (of the conversation up to it); `model_kwargs` go to the
-        body (the attention plan of the context-parallel shard)."""
-        hidden = self.body(
-            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **model_kwargs
-        )
-        # A copy, not a view: FSDP2 hooks backward onto the output, which a view could bypass.
-        return self.score(hidden.last_hidden_state[0]).squeeze(-1).to(torch.float32, copy=True)
-
-
-def load_score_model(config: RewardModelTrainConfig, world: World) -> ScoreModel:
-    """The body of `model.name` with a fresh head (seeded by `seed`), placed and sharded like the
-    trainer's policy; with `lora`, the body trains an adapter and the head is trained fully."""
-    from transformers import AutoModel
-
-    name, key = config.model.name, "model.name"
-    try:
-        with building(world):
-            body = instantiate(AutoModel, name, config.model.dtype, world)
-    except Exception as e:
-        raise ModelLoadError(
-            f"{key} = '{name}': the reward model's body could not be loaded with transformers: "
-            f"{type(e).__name__}: {' '.join(str(e).split())}"
-        ) from None
-    with building(world):
-        if config.lora is not None:
-            add_adapters(body, config.lora, config.seed, key=key, name=name)
+    def score_head(body: torch.nn.Module) -> ScalarHead:
         std = float(getattr(body.config, "initializer_range", 0.02))
-        model = ScoreModel(body, body.config.hidden_size, config.seed, std).to(
-            dtype=DTYPES[config.model.dtype]
-        )
-    check_classifier(model, config)
-    place(model, world)
-    set_attention(body, config.model.attention, world, key, name)
-    if config.model.activation_checkpointing:
-        body.gradient_checkpointing_enable()
-    if world.distributed:
-        reshard = config.model.reshard_after_forward
-        for layer in getattr(body, "layers", []):
-            fully_shard(layer, mesh=world.mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=world.mesh, reshard_after_forward=reshard)
-    model.train()
-    return model
+        return ScalarHead(body, body.config.hidden_size, bias=False, seed=config.seed, std=std)
+
+    return build_model(
+        config.model,
+        world,
+        key="model.name",
+        role="the reward model's body",
+        lora=config.lora,
+        seed=config.seed,
+        head=score_head,
+        check=lambda model: check_classifier(model, config),
+    )
 
 
 class BradleyTerry:
@@ -146,10 +104,10 @@ class BradleyTerry:
         s_chosen - s_rejected, over the step's pairs on all ranks."""
         return pair_metrics(records, self.world)
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    def train_step(self, micro_batches: list[MicroBatch], step: int = 0) -> tuple[dict[str, float], list]:
         batches = [PackedBatch.of(mb, self.world) for mb in micro_batches]
         moe = (self.config.moe.replay, self.config.moe.aux_loss_coef)
-        return train_step(self, batches, self.parts, self.scheduler, self.world, moe=moe)[0]
+        return train_step(self, batches, self.parts, self.scheduler, self.world, moe=moe)
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         """`metrics` of this rank's share of held-out pairs (a collective: every rank calls it)."""
@@ -193,7 +151,7 @@ def pair_metrics(records: list[torch.Tensor], world: World) -> dict[str, float]:
 
 
 def classifier_state(state: dict[str, torch.Tensor], prefix: str, lora) -> dict[str, torch.Tensor]:
-    """A `ScoreModel`'s full state dict under the names of an HF sequence classifier whose body sits
+    """A `ScalarHead`'s full state dict under the names of an HF sequence classifier whose body sits
     under `prefix`; LoRA adapters are folded into the weights they adapt."""
     body = {k.removeprefix("body."): v for k, v in state.items() if k.startswith("body.")}
     if lora is not None:
@@ -201,10 +159,10 @@ def classifier_state(state: dict[str, torch.Tensor], prefix: str, lora) -> dict[
             k.replace(".base_layer.", "."): v for k, v in body.items() if not lora_files.is_adapter_key(k)
         }
         body = lora_files.merge(base, lora_files.adapter_tensors(body), lora.alpha / lora.rank)
-    unknown = [k for k in state if not k.startswith("body.") and k != f"{HEAD}.weight"]
+    unknown = [k for k in state if not k.startswith("body.") and k != "head.weight"]
     if unknown:
         raise ValueError(f"the reward model has parameters outside its body and head: {sorted(unknown)}")
-    return {**{f"{prefix}.{k}": v for k, v in body.items()}, f"{HEAD}.weight": state[f"{HEAD}.weight"]}
+    return {**{f"{prefix}.{k}": v for k, v in body.items()}, f"{HEAD}.weight": state["head.weight"]}
 
 
 def empty_classifier(config: RewardModelTrainConfig, pad_token_id: int | None) -> torch.nn.Module:
@@ -219,7 +177,7 @@ def empty_classifier(config: RewardModelTrainConfig, pad_token_id: int | None) -
         return AutoModelForSequenceClassification.from_config(hf_config, dtype=DTYPES[config.model.dtype])
 
 
-def check_classifier(model: ScoreModel, config: RewardModelTrainConfig) -> None:
+def check_classifier(model: ScalarHead, config: RewardModelTrainConfig) -> None:
     """ModelLoadError unless `model` saves as `model.name`'s sequence classifier, name for name:
     found before training rather than when the trained model is saved."""
     name = config.model.name
@@ -243,7 +201,7 @@ def check_classifier(model: ScoreModel, config: RewardModelTrainConfig) -> None:
 
 
 def save_reward_model(
-    model: ScoreModel, config: RewardModelTrainConfig, tokenizer, path: Path, world: World
+    model: ScalarHead, config: RewardModelTrainConfig, tokenizer, path: Path, world: World
 ) -> None:
     """Write the trained model as an HF *ForSequenceClassification folder with one output at `path`
     (a collective: every rank calls it; rank 0 writes)."""

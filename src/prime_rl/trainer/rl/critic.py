@@ -9,41 +9,18 @@ policy, and its gradients follow the same global-token normalization.
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import fully_shard
 
 from prime_rl.trainer.config import CriticConfig, LoRAConfig, TrainedModelConfig
-from prime_rl.trainer.model import (
-    DTYPES,
-    ModelLoadError,
-    add_adapters,
-    building,
-    instantiate,
-    place,
-    set_attention,
-)
+from prime_rl.trainer.head import ScalarHead
+from prime_rl.trainer.model import build_model
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 
 
-class ValueModel(torch.nn.Module):
-    def __init__(self, body: torch.nn.Module, hidden_size: int):
-        super().__init__()
-        self.body = body
-        self.value_head = torch.nn.Linear(hidden_size, 1)
-        # Seeded apart from the global RNG, so every rank and every run starts from the same head;
-        # small (std 1 / (hidden + 1)), so first values are near 0 against rewards of order 1.
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            self.value_head.weight.copy_(torch.randn(1, hidden_size, generator=g) / (hidden_size + 1))
-            self.value_head.bias.zero_()
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **model_kwargs) -> torch.Tensor:
-        """One value per position (of the state after it), shape [N], for packed positions of shape
-        [N]; `model_kwargs` go to the body (the context-parallel shard)."""
-        hidden = self.body(
-            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **model_kwargs
-        )
-        # A copy, not a view: FSDP2 hooks backward onto the output, which a view could bypass.
-        return self.value_head(hidden.last_hidden_state[0]).squeeze(-1).to(torch.float32, copy=True)
+def value_head(body: torch.nn.Module) -> ScalarHead:
+    """The body with a value head: small (std 1 / (hidden + 1)), so first values are near 0 against
+    rewards of order 1, and its bias 0."""
+    hidden = body.config.hidden_size
+    return ScalarHead(body, hidden, bias=True, seed=0, std=1.0 / (hidden + 1))
 
 
 def load_critic(
@@ -52,34 +29,13 @@ def load_critic(
     world: World,
     lora: LoRAConfig | None = None,
     seed: int = 0,
-) -> ValueModel:
-    """With `lora`, the body trains an adapter of its own (seeded apart from the policy's) and the
-    value head is trained fully."""
-    from transformers import AutoModel
-
-    path = config.path or policy.name
+) -> ScalarHead:
+    """Placed and sharded like the policy; with `lora`, the body trains an adapter of its own (seeded
+    apart from the policy's) and the value head is trained fully."""
     key = "trainer.critic.path" if config.path else "trainer.model.name (the critic starts from the policy)"
-    try:
-        with building(world):
-            body = instantiate(AutoModel, path, policy.dtype, world)
-    except Exception as e:
-        raise ModelLoadError(
-            f"{key} = '{path}': the critic could not be loaded with transformers: {type(e).__name__}: {' '.join(str(e).split())}"
-        ) from None
-    with building(world):
-        if lora is not None:
-            add_adapters(body, lora, seed + 1, key=key, name=path)
-        critic = ValueModel(body, body.config.hidden_size).to(dtype=DTYPES[policy.dtype])
-    place(critic, world)
-    set_attention(body, policy.attention, world, key, path)
-    if policy.activation_checkpointing:
-        body.gradient_checkpointing_enable()
-    if world.distributed:
-        for layer in getattr(body, "layers", []):
-            fully_shard(layer, mesh=world.mesh, reshard_after_forward=policy.reshard_after_forward)
-        fully_shard(critic, mesh=world.mesh, reshard_after_forward=policy.reshard_after_forward)
-    critic.train()
-    return critic
+    return build_model(
+        policy, world, name=config.path, key=key, role="the critic", lora=lora, seed=seed + 1, head=value_head
+    )
 
 
 def value_loss(

@@ -27,7 +27,7 @@ from prime_rl.trainer.logprobs import align_to_tokens, batch_logprobs
 from prime_rl.trainer.lora import adapters_off
 from prime_rl.trainer.losses import LossFn, LossInputs, LossOutputs, build_loss
 from prime_rl.trainer.losses.aggregation import divisor, token_weights
-from prime_rl.trainer.model import load_model
+from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 from prime_rl.trainer.rl.credit import Credit, compose
@@ -69,12 +69,11 @@ class Trainer:
     def __init__(self, config: TrainerConfig, world: World, loss_fn: LossFn | None = None):
         self.config = config
         self.world = world
-        self.model = load_model(config.model, world, config.lora, config.seed)
+        self.model = build_model(config.model, world, lora=config.lora, seed=config.seed)
         self.ref_model = None
         if self.needs_reference and config.lora is None:
             # With LoRA the reference is the same model with its adapters off (`_reference_logprobs`).
-            self.ref_model = load_model(config.model, world)
-            self.ref_model.requires_grad_(False)
+            self.ref_model = build_model(config.model, world, role="the reference model", trained=False)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
         self.loss_fn: LossFn = loss_fn or build_loss(config.loss, correction=config.rollout_correction)

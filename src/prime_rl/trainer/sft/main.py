@@ -12,19 +12,19 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from prime_rl.config import parse_config
 from prime_rl.logging_setup import setup_logging
-from prime_rl.trainer.loop import metrics_log, resume, train_steps
+from prime_rl.trainer.loop import Steps, metrics_log, resume, train_loop
 from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
 from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS
 from prime_rl.trainer.sft.config import SFTConfig, SFTDataConfig
 from prime_rl.trainer.sft.objective import SFT
+from prime_rl.trainer.weights.checkpoint import Checkpointer, checkpoint_root
 from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.transport.messages import MicroBatch, TrainingSample
 from prime_rl.transport.packing import pack
@@ -156,8 +156,15 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
             raise SFTDataError(f"{ex.where}: {len(s)} tokens, longer than seq_len = {config.seq_len}")
         samples.append(s)
     trainer = SFT(config, world)
-    start = resume(config, world, trainer)
-    stream = sample_stream(samples, config.data.seed, start * config.batch_size)
+    position = {"samples": 0}  # where the sample stream stands: kept in the checkpoints
+    checkpointer = Checkpointer(
+        checkpoint_root(output_dir), world, config.ckpt.keep, trainer.model, trainer.optimizer,
+        trainer.scheduler, state=lambda: dict(position),
+    )  # fmt: skip
+    start, state = resume(config, world, checkpointer)
+    # (a checkpoint from before the position was kept: every step took batch_size samples)
+    position["samples"] = state.get("samples", start * config.batch_size)
+    stream = sample_stream(samples, config.data.seed, position["samples"])
     publisher = Publisher(output_dir, config.model.name, world, config.publish.keep, lora=config.lora)
     metrics = metrics_log(world, output_dir / "sft" / "metrics.jsonl", start, config.wandb)
     if world.is_main:
@@ -165,20 +172,15 @@ def run_sft(config: SFTConfig, world: World | None = None) -> Path:
 
     def batches(step: int) -> list[MicroBatch]:
         batch = [next(stream) for _ in range(config.batch_size)]
+        position["samples"] += len(batch)
         return pack(batch, config.seq_len, world.dp, "sft", step)[world.dp_rank]  # cp ranks share them
 
-    t0 = time.perf_counter()
-    for step, figures in train_steps(config, world, trainer, start, batches):
-        if metrics is not None:
-            metrics.log(step, figures)
-            log.info(
-                "step %d | loss %.4f | grad_norm %.3f | %.1fs",
-                step,
-                figures["loss"],
-                figures["grad_norm"],
-                time.perf_counter() - t0,
-            )
-        t0 = time.perf_counter()
+    def line(step: int, figures: dict[str, float]) -> str:
+        return f"step {step} | loss {figures['loss']:.4f} | grad_norm {figures['grad_norm']:.3f} | {figures['time/step']:.1f}s"
+
+    train_loop(
+        config, world, trainer, checkpointer, start, Steps(batches, line, logger="prime_rl.sft"), metrics
+    )
     save_dir = Path(config.save_dir or output_dir / "model")
     publisher.save(trainer.model, save_dir)
     publisher.close()

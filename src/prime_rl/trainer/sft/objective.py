@@ -12,7 +12,7 @@ import torch
 from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.config import TrainingConfig
 from prime_rl.trainer.logprobs import batch_logprobs
-from prime_rl.trainer.model import load_model
+from prime_rl.trainer.model import build_model
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 from prime_rl.trainer.step import Context, Part, train_step
@@ -25,7 +25,7 @@ class SFT:
     def __init__(self, config: TrainingConfig, world: World):
         self.config = config
         self.world = world
-        self.model = load_model(config.model, world, config.lora, config.seed)
+        self.model = build_model(config.model, world, key="model.name", lora=config.lora, seed=config.seed)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.scheduler, config.max_steps)
 
@@ -56,7 +56,7 @@ class SFT:
         (loss_sum,) = self.world.host(all_reduce_sum(local, self.world))
         return {"loss": loss_sum / max(ctx.totals.loss_tokens, 1.0)}
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    def train_step(self, micro_batches: list[MicroBatch], step: int = 0) -> tuple[dict[str, float], list]:
         batches = [PackedBatch.of(mb, self.world) for mb in micro_batches]
         moe = (self.config.moe.replay, self.config.moe.aux_loss_coef)
-        return train_step(self, batches, self.parts, self.scheduler, self.world, moe=moe)[0]
+        return train_step(self, batches, self.parts, self.scheduler, self.world, moe=moe)

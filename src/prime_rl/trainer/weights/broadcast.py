@@ -114,6 +114,57 @@ class Broadcaster:
         except _GroupBroke as e:
             raise BroadcastError(str(e)) from None
 
+    def _invitation(self, step: int, prefix: str, plan, world: int, first_rank: int) -> dict:
+        """What a server needs to join the update's group as ranks `first_rank`... and receive it."""
+        c = self.config
+        return {
+            "step": step,
+            "host": self.host,
+            "port": c.port,
+            "prefix": prefix,
+            "first_rank": first_rank,
+            "world_size": world,
+            "plan": plan_to_json(plan),
+            "timeout_s": c.timeout_s,
+            "sealed": not torch.cuda.is_available() and seal_key(prefix) is not None,
+        }
+
+    def _invite(self, url: str, body: dict, answers: dict[str, str]) -> None:
+        """Ask one server to receive the update (its own thread: it answers once it has the weights);
+        its answer, 'ok' or why not, goes into `answers`."""
+        import httpx
+
+        try:
+            reply = httpx.post(
+                f"{url}/prime_rl/receive_weights",
+                json=body,
+                timeout=3 * self.config.timeout_s + 30,
+                verify=tls.context(),
+                auth=clients.auth(),
+            )
+            answers[url] = (
+                "ok" if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"
+            )
+        except httpx.HTTPError as e:
+            answers[url] = f"{type(e).__name__}: {e}"
+
+    def _send(self, prefix: str, world: int, state, plan, phases: dict[str, float]) -> Exception | None:
+        """Join the update's group as rank 0 and send the chunks; the error, if a server went away
+        mid-update or never joined (the servers' answers say which)."""
+        try:
+            cuda = torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            t = time.perf_counter()
+            group = join_group(self._store.store(), prefix, 0, world, self.config.timeout_s, cuda)
+            phases["group"] = time.perf_counter() - t
+            t = time.perf_counter()
+            send(group, state, plan, device, None if cuda else seal_key(prefix))
+            phases["send"] = time.perf_counter() - t
+            del group
+        except Exception as e:
+            return e
+        return None
+
     def _push_once(self, step: int, state: dict[str, torch.Tensor]) -> Pushed:
         import httpx
 
@@ -137,51 +188,14 @@ class Broadcaster:
         answers: dict[str, str] = {}
         phases["ask"] = time.perf_counter() - t0
 
-        def ask(url: str, first_rank: int) -> None:
-            body = {
-                "step": step,
-                "host": self.host,
-                "port": c.port,
-                "prefix": prefix,
-                "first_rank": first_rank,
-                "world_size": world,
-                "plan": plan_to_json(plan),
-                "timeout_s": c.timeout_s,
-                "sealed": not torch.cuda.is_available() and seal_key(prefix) is not None,
-            }
-            try:
-                reply = httpx.post(
-                    f"{url}/prime_rl/receive_weights",
-                    json=body,
-                    timeout=3 * c.timeout_s + 30,
-                    verify=tls.context(),
-                    auth=clients.auth(),
-                )
-                answers[url] = (
-                    "ok" if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"
-                )
-            except httpx.HTTPError as e:
-                answers[url] = f"{type(e).__name__}: {e}"
-
         threads, rank = [], 1
         for url, n in live.items():
-            threads.append(threading.Thread(target=ask, args=(url, rank), daemon=True))
+            body = self._invitation(step, prefix, plan, world, rank)
+            threads.append(threading.Thread(target=self._invite, args=(url, body, answers), daemon=True))
             rank += n
         for t in threads:
             t.start()
-        error = None
-        try:
-            cuda = torch.cuda.is_available()
-            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-            t = time.perf_counter()
-            group = join_group(self._store.store(), prefix, 0, world, c.timeout_s, cuda)
-            phases["group"] = time.perf_counter() - t
-            t = time.perf_counter()
-            send(group, state, plan, device, None if cuda else seal_key(prefix))
-            phases["send"] = time.perf_counter() - t
-            del group
-        except Exception as e:  # a server went away mid-update, or never joined
-            error = e
+        error = self._send(prefix, world, state, plan, phases)
         t = time.perf_counter()
         for thread in threads:
             thread.join()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import pickle
 import random
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +33,7 @@ from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkp
 from prime_rl.trainer.parallel.dist import FILE_WORK_TIMEOUT_S, World, patient
 from prime_rl.trainer.weights.no_pickle import NotState, SafePlanner, SafeReader, load_weights_only
 
-__all__ = ["checkpoint_root", "choose_checkpoint", "complete_steps", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Checkpointer", "checkpoint_root", "choose_checkpoint", "complete_steps"]
 
 
 class CheckpointError(RuntimeError):
@@ -96,11 +98,38 @@ def _sharded_state(model, optimizer, critic) -> dict:
     return state
 
 
-def save_checkpoint(
-    root: Path, step: int, model, optimizer, scheduler, world: World, keep: int, critic=None, extra=None
-) -> Path:
-    """`critic`: (value model, its optimizer), saved beside the policy; `extra`: small picklable
-    state that every rank holds the same (e.g. the KL controller), returned by `load_checkpoint`."""
+@dataclass
+class Checkpointer:
+    """A run's checkpoints: everything it resumes from, saved after a step and loaded on resume in
+    one call each."""
+
+    root: Path
+    """`<output_dir>/checkpoints` (`checkpoint_root`)."""
+    world: World
+    keep: int
+    """How many complete checkpoints to keep (`ckpt.keep`)."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None
+    """(value model, its optimizer), saved beside the policy."""
+    state: Callable[[], dict] = field(default=dict)
+    """Small picklable state that every rank holds the same (the KL controller's, where the data
+    stream stands), taken at each save and returned by `load`."""
+
+    def save(self, step: int) -> Path:
+        """The state after `step` optimizer steps, as `<root>/step_<step>` (a collective: every rank
+        calls it)."""
+        parts = (self.model, self.optimizer, self.scheduler)
+        return _save(self.root, step, *parts, self.world, self.keep, self.critic, self.state())
+
+    def load(self, step: int) -> dict:
+        """Restore the modules, optimizers, schedule and RNG of `<root>/step_<step>`; its `state`."""
+        parts = (self.model, self.optimizer, self.scheduler)
+        return _load(self.root, step, *parts, self.world, self.critic)
+
+
+def _save(root: Path, step: int, model, optimizer, scheduler, world: World, keep: int, critic, extra) -> Path:
     path = root / f"step_{step}"
     with writing(path, f"the checkpoint of step {step}"):
         if world.is_main and path.exists():
@@ -165,8 +194,8 @@ def _planted(e: BaseException, *loaders) -> NotState | None:
     return next((loader.refused for loader in loaders if loader.refused is not None), None)
 
 
-def load_checkpoint(root: Path, step: int, model, optimizer, scheduler, world: World, critic=None) -> dict:
-    """Restore everything `save_checkpoint` wrote; returns its `extra`."""
+def _load(root: Path, step: int, model, optimizer, scheduler, world: World, critic) -> dict:
+    """Restore everything `_save` wrote; returns its `extra`."""
     path = root / f"step_{step}"
     if not (path / DONE).exists():
         raise CheckpointError(f"no complete checkpoint at {path} (complete ones: {complete_steps(root)})")
