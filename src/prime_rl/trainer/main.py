@@ -43,8 +43,8 @@ from prime_rl.trainer.weights.checkpoint import (
     save_checkpoint,
 )
 from prime_rl.trainer.weights.publish import Publisher
-from prime_rl.transport import make_receiver, transport_dir
 from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.endpoints import make_receiver, transport_dir
 from prime_rl.transport.zmq_transport import rank_address
 
 log = logging.getLogger("prime_rl.trainer")
