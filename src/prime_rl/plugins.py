@@ -142,3 +142,18 @@ class Registry:
         kwargs = {k: getattr(config, k) for k in type(config).model_fields if k not in shared}
         fn = self.builtins[name].fn
         return Resolved(name, fn if callable(fn) else load_function(fn, key=f"{key}.type"), kwargs)
+
+
+def lazy_names(package: str, lazy: dict[str, tuple[str, ...]]) -> Callable[[str], Any]:
+    """The `__getattr__` of a kind's package, which loads each name of `lazy` (module -> names) from
+    its module on first use: the package then holds its config and registry without loading torch.
+    The package keeps `lazy` as a literal named `LAZY`, which tests/unit/layering_test.py reads as
+    the imports of whoever takes those names from the package."""
+    home = {name: module for module, names in lazy.items() for name in names}
+
+    def __getattr__(name: str) -> Any:
+        if name in home:
+            return getattr(importlib.import_module(home[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

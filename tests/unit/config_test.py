@@ -342,28 +342,36 @@ def test_the_teacher_may_not_take_a_policy_servers_port():
                  **DISTILL)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "prime_rl.rl.config",
-        "prime_rl.trainer.config",
-        "prime_rl.trainer.sft.config",
-        "prime_rl.orchestrator.config",
-    ],
+SRC = REPO / "src" / "prime_rl"
+CONFIG_MODULES = sorted(
+    ".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
+    for p in SRC.rglob("*.py")
+    if p.stem == "config" or p.stem.endswith("_config") or p.parent == SRC / "config"
 )
-def test_a_config_imports_no_torch_and_no_trainer_runtime(module):
-    """`rl`, `--help` and preflight read configs only: they must not pay for torch. A built-in's
-    function is imported when a trainer builds it, so only config modules (and their packages)
-    of the trainer may load."""
+"""Every config module (`config.py`, `*_config.py`) and the config machinery (`prime_rl/config/`)."""
+HEAVY = ("torch", "transformers", "zmq", "numpy")
+
+
+def test_the_config_modules_are_found():
+    assert {"prime_rl.config", "prime_rl.rl.config", "prime_rl.transport.config", "prime_rl.trainer.losses.config",
+            "prime_rl.orchestrator.envs_config"} <= set(CONFIG_MODULES)  # fmt: skip
+
+
+@pytest.mark.parametrize("module", CONFIG_MODULES)
+def test_a_config_imports_nothing_heavy_and_no_trainer_runtime(module):
+    """`rl`, `--help` and preflight read configs only: they must not pay for torch, nor for the
+    transports' zmq and numpy. A built-in's function is imported when a trainer builds it, so only
+    config modules (and their packages) of the trainer may load. Each module in a fresh interpreter,
+    so that none is excused by what another loaded."""
     code = (
         f"import json, sys, {module}\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}"
         " or m.startswith('prime_rl.trainer.'))))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = json.loads(proc.stdout)
-    heavy = [m for m in loaded if not m.startswith("prime_rl.")]
+    heavy = sorted({m.split(".")[0] for m in loaded if not m.startswith("prime_rl.")})
     runtime = [m for m in loaded if m.startswith("prime_rl.") and not m.endswith(".config")
                and importlib.util.find_spec(m).submodule_search_locations is None]  # fmt: skip
     assert not heavy and not runtime, {"heavy": heavy, "trainer runtime": runtime}

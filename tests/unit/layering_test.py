@@ -1,6 +1,6 @@
 """The processes share only neutral modules, and that holds for everything a module loads, not only
-for what it names: each rule below is checked over the transitive closure of the module-level
-imports of every module of a layer.
+for what it names: each rule below is checked over the transitive closure of the imports of every
+module of a layer, whenever they run.
 
 - No process reaches another: the orchestrator, the trainer, the inference server and the `rl`
   launcher meet only in the shared modules (configs, the contract, transport, ...); `rl` reads the
@@ -14,11 +14,18 @@ imports of every module of a layer.
   reward-model training, the entry points on top): none reaches a layer above its own, and no two
   components import each other, directly or not.
 
-A module-level import is an `import`/`from` statement run when the module is imported: at the top
-level, or inside a top-level `if`, `try`, `with` or class body; not one inside a function, nor one
-under `if TYPE_CHECKING:` (neither runs at import). Importing `a.b.c` also runs the packages `a`
-and `a.b`. A violation names its chain of imports, e.g. `prime_rl.trainer.main ->
-prime_rl.preflight -> prime_rl.orchestrator.config`.
+A module's imports are every `import`/`from` statement it holds, wherever it stands: one inside a
+function runs when the function is called, and is a dependency all the same (whether a module pays
+for torch at import is tests/unit/config_test.py's check). Only one under `if TYPE_CHECKING:` never
+runs. Importing `a.b.c` also runs the packages `a` and `a.b`. Modules loaded by name count too:
+`importlib.import_module("prime_rl....")` with a constant; a package's lazy names (its `LAZY`
+table, `prime_rl.plugins.lazy_names`), as imports of the module that takes them from the package
+(`from package import name`; `import package` reaches them all); and a plugin path
+('prime_rl.module:function') outside a config. A config's plugin paths are imported by the
+runtime module that resolves its registry, in the config's own package (a test below holds them
+there), so they are not the config's imports: any module may import a config. A violation names
+its chain of imports, e.g. `prime_rl.trainer.main -> prime_rl.preflight ->
+prime_rl.orchestrator.config`.
 
 The sources are parsed in a child interpreter (this file run as a script), once per tree: in
 CPython 3.11, building `ast` objects is not thread-safe (their recursion counter is one per
@@ -30,6 +37,7 @@ constructor recursion depth mismatch`.
 import ast
 import functools
 import json
+import re
 import subprocess
 import sys
 from collections import deque
@@ -114,20 +122,66 @@ def is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def module_level_imports(body: list[ast.stmt]):
-    """The import statements that run when a module whose top-level statements are `body` is imported."""
-    for node in body:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            yield node
-        elif isinstance(node, ast.If):
-            if not is_type_checking(node.test):
-                yield from module_level_imports(node.body)
-            yield from module_level_imports(node.orelse)
-        elif isinstance(node, ast.Try | ast.TryStar):
-            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
-                yield from module_level_imports(block)
-        elif isinstance(node, ast.With | ast.ClassDef):
-            yield from module_level_imports(node.body)
+def nodes_that_can_run(node: ast.AST):
+    """Every node under `node` but those under `if TYPE_CHECKING:` (its `else` runs)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield stmt
+                yield from nodes_that_can_run(stmt)
+            continue
+        yield child
+        yield from nodes_that_can_run(child)
+
+
+PLUGIN_PATH = re.compile(r"prime_rl(\.\w+)+:\w+")
+"""A function named by its path ('package.module:function'), which `prime_rl.plugins` imports."""
+
+
+def is_import_module(call: ast.Call) -> bool:
+    f = call.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    return name in ("import_module", "__import__")
+
+
+def lazy_table(tree: ast.Module) -> dict[str, list[str]]:
+    """A package's `LAZY` table: module -> the names its `__getattr__` loads from that module."""
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "LAZY":
+            return {module: list(names) for module, names in ast.literal_eval(node.value).items()}
+    return {}
+
+
+def read_module(path: Path) -> dict:
+    """What the module at `path` can import: its `import` statements wherever they stand (in a
+    function too), as (module, names bound from it: None for `import module`), the modules it names
+    to `importlib.import_module`, the plugin paths it holds, and its `LAZY` table."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    statements, by_name, plugins = [], [], []
+    for node in nodes_that_can_run(tree):
+        if isinstance(node, ast.Import):
+            statements += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            statements.append((".".join(p for p in (base, node.module) if p), [a.name for a in node.names]))
+        elif isinstance(node, ast.Call) and is_import_module(node) and node.args:
+            if isinstance(arg := node.args[0], ast.Constant) and isinstance(arg.value, str):
+                by_name.append(arg.value)
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and PLUGIN_PATH.fullmatch(node.value)
+        ):
+            plugins.append(node.value.partition(":")[0])
+    return {
+        "statements": statements,
+        "by_name": by_name,
+        "plugins": plugins,
+        "lazy": lazy_table(tree) if path.name == "__init__.py" else {},
+    }
 
 
 def with_parents(module: str) -> list[str]:
@@ -136,28 +190,35 @@ def with_parents(module: str) -> list[str]:
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def imported_modules(path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` (prime_rl's own) that importing the module at `path` imports directly."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in module_level_imports(ast.parse(path.read_text()).body):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        else:
-            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-            module = ".".join(p for p in (base, node.module) if p)
-            # `from package import name` imports the submodule `package.name` when there is one.
-            targets = [module, *(f"{module}.{a.name}" for a in node.names)]
-        found.update(m for t in targets for m in with_parents(t) if m in known and m != name)
-    return found
+def imported_modules(name: str, read: dict, lazy: dict[str, dict[str, str]], known: set[str]) -> set[str]:
+    """The modules of `known` (prime_rl's own) that the module `name` imports directly, now or later.
+
+    A package's lazy name (its `LAZY`) is its module's import wherever it is imported by name;
+    importing the package itself reaches all of them. A plugin path in a config is not the config's
+    import: the runtime module that resolves the registry imports it (see the test of
+    `PLUGIN_PATH`)."""
+    targets = [*read["by_name"], *([] if is_config(name) else read["plugins"])]
+    for module, names in read["statements"]:
+        # `from package import name` imports the submodule `package.name` when there is one.
+        targets += [module, *(f"{module}.{n}" for n in names or ())]
+        table = lazy.get(module, {})
+        targets += table.values() if names is None else [table[n] for n in names if n in table]
+        for n in names or ():
+            targets += lazy.get(f"{module}.{n}", {}).values()
+    return {m for t in targets for m in with_parents(t) if m in known and m != name}
+
+
+def is_config(module: str) -> bool:
+    last = module.rpartition(".")[2]
+    return last == "config" or last.endswith("_config")
 
 
 def parsed_import_graph() -> dict[str, set[str]]:
     """The graph parsed in this process: only in the child that `import_graph` starts."""
     paths = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
-    known = set(paths)
-    return {name: imported_modules(path, known) for name, path in paths.items()}
+    read = {name: read_module(path) for name, path in paths.items()}
+    lazy = {name: {n: m for m, names in r["lazy"].items() for n in names} for name, r in read.items()}
+    return {name: imported_modules(name, r, lazy, set(paths)) for name, r in read.items()}
 
 
 @functools.cache
@@ -168,7 +229,7 @@ def _graph_of(src: Path) -> dict[str, tuple[str, ...]]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the prime_rl modules it imports at module level, for the tree at `SRC`."""
+    """Module -> the prime_rl modules it imports, for the tree at `SRC`."""
     return {name: set(imports) for name, imports in _graph_of(SRC).items()}
 
 
@@ -272,21 +333,78 @@ def test_a_transitive_import_is_reported_with_its_chain(planted):
         test_no_layer_reaches_what_it_must_not("orchestrator/loop")
 
 
-def test_imports_under_if_and_try_count_and_those_in_functions_or_type_checking_do_not(planted):
+def test_imports_count_wherever_they_stand_but_under_type_checking(planted):
     planted({
         "trainer/main.py": (
             "from typing import TYPE_CHECKING\n"
             "try:\n    from prime_rl import shared\nexcept ImportError:\n    shared = None\n"
-            "if TYPE_CHECKING:\n    from prime_rl.orchestrator.config import OrchestratorConfig\n"
+            "if TYPE_CHECKING:\n    from prime_rl.orchestrator.loop import OrchestratorLoop\n"
             "def later():\n    import prime_rl.inference.server\n"
         ),
         "shared.py": "import sys\nif sys.platform:\n    from prime_rl.orchestrator import config\n",
         "orchestrator/config.py": "",
+        "orchestrator/loop.py": "",
         "inference/server.py": "",
     })  # fmt: skip
     assert violations("trainer") == [
-        "prime_rl.trainer.main -> prime_rl.shared -> prime_rl.orchestrator.config"
+        "prime_rl.trainer.main -> prime_rl.inference.server",
+        "prime_rl.trainer.main -> prime_rl.shared -> prime_rl.orchestrator.config",
     ]
+
+
+def test_a_function_level_import_up_the_trainer_layers_fails_the_check(planted):
+    """The model places a dry run's weights on a device that it imports, inside a function, from
+    the dry-run tools a layer above: the check fails on it."""
+    planted({
+        "trainer/model.py": "def place(module):\n    from prime_rl.trainer.gpu.dry_run import materialize\n",
+        "trainer/gpu/dry_run.py": "",
+    })  # fmt: skip
+    assert violations("trainer/model.py") == ["prime_rl.trainer.model -> prime_rl.trainer.gpu.dry_run"]
+    with pytest.raises(AssertionError, match=r"trainer\.model -> prime_rl\.trainer\.gpu\.dry_run"):
+        test_no_layer_reaches_what_it_must_not("trainer/model.py")
+
+
+def test_modules_loaded_by_name_count(planted):
+    """A package's lazy names are imports of whoever takes them from it; `import_module` with a
+    constant and a plugin path outside a config are imports too; a config's plugin path is not."""
+    planted({
+        "trainer/losses/__init__.py": (
+            "from prime_rl.plugins import lazy_names\n"
+            'LAZY = {"prime_rl.trainer.rl.credit": ("Credit",)}\n'
+            "__getattr__ = lazy_names(__name__, LAZY)\n"
+        ),
+        "trainer/rl/credit.py": "",
+        "trainer/step.py": "from prime_rl.trainer.losses import Credit\n",
+        "trainer/model.py": "def f():\n    from prime_rl.trainer import losses\n",
+        "trainer/batch.py": "import prime_rl.trainer.losses.config\n",
+        "trainer/losses/config.py": 'PPO = "prime_rl.trainer.rl.credit:credit"\n',
+        "trainer/data.py": "import importlib\ndef f():\n    return importlib.import_module('prime_rl.trainer.step')\n",
+        "trainer/optim.py": 'FN = "prime_rl.trainer.step:train_step"\n',
+        "plugins.py": "",
+    })  # fmt: skip
+    assert violations("trainer/step.py") == ["prime_rl.trainer.step -> prime_rl.trainer.rl.credit"]
+    assert violations("trainer/model.py") == ["prime_rl.trainer.model -> prime_rl.trainer.rl.credit"]
+    assert violations("trainer/batch.py") == []  # a submodule's import runs the package, not its lazy names
+    assert violations("trainer/data.py") == ["prime_rl.trainer.data -> prime_rl.trainer.step"]
+    assert violations("trainer/optim.py") == ["prime_rl.trainer.optim -> prime_rl.trainer.step"]
+
+
+def test_a_configs_plugin_paths_stay_in_its_own_package():
+    """What the graph leaves out of a config (its plugin paths) is imported by its own package's
+    runtime, whose modules the layers check in their own right: so leaving them out hides nothing."""
+    found = {
+        module: module_name(path).rpartition(".")[0]
+        for path in SRC.rglob("*.py")
+        if is_config(module_name(path))
+        for module in re.findall(r"\"(prime_rl(?:\.\w+)+):\w+\"", path.read_text())
+    }
+    assert "prime_rl.trainer.losses.ppo" in found  # the test reads the registries
+    elsewhere = {m: p for m, p in found.items() if m.rpartition(".")[0] != p}
+    missing = [m for m in found if not SRC.parent.joinpath(*m.split(".")).with_suffix(".py").exists()]
+    assert not elsewhere and not missing, {
+        "outside the config's package": elsewhere,
+        "no such module": missing,
+    }
 
 
 def test_the_sources_are_parsed_outside_the_test_process(planted, monkeypatch):

@@ -463,7 +463,7 @@ def test_a_step_that_runs_out_of_memory_names_the_knobs(tiny_model, tmp_path):
 
 
 def test_header_must_match_the_run(tmp_path):
-    from prime_rl.transport import ForeignRunError
+    from prime_rl.transport.base import ForeignRunError
 
     sender = FileSender(tmp_path)
     mb = micro_batches(0, "other")[0]

@@ -17,8 +17,10 @@ from prime_rl import secret
 from prime_rl.contract import TrainerSide
 from prime_rl.net import free_port
 from prime_rl.trainer.data import StepReceiver
-from prime_rl.transport import NoContract, TransportConfig, TransportError, TransportTimeout, make_receiver
+from prime_rl.transport.base import NoContract, TransportError, TransportTimeout
+from prime_rl.transport.config import TransportConfig
 from prime_rl.transport.curve import run_keys
+from prime_rl.transport.endpoints import make_receiver
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import BYTES_PER_TOKEN_BOUND, Header, MicroBatch, encode, max_message_bytes
 from prime_rl.transport.zmq_transport import AsyncZmqSender, ZmqReceiver, ZmqSender

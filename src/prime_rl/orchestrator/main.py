@@ -26,7 +26,7 @@ from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing
 from prime_rl.orchestrator.preflight import check_orchestrator
 from prime_rl.secret import SecretError
 from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
-from prime_rl.transport import TransportError
+from prime_rl.transport.base import TransportError
 
 # Failures whose message says all the user needs: one line, no traceback. Exit status 2 for those
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest

@@ -29,8 +29,8 @@ from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.run import NEEDS_USER, USER_ERRORS
 from prime_rl.trainer.weights.checkpoint import Checkpointer, checkpoint_root
 from prime_rl.trainer.weights.publish import Publisher
-from prime_rl.transport import make_receiver, transport_dir
 from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.endpoints import make_receiver, transport_dir
 from prime_rl.transport.messages import MicroBatch
 from prime_rl.transport.zmq_transport import rank_address
 

@@ -112,7 +112,7 @@ def instantiate(auto_cls, name: str, dtype: str, world: World) -> torch.nn.Modul
 def place(module: torch.nn.Module, world: World) -> None:
     """Move `module` to the training device (a dry run's meta module gets fake tensors there)."""
     if world.fake:
-        from prime_rl.trainer.gpu.fake_gpu import materialize
+        from prime_rl.trainer.parallel.fake_gpu import materialize
 
         materialize(module, world.device)
     else:

@@ -23,7 +23,7 @@ from prime_rl.trainer.memory import OutOfMemory
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import FILE_WORK_TIMEOUT_S, World, patient
 from prime_rl.trainer.weights.checkpoint import CheckpointError, checkpoint_root, choose_checkpoint
-from prime_rl.transport import TransportError
+from prime_rl.transport.base import TransportError
 
 log = logging.getLogger("prime_rl.trainer")
 

@@ -10,8 +10,8 @@ import asyncio
 
 from prime_rl.contract import OrchestratorSide
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.transport import transport_dir
 from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.endpoints import transport_dir
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.messages import Header, Hello, MicroBatch, max_message_bytes
 from prime_rl.transport.zmq_transport import AsyncZmqSender, rank_address

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prime_rl.plugins import lazy_names
 from prime_rl.trainer.estimators.config import ESTIMATORS, EstimatorConfig
 
 if TYPE_CHECKING:
@@ -26,21 +27,16 @@ if TYPE_CHECKING:
         build_estimator,
     )
 
-RUNTIME = (
-    "Estimator",
-    "TokenAdvantageError",
-    "TokenAdvantageInputs",
-    "TokenAdvantageOutputs",
-    "build_estimator",
-)
-
-
-def __getattr__(name: str):
-    if name in RUNTIME:
-        from prime_rl.trainer.estimators import base
-
-        return getattr(base, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+LAZY = {
+    "prime_rl.trainer.estimators.base": (
+        "Estimator",
+        "TokenAdvantageError",
+        "TokenAdvantageInputs",
+        "TokenAdvantageOutputs",
+        "build_estimator",
+    )
+}
+__getattr__ = lazy_names(__name__, LAZY)
 
 
 __all__ = [

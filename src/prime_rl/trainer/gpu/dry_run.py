@@ -14,7 +14,7 @@ What it catches, each as one line naming the op, the devices and the code line:
 - a device-to-host copy outside `World.host` (`.item()`, `bool(t)`, a shape sized from the data):
   a GPU sync the step did not plan for.
 
-The GPU is `fake_gpu.py`'s. Only rank 0 runs: object collectives return its own objects, and the
+The GPU is `trainer/parallel/fake_gpu.py`'s. Only rank 0 runs: object collectives return its own objects, and the
 step's few host copies (`World.host`) read 1.0, so it takes the branches of an ordinary step.
 """
 
@@ -32,8 +32,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from prime_rl.trainer.gpu.fake_gpu import FAKE_GPU, FakeMode, cuda_attention, install_fake_gpu
 from prime_rl.trainer.parallel.dist import exit_now
+from prime_rl.trainer.parallel.fake_gpu import FAKE_GPU, FakeMode, cuda_attention, install_fake_gpu
 
 _TENSOR_COLLECTIVES = (
     "all_reduce",
@@ -119,7 +119,7 @@ _LIBRARY_DIRS = tuple({os.path.dirname(os.path.dirname(torch.__file__)), os.path
 def _code_line(tb) -> str:
     """`file:line (code)` of the innermost frame in the project's or the user's code; when that is
     inside the World helpers of `dist.py`, their caller's line, which is the one to fix."""
-    from prime_rl.trainer.gpu import fake_gpu
+    from prime_rl.trainer.parallel import fake_gpu
 
     ours_not = {os.path.abspath(__file__), os.path.abspath(fake_gpu.__file__)}  # the dry run's machinery
     frames = [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) not in ours_not]

@@ -13,20 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prime_rl.plugins import lazy_names
 from prime_rl.trainer.losses.config import LOSSES, LossConfig
 
 if TYPE_CHECKING:
     from prime_rl.trainer.losses.frame import LossFn, LossInputs, LossOutputs, build_loss
 
-RUNTIME = ("LossFn", "LossInputs", "LossOutputs", "build_loss")
-
-
-def __getattr__(name: str):
-    if name in RUNTIME:
-        from prime_rl.trainer.losses import frame
-
-        return getattr(frame, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+LAZY = {"prime_rl.trainer.losses.frame": ("LossFn", "LossInputs", "LossOutputs", "build_loss")}
+__getattr__ = lazy_names(__name__, LAZY)
 
 
 __all__ = ["LOSSES", "LossConfig", "LossFn", "LossInputs", "LossOutputs", "build_loss"]

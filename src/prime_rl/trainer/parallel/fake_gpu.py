@@ -1,5 +1,6 @@
 """A fake GPU for a CPU-only machine: a device whose tensors hold no data, on which the trainer's
-CUDA path runs as it would on CUDA (`dry_run.py` drives it).
+CUDA path runs as it would on CUDA (`trainer/gpu/dry_run.py` drives it). It stands with the
+ranks and devices, below the model, which places a dry run's weights on it (`model.place`).
 
 The GPU is torch's spare PrivateUse1 device registered as `fakegpu` (`install_fake_gpu`): a CPU-only
 torch cannot give CUDA tensors gradients, since its autograd engine asks the CUDA runtime for
