@@ -79,7 +79,7 @@ def module_name(path: Path) -> str:
 
 TRAINER_LAYERS = (
     ("parallel", "attention", "batch", "stats", "data", "memory", "optim"),
-    ("model", "logprobs", "lora", "moe"),
+    ("head", "model", "logprobs", "lora", "moe"),
     ("losses", "estimators", "step", "weights", "run", "loop"),
     ("rl", "sft", "reward_model"),
     ("main", "export", "gpu"),
