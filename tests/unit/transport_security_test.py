@@ -47,7 +47,7 @@ def context():
     ctx.destroy(linger=0)
 
 
-def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -174,9 +174,9 @@ def test_an_intruder_that_binds_the_port_first_feeds_the_trainer_nothing(
     refusals = 3
     pushed = 0
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a few seconds here; only a hang guard
         while receiver.refusals.total < refusals:
-            assert time.monotonic() < deadline, f"{receiver.refusals.total} refusals after 10 s"
+            assert time.monotonic() < deadline, f"{receiver.refusals.total} refusals after 60 s"
             with contextlib.suppress(zmq.Again):  # (it goes as soon as the intruder has a peer)
                 push.send(encode(micro_batch(0)), zmq.NOBLOCK)
                 pushed += 1
