@@ -220,7 +220,7 @@ class FakeServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a hang guard: it starts in well under a second
         while not self._server.started:
             if time.monotonic() > deadline:
                 raise RuntimeError("fake server did not start")

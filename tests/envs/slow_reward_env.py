@@ -1,12 +1,22 @@
 """A single-turn test env whose reward is slow, raises or hangs, chosen by `mode`: for the tests that
 reward functions run off the event loop, bounded and timed. Its reward is a plain `def` (verifiers'
-own scoring would refuse it; the orchestrator runs it in a thread)."""
+own scoring would refuse it; the orchestrator runs it in a thread). The tests run it in their own
+process and read what it records here, rather than timing it."""
 
+import threading
 import time
 from typing import Literal
 
 import verifiers.v1 as vf
 from words import Config, tasks
+
+LOOP_TURNS = [0]
+"""Turns of the test's event loop, counted by the test: a burning reward reads it as it starts and ends."""
+BURNS: list[tuple[str, int]] = []
+"""Per burning reward: its thread's name, and how often the loop turned while it burned."""
+HUNG: list[str] = []
+"""The hung rewards that returned (each once `RELEASE` was set or `seconds` passed)."""
+RELEASE = threading.Event()
 
 
 def burn(seconds: float) -> None:
@@ -31,9 +41,12 @@ class SlowTask(vf.Task[SlowData]):
         if self.data.mode == "raise":
             raise ValueError("judge said no")
         if self.data.mode == "hang":
-            time.sleep(self.data.seconds)
+            RELEASE.wait(self.data.seconds)
+            HUNG.append(threading.current_thread().name)
         else:
+            turns = LOOP_TURNS[0]
             burn(self.data.seconds)
+            BURNS.append((threading.current_thread().name, LOOP_TURNS[0] - turns))
         return 1.0
 
 

@@ -202,7 +202,7 @@ def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_a
     for pid in alive(sorted(seen)):
         with contextlib.suppress(psutil.NoSuchProcess):
             left.append(psutil.Process(pid))
-    psutil.wait_procs(left, timeout=30)
+    psutil.wait_procs(left, timeout=120)
     assert seen and not alive(sorted(seen))
 
 
@@ -245,7 +245,7 @@ def test_ctrl_c_stops_everything(tiny_model, tmp_path):
     for pid in alive(sorted(seen)):
         with contextlib.suppress(psutil.NoSuchProcess):
             left.append(psutil.Process(pid))
-    psutil.wait_procs(left, timeout=30)
+    psutil.wait_procs(left, timeout=120)
     assert not alive(sorted(seen))
 
 

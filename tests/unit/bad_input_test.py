@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -166,7 +165,6 @@ def test_an_env_whose_every_rollout_fails_stops_the_orchestrator_with_one_line(
     # The orchestrator stops once 3 groups in a row failed entirely, instead of retrying forever;
     # exit status 2 (never retried) for the env's own error, 1 for a server's.
     with FakeServer(lambda req, i: reply) as server:
-        t0 = time.monotonic()
         out = run(
             "orchestrator", "--model.name", MODEL, "--output-dir", "out", "--max-steps", "5", "--batch-size", "8",
             "--max-failed-groups", "3", "--envs", f'[{{id = "{env}", group_size = 4}}]',
@@ -177,7 +175,8 @@ def test_an_env_whose_every_rollout_fails_stops_the_orchestrator_with_one_line(
     assert_clear_error(out, code, f"env '{env}': the last 3 groups failed entirely",
                        "most common reason: ", reason, "orchestrator.max_failed_groups = 3")  # fmt: skip
     assert len([line for line in out.stderr.splitlines() if line.startswith("orchestrator: error:")]) == 1
-    assert time.monotonic() - t0 < 60 and requests < 200, requests  # bounded: no spinning
+    # Bounded by the failure count, not by time: a retry loop would have sent far more.
+    assert requests < 200, requests
 
 
 def test_an_inference_url_that_never_answers_is_named(tmp_path):

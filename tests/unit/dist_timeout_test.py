@@ -34,8 +34,9 @@ from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 
 DIST_TIMEOUT_S = 10
-MARGIN_S = 15.0
-"""Past the timeout: noticing the fed step (polls of 10 ms), reaching the collective, and the exit."""
+GIVE_UP_S = 3 * DIST_TIMEOUT_S + 30
+"""What giving up is held to: several times the timeout, plus noticing the fed step, reaching the
+collective and the exit on a loaded machine; far from torch's own 30 minutes."""
 
 
 def samples(step: int) -> list[TrainingSample]:
@@ -103,7 +104,7 @@ class TwoRanks:
             hung.send_signal(signal.SIGSTOP)
             self.feed(1)
             t0 = time.monotonic()
-            psutil.wait_procs([first], timeout=DIST_TIMEOUT_S + MARGIN_S)
+            psutil.wait_procs([first], timeout=GIVE_UP_S)
             took = time.monotonic() - t0
             assert not first.is_running() or first.status() == psutil.STATUS_ZOMBIE, (
                 f"rank 0 still runs {took:.0f} s after its peer stopped\n{self.output()}"
@@ -135,7 +136,9 @@ def test_a_rank_whose_peer_hangs_mid_step_stops_within_the_timeout_with_one_line
     finally:
         ranks.kill()
     one_line(text, 1, "all_reduce")  # the first collective of step 1, in the trainer's step
-    assert DIST_TIMEOUT_S - 1 < took < DIST_TIMEOUT_S + MARGIN_S, f"took {took:.1f} s\n{text}"
+    # wall-clock: giving up after dist_timeout_s, not before (the clock starts before rank 0 can reach
+    # the collective) and not much later, is the behaviour under test.
+    assert DIST_TIMEOUT_S - 1 < took < GIVE_UP_S, f"took {took:.1f} s\n{text}"
     assert ranks.logged_steps() == [0]
 
 
@@ -154,7 +157,8 @@ def test_a_cp_peer_outwaits_slow_data_but_not_a_hung_peer(tiny_model, tmp_path):
     finally:
         ranks.kill()
     one_line(text, 1, "broadcast_object_list")
-    assert took < DIST_TIMEOUT_S + MARGIN_S, f"took {took:.1f} s\n{text}"
+    # wall-clock: giving up within dist_timeout_s (GIVE_UP_S) is the behaviour under test.
+    assert took < GIVE_UP_S, f"took {took:.1f} s\n{text}"
     assert ranks.logged_steps() == [0]
 
 

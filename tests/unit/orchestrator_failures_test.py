@@ -11,6 +11,7 @@ import pytest
 from orchestrator_test import assert_accounting, env_workers, make_config, received, rollouts, run
 
 from fake_server import FakeServer, Reply, user_text
+from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.sender import BatchSender
@@ -187,10 +188,9 @@ def test_a_server_that_never_finishes_a_request_fails_rollouts_by_timeout_then_s
     with FakeServer(lambda req, i: Reply(delay_s=4)) as server:
         config = make_config(tmp_path, server, env_workers=env_workers, max_failed_groups=2,
                              client={"base_urls": [server.base_url], "timeout_s": 0.5, "health_timeout_s": 10})  # fmt: skip
-        t0 = time.monotonic()
         with pytest.raises(RolloutsFailing, match="the last 2 groups failed entirely") as e:
             run(config)
-    assert "TimeoutError" in str(e.value) and time.monotonic() - t0 < 30
+    assert "TimeoutError" in str(e.value)  # failed by the client's timeout, not by the server
 
 
 def test_an_eval_env_whose_rollouts_all_fail_stops_the_run(tmp_path, env_workers):
@@ -200,10 +200,12 @@ def test_an_eval_env_whose_rollouts_all_fail_stops_the_run(tmp_path, env_workers
             tmp_path, server, env_workers=env_workers, max_steps=50, max_failed_groups=3,
             eval={"interval": 1, "at_start": True, "envs": [{"id": "reverse-text", "name": "rt-eval", "num_examples": 8}]},
         )  # fmt: skip
-        t0 = time.monotonic()
         with pytest.raises(RolloutsFailing, match="eval env 'rt-eval': the last 3 groups failed entirely"):
             run(config)
-    assert time.monotonic() - t0 < 60  # the eval runs in the background: the step loop stops for it
+    # The eval runs in the background, and the step loop stops for its failure: before max_steps
+    # (how many steps go first depends on the machine; none, some).
+    metrics = Path(config.output_dir) / "orchestrator" / "metrics.jsonl"
+    assert len(read_metrics(metrics) if metrics.exists() else []) < 50
 
 
 def test_partial_failures_reset_the_failure_bound_and_unreachable_servers_are_bounded_by_time():

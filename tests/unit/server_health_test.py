@@ -247,19 +247,27 @@ def test_a_server_that_stops_answering_loses_its_groups_at_once_and_their_exampl
     flight fail after `client.silent_s`, not after the requests' 300 s timeout, and the same examples
     are dispatched again once it is back; nothing is lost or counted twice."""
     run = tmp_path / "run"
-    client = {"base_urls": [server.url + "/v1"], "timeout_s": 300, "health_interval_s": 0.2, "silent_s": 2}
+    silent_s, timeout_s = 2, 300
+    client = {
+        "base_urls": [server.url + "/v1"],
+        "timeout_s": timeout_s,
+        "health_interval_s": 0.2,
+        "silent_s": silent_s,
+    }
     cfg = config(run, server, max_async_level=10, client=client)
-    frozen_for = []
+    # Given up after silent_s: a bound of many times that (a loaded machine), yet far from timeout_s.
+    give_up_s = 10 * silent_s + 30
+    assert give_up_s < timeout_s / 4
 
     def scenario():
         wait_for(lambda: len(metric_steps(run)) >= 2, "two steps")
         assert len(metric_steps(run)) < 6, "the run ended before the freeze"
         server.proc.send_signal(signal.SIGSTOP)  # rollouts of the next step are in flight
-        t0 = time.monotonic()
         try:
             # The server stays frozen until its groups are given up (a restart would end it so too).
-            wait_for(lambda: abandoned.is_set(), "the orchestrator to give up the groups in flight", 60)
-            frozen_for.append(time.monotonic() - t0)
+            wait_for(
+                lambda: abandoned.is_set(), "the orchestrator to give up the groups in flight", give_up_s
+            )
         finally:
             server.proc.send_signal(signal.SIGCONT)
 
@@ -279,7 +287,6 @@ def test_a_server_that_stops_answering_loses_its_groups_at_once_and_their_exampl
         assert run_with(cfg, scenario) is None
     finally:
         scheduler.Scheduler.abandon = original
-    assert frozen_for and frozen_for[0] < 30, frozen_for  # not the requests' 300 s
     metrics = check_accounting(run)
     assert [m["step"] for m in metrics] == list(range(6))  # every step once
     records = [

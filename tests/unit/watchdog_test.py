@@ -63,7 +63,7 @@ def speakers(tmp_path):
 def stop(pid: int) -> None:
     """SIGSTOP `pid` and wait until it is stopped (the signal takes effect asynchronously)."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while activity.process_state(pid) != "T":
         assert time.monotonic() < deadline, activity.process_state(pid)
         time.sleep(0.01)
@@ -82,7 +82,7 @@ def test_a_record_says_what_its_process_said_and_its_heartbeat_moves(speakers, t
         "trainer-rank0", "trainer", proc.pid, "waiting for the micro-batches of step 9", "orchestrator", 9,
     )  # fmt: skip
     first = s.beat
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while activity.read(s.path).beat == first:
         assert time.monotonic() < deadline, "the heartbeat did not move"
         time.sleep(0.1)
