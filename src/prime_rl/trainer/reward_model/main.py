@@ -46,6 +46,14 @@ def save_dir(config: RewardModelTrainConfig) -> Path:
     return Path(config.output or Path(config.output_dir) / "reward_model" / "model")
 
 
+def step_line(step: int, figures: dict[str, float]) -> str:
+    held_out = f" | held-out accuracy {figures['eval/accuracy']:.3f}" if "eval/accuracy" in figures else ""
+    return (
+        f"step {step} | loss {figures['loss']:.4f} | accuracy {figures['accuracy']:.3f} | "
+        f"grad_norm {figures['grad_norm']:.3f}{held_out} | {figures['time/step']:.1f}s"
+    )
+
+
 def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[str, float]:
     """Train, save the reward model, and return its held-out figures: start_accuracy (the untrained
     model's), accuracy and margin (the saved model's), seconds."""
@@ -98,16 +106,7 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
         held = rm.evaluate(eval_batches)
         return {f"eval/{k}": v for k, v in held.items()}
 
-    def line(step: int, figures: dict[str, float]) -> str:
-        held_out = (
-            f" | held-out accuracy {figures['eval/accuracy']:.3f}" if "eval/accuracy" in figures else ""
-        )
-        return (
-            f"step {step} | loss {figures['loss']:.4f} | accuracy {figures['accuracy']:.3f} | "
-            f"grad_norm {figures['grad_norm']:.3f}{held_out} | {figures['time/step']:.1f}s"
-        )
-
-    steps = Steps(batches, line, evaluation, logger="prime_rl.reward_model")
+    steps = Steps(batches, step_line, evaluation, logger="prime_rl.reward_model")
     train_loop(config, world, rm, checkpointer, start, steps, metrics)
     if held is None:  # resumed from the last step's checkpoint: nothing trained here
         held = rm.evaluate(eval_batches)
