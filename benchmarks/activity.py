@@ -1,4 +1,5 @@
-"""What the activity records cost (`prime_rl/activity.py`, read by `rl`'s watchdog), against step time.
+"""What the activity records cost (`prime_rl/runtime/activity.py`, read by `rl`'s watchdog), against
+step time.
 
     uv run python benchmarks/activity.py [--steps 10] [--writes 200000]
 
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from prime_rl import activity
+from prime_rl.runtime import activity
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from prime_rl.monitor import read_metrics
+from prime_rl.runtime.monitor import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RL = str(Path(sys.executable).parent / "rl")

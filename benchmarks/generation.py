@@ -52,7 +52,7 @@ WORKLOADS = {
 
 def start_server(model: str, max_model_len: int, out: Path, extra: list[str] = ()):
     from prime_rl.engine.server import wait_until_healthy
-    from prime_rl.net import free_port
+    from prime_rl.runtime.net import free_port
 
     port = free_port()
     log = (out / "server.log").open("w")
@@ -95,8 +95,8 @@ async def time_path(env, rows, base_url: str, model: str, sampling, group_reques
 async def time_in_process(env, rows, model: str, max_model_len: int, sampling, rounds: int, out: Path):
     """On vLLM's engine in this process: `time_path` (groups merged), then the engine alone on the
     prompt token ids the groups sent, each the median of `rounds` rounds of the 16 groups at once."""
-    from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.local import LocalEngine
+    from prime_rl.inference.config import InferenceConfig
     from prime_rl.orchestrator.envs.group_runner import sampling_args
     from prime_rl.orchestrator.envs.sampler import EngineSampler
 
@@ -203,11 +203,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from prime_rl.environments import prompt_messages
-    from prime_rl.logging_setup import adopt_verifiers_logging
     from prime_rl.orchestrator.envs.load import load_env
     from prime_rl.orchestrator.envs.renderer import Renderer
     from prime_rl.orchestrator.envs_config import EnvConfig, SamplingConfig
     from prime_rl.orchestrator.loop.examples import ExampleSource
+    from prime_rl.runtime.logging_setup import adopt_verifiers_logging
 
     adopt_verifiers_logging()
     renderer = Renderer.for_model(args.model)

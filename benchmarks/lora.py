@@ -99,9 +99,9 @@ def run_mode(mode: str, model: Path, run: Path, args) -> dict:
 def start_server(model: Path, runs: Path, rank: int):
     import tomli_w
 
-    from prime_rl.engine.config import LORA_RANKS
     from prime_rl.engine.server import wait_until_healthy
-    from prime_rl.net import free_port
+    from prime_rl.inference.config import LORA_RANKS
+    from prime_rl.runtime.net import free_port
 
     port = free_port()
     config = runs / "inference.toml"

@@ -182,7 +182,7 @@ def run_probe(model: Path, kind: str, tokens: int, cp: int = 1, ac: bool = False
     cmd = [HERE.as_posix(), "--probe", kind, "--tokens", str(tokens), "--cp", str(cp),
            "--out", str(out)] + (["--ac"] if ac else []) + (["--model", str(model)] if model else [])  # fmt: skip
     if cp > 1:
-        from prime_rl.net import free_port
+        from prime_rl.runtime.net import free_port
 
         cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), *cmd]  # fmt: skip

@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.model.local import num_experts
-from prime_rl.net import free_port
+from prime_rl.runtime.net import free_port
 from prime_rl.trainer.moe.replay import replay, routers
 from prime_rl.transport.messages import ROUTE_DTYPES, TrainingSample, route_dtype
 from prime_rl.transport.packing import pack

@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 
 from prime_rl.engine.sampling import Completion
-from prime_rl.monitor import read_metrics
-from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import client as client_module
 from prime_rl.orchestrator.envs import local as local_module
@@ -49,6 +47,8 @@ from prime_rl.orchestrator.loop import servers as servers_module
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.workers import WorkerPool
 from prime_rl.orchestrator.rollout import Rollout, Turn
+from prime_rl.runtime.monitor import read_metrics
+from prime_rl.runtime.net import free_port
 
 SINK = """
 import sys, zmq

@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from prime_rl.monitor import read_metrics
-from prime_rl.net import free_port
+from prime_rl.runtime.monitor import read_metrics
+from prime_rl.runtime.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

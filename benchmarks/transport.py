@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-from prime_rl import secret
-from prime_rl.contract import OrchestratorSide
-from prime_rl.net import free_port
+from prime_rl.runtime import secret
+from prime_rl.runtime.net import free_port
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.messages import TrainingSample, encode
 from prime_rl.transport.packing import pack
 from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender

@@ -129,7 +129,7 @@ def run_ours(
     seed: int = 0,
     extra_args: tuple[str, ...] = (),
 ) -> dict:
-    from prime_rl.monitor import read_metrics
+    from prime_rl.runtime.monitor import read_metrics
 
     g = GEOMETRIES[geometry]
     extra = f", extra_body = {{ min_tokens = {g['min_tokens']} }}" if g["min_tokens"] else ""

@@ -38,15 +38,15 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.engine.server import wait_until_healthy
 from prime_rl.model.tiny import TinyModelConfig, make_tiny_model
-from prime_rl.net import free_port
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync
+from prime_rl.runtime.net import free_port
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.parallel.dist import init_world
 from prime_rl.trainer.weights.broadcast import Broadcaster
 from prime_rl.trainer.weights.publish import Publisher
-from prime_rl.weight_transfer import (
+from prime_rl.transport.weight_transfer import (
     join_group,
     make_plan,
     open_store,
@@ -89,7 +89,7 @@ def raw_gloo(state: dict[str, torch.Tensor], chunk_mb: float, rounds: int) -> li
 ENGINE = """
 import asyncio, sys
 from pathlib import Path
-from prime_rl.engine.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig
 from prime_rl.engine.local import LocalEngine
 
 async def main():

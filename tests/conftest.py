@@ -62,7 +62,7 @@ not a bound on shutdowns, which a loaded machine stretches (the wait ends as the
 def _configured_loggers() -> dict[str, logging.Logger]:
     """The loggers that `setup_logging` (run by a test, or by a main it runs) configures: the root,
     prime_rl's and the third-party ones it quiets."""
-    from prime_rl.logging_setup import QUIETED
+    from prime_rl.runtime.logging_setup import QUIETED
 
     found = {"": logging.getLogger(), **{name: logging.getLogger(name) for name in QUIETED}}
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
@@ -114,11 +114,11 @@ def _nothing_left_running():
     stops the activity record that a main run in-process started."""
     threads = set(threading.enumerate())
     saved = {name: (list(lg.handlers), lg.level, lg.propagate) for name, lg in _configured_loggers().items()}
-    activity = sys.modules.get("prime_rl.activity")
+    activity = sys.modules.get("prime_rl.runtime.activity")
     record = activity and activity._record
     yield
     _restore_logging(saved)
-    activity = sys.modules.get("prime_rl.activity")
+    activity = sys.modules.get("prime_rl.runtime.activity")
     if activity is not None and activity._record is not record:
         # A main run in-process keeps its activity record, and the thread beating it, for the rest
         # of the process: one record per process, so a later test's main would start none.

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.config import RootConfig, parse_config
-from prime_rl.defaults import DEFAULT_OUTPUT_DIR
-from prime_rl.monitor import read_metrics
+from prime_rl.config.defaults import DEFAULT_OUTPUT_DIR
+from prime_rl.runtime.monitor import read_metrics
 
 # Step-time parts, each drawn as a stacked band: (process, metric key, label).
 TIME_PARTS = [

@@ -62,7 +62,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
     import prime_rl.trainer.rl.trainer  # noqa: F401
-    from prime_rl.net import free_port
+    from prime_rl.runtime.net import free_port
 
     if module:
         importlib.import_module(target)  # its imports (it runs again, as __main__, in each rank)

@@ -7,7 +7,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 
 
 @contextmanager

@@ -6,9 +6,9 @@ import sys
 import time
 from pathlib import Path
 
-from prime_rl.rl.child import Child
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.launcher import Launcher, install_signal_handlers
+from prime_rl.launcher.child import Child
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.supervisor import Launcher, install_signal_handlers
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
 

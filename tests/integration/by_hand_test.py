@@ -25,12 +25,12 @@ import psutil
 import pytest
 
 from helpers.cores import server_env
-from prime_rl import secret
 from prime_rl.auth.clients import Signed
 from prime_rl.engine.server import wait_until_healthy
-from prime_rl.monitor import read_metrics
-from prime_rl.net import free_port
-from prime_rl.shutdown import GRACE_S
+from prime_rl.runtime import secret
+from prime_rl.runtime.monitor import read_metrics
+from prime_rl.runtime.net import free_port
+from prime_rl.runtime.shutdown import GRACE_S
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import tomli_w
 
 from helpers.cores import server_env
 from prime_rl.engine.server import wait_until_healthy
-from prime_rl.net import free_port
+from prime_rl.runtime.net import free_port
 
 HERE = Path(__file__).resolve().parent
 MODELS = HERE.parents[1] / "models"

@@ -29,7 +29,7 @@ PROBE = textwrap.dedent(
     import asyncio, json, os, stat, sys, tempfile
     from pathlib import Path
     import psutil
-    from prime_rl.engine.config import InferenceConfig
+    from prime_rl.inference.config import InferenceConfig
     from prime_rl.engine.local import LocalEngine
 
     model, out, new_weights, report = sys.argv[1:5]

@@ -32,17 +32,17 @@ from safetensors.torch import load_file
 
 from helpers.cores import server_env
 from helpers.run_secret import holding
-from prime_rl import secret
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
-from prime_rl.contract import OrchestratorSide
 from prime_rl.engine.server import wait_until_healthy
-from prime_rl.layout import checkpoint_root, complete_steps
-from prime_rl.monitor import read_metrics
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.machine import here
+from prime_rl.launcher.plan import plan
 from prime_rl.orchestrator.loop.progress import load_batch
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.machine import here
-from prime_rl.rl.plan import plan
+from prime_rl.runtime import secret
+from prime_rl.runtime.layout import checkpoint_root, complete_steps
+from prime_rl.runtime.monitor import read_metrics
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.packing import pack
 from small_disk import small_disk

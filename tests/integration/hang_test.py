@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from rl_test import write_config
 
-from prime_rl import activity
-from prime_rl.monitor import read_metrics
+from prime_rl.runtime import activity
+from prime_rl.runtime.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ import httpx
 import pytest
 import torch
 
-from prime_rl import secret
 from prime_rl.auth import clients, tenant
 from prime_rl.auth.clients import Signed
-from prime_rl.net import free_port
+from prime_rl.runtime import secret
+from prime_rl.runtime.net import free_port
 
 pytestmark = pytest.mark.slow
 

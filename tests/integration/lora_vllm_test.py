@@ -10,10 +10,10 @@ import httpx
 import pytest
 import torch
 
-from prime_rl import secret
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import Adapter, AdapterRefused, WeightSync, request_model
+from prime_rl.runtime import secret
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.parallel.dist import World

@@ -30,11 +30,11 @@ from safetensors.torch import load_file
 
 from helpers.grad_worker import make_samples
 from helpers.run_secret import holding
-from prime_rl import secret
 from prime_rl.auth.clients import Signed
-from prime_rl.contract import OrchestratorSide
-from prime_rl.monitor import read_metrics
-from prime_rl.net import free_port
+from prime_rl.runtime import secret
+from prime_rl.runtime.monitor import read_metrics
+from prime_rl.runtime.net import free_port
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.packing import pack
 

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from prime_rl.auth import clients
-from prime_rl.net import free_port
+from prime_rl.runtime.net import free_port
 from prime_rl.transport.messages import MicroBatch
 from prime_rl.transport.zmq_transport import ZmqReceiver
 

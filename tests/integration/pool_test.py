@@ -20,10 +20,10 @@ import pytest
 from rl_test import write_config
 
 from helpers.cores import server_env
-from prime_rl import activity
-from prime_rl.monitor import read_metrics
-from prime_rl.net import free_port
-from prime_rl.rl.processes import process_tree
+from prime_rl.launcher.processes import process_tree
+from prime_rl.runtime import activity
+from prime_rl.runtime.monitor import read_metrics
+from prime_rl.runtime.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from helpers.cores import deployment_keys
-from prime_rl import secret
-from prime_rl.net import free_port
+from prime_rl.runtime import secret
+from prime_rl.runtime.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from rl_test import write_config
 
-from prime_rl import activity
-from prime_rl.monitor import read_metrics
-from prime_rl.net import free_port
+from prime_rl.runtime import activity
+from prime_rl.runtime.monitor import read_metrics
+from prime_rl.runtime.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from lora_rl_test import ENVS, RL, metrics, write_config
 
-from prime_rl import secret
 from prime_rl.auth import tenant
 from prime_rl.auth.clients import Signed
+from prime_rl.runtime import secret
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fake_server import MODEL, FakeServer, Reply
-from prime_rl.net import free_port
+from prime_rl.runtime.net import free_port
 from prime_rl.transport.messages import Header, MicroBatch
 from prime_rl.transport.zmq_transport import ZmqSender
 

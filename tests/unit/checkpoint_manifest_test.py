@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl import layout, secret
-from prime_rl.layout import DONE, MANIFEST, TRUST_UNKEYED, verify_checkpoint, write_manifest
+from prime_rl.runtime import layout, secret
+from prime_rl.runtime.layout import DONE, MANIFEST, TRUST_UNKEYED, verify_checkpoint, write_manifest
 
 
 @pytest.fixture

@@ -11,16 +11,16 @@ import pytest
 from pydantic import ValidationError
 
 from prime_rl.config.cli import ConfigError, parse_config
-from prime_rl.defaults import DEFAULT_MODEL
-from prime_rl.engine.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
+from prime_rl.config.defaults import DEFAULT_MODEL
 from prime_rl.environments import env_module_name
+from prime_rl.inference.config import FALLBACK_MAX_MODEL_LEN, InferenceConfig
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.preflight import check_rl
 from prime_rl.model.local import max_model_len
 from prime_rl.model.tiny import TinyModelConfig
 from prime_rl.orchestrator.advantages.base import CustomAdvantage
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.preflight import check_orchestrator
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.preflight import check_rl
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.preflight import check_trainer
 from prime_rl.trainer.reward_model.config import RewardModelTrainConfig
@@ -353,7 +353,8 @@ HEAVY = ("torch", "transformers", "zmq", "numpy")
 
 
 def test_the_config_modules_are_found():
-    assert {"prime_rl.config", "prime_rl.rl.config", "prime_rl.transport.config", "prime_rl.trainer.losses.config",
+    assert {"prime_rl.config", "prime_rl.config.defaults", "prime_rl.config.plugins", "prime_rl.launcher.config",
+            "prime_rl.inference.config", "prime_rl.transport.config", "prime_rl.trainer.losses.config",
             "prime_rl.orchestrator.envs_config"} <= set(CONFIG_MODULES)  # fmt: skip
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from trainer_grad_test import run_worker
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 
 RUN_SECRET = "the-secret-of-this-run"
 

@@ -4,9 +4,9 @@ import io
 import logging
 from pathlib import Path
 
-from prime_rl.logging_setup import adopt_verifiers_logging, setup_logging
+from prime_rl.launcher.child import _pump
 from prime_rl.orchestrator.rollout import Rollout, failure_reason, most_common_failure
-from prime_rl.rl.child import _pump
+from prime_rl.runtime.logging_setup import adopt_verifiers_logging, setup_logging
 
 OUTPUT = """\
 14:35:41 orchestrator step 12 | reward 0.399 | trained 128 filtered 0 failed 1 stale 0
@@ -92,8 +92,8 @@ def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_pat
     # vLLM's (and uvicorn's) default keep-alive is 5 s; servers `inference` starts keep them longer.
     import asyncio
 
-    from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.server import server_env
+    from prime_rl.inference.config import InferenceConfig
     from prime_rl.orchestrator.config import ClientConfig
     from prime_rl.orchestrator.envs.client import Clients
     from prime_rl.orchestrator.envs.sampler import KEEPALIVE_EXPIRY_S
@@ -115,8 +115,8 @@ def test_the_client_drops_idle_connections_before_any_server_closes_them(tmp_pat
 def test_a_run_with_its_own_vllm_cache_and_a_long_path_still_gets_its_inference_folder(tmp_path):
     # With VLLM_CACHE_ROOT set and TMPDIR moved to /tmp (the run path is too long for vLLM's unix
     # sockets), nothing else created <output_dir>/inference, and a stop could not open its stop.log.
-    from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.server import server_env
+    from prime_rl.inference.config import InferenceConfig
 
     out = tmp_path / ("deep-" * 12) / "run"
     env = server_env(InferenceConfig(output_dir=out), base={"VLLM_CACHE_ROOT": str(tmp_path / "cache")})
@@ -127,8 +127,8 @@ def test_a_run_with_its_own_vllm_cache_and_a_long_path_still_gets_its_inference_
 def test_runs_share_vllms_own_cache(tmp_path):
     # A cache per run made every server start inspect the model's class in a subprocess that imports
     # vLLM again (8 s of a 20 s start on 2 cores) and, on GPUs, compile its kernels again.
-    from prime_rl.engine.config import InferenceConfig
     from prime_rl.engine.server import server_env
+    from prime_rl.inference.config import InferenceConfig
 
     env = server_env(InferenceConfig(output_dir=tmp_path / "run"), base={})
     assert "VLLM_CACHE_ROOT" not in env  # vLLM's default: the user's cache folder

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from fake_server import FakeServer
-from prime_rl.contract import OrchestratorSide, Setting, TrainerSide, problems
-from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.config import contract_side as orchestrator_side
+from prime_rl.runtime.net import free_port
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.config import contract_side as trainer_side
+from prime_rl.transport.contract import OrchestratorSide, Setting, TrainerSide, problems
 
 BIN = Path(sys.executable).parent
 ENVS = str(Path(__file__).parents[1] / "envs")

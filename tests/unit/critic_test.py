@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from prime_rl.contract import OrchestratorSide
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.main import train
 from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.rl.trainer import Trainer
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack
 

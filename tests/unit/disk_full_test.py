@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from trainer_test import micro_batches
 
 from fake_server import MODEL, FakeServer
-from prime_rl.monitor import read_metrics
+from prime_rl.runtime.monitor import read_metrics
 from prime_rl.transport.file_transport import FileSender
 from small_disk import small_disk
 

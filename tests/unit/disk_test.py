@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.disk import DiskFull, writing
-from prime_rl.monitor import MetricsLogger
+from prime_rl.runtime.disk import DiskFull, writing
+from prime_rl.runtime.monitor import MetricsLogger
 
 
 def test_a_metrics_write_to_a_full_device_is_one_line_naming_the_file_and_the_step():

@@ -20,8 +20,7 @@ import psutil
 import torch
 from server_health_test import wait_for
 
-from prime_rl.contract import OrchestratorSide
-from prime_rl.net import free_port
+from prime_rl.runtime.net import free_port
 from prime_rl.trainer.parallel.dist import (
     CollectiveFailed,
     World,
@@ -29,6 +28,7 @@ from prime_rl.trainer.parallel.dist import (
     collective_failure,
     collective_name,
 )
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.messages import TrainingSample
 from prime_rl.transport.packing import pack

@@ -138,7 +138,7 @@ def registries() -> dict[str, list[str]]:
     (the module that defines it may be the folder's `__init__` or a module in it)."""
     import importlib
 
-    from prime_rl.plugins import Registry
+    from prime_rl.config.plugins import Registry
 
     found = {}
     for path in sorted(SRC.rglob("*.py")):

@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 
 from fake_server import MODEL, FakeServer, Reply
-from prime_rl import activity
-from prime_rl.layout import READY
+from prime_rl.launcher.processes import kill_culprit, process_tree
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.loop.health import ServerHealth
 from prime_rl.orchestrator.loop.scheduler import Scheduler
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable, ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync
-from prime_rl.rl.processes import kill_culprit, process_tree
+from prime_rl.runtime import activity
+from prime_rl.runtime.layout import READY
 
 
 class DyingEngine:
@@ -145,7 +145,7 @@ def test_what_a_crash_would_lose_is_dispatched_first_by_the_next_orchestrator():
 
 CHILD = """
 import os, signal, sys, time
-from prime_rl import activity, shutdown
+from prime_rl.runtime import activity, shutdown
 shutdown.take_signals()
 activity.start("parent", "orchestrator", sys.argv[1])
 pid = os.fork()

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from prime_rl.engine.local import BROKEN, EngineBroken
-from prime_rl.layout import READY, step_dir, weights_root
 from prime_rl.orchestrator.config import ClientConfig
 from prime_rl.orchestrator.loop.health import ServerHealth
 from prime_rl.orchestrator.loop.servers import ENGINE_URL, InferenceUnavailable, ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync, WeightSyncError, served_step
 from prime_rl.orchestrator.loop.weights_dir import check_weights_dirs
+from prime_rl.runtime.layout import READY, step_dir, weights_root
 
 # Nothing listens at these: a request to one would fail (and the test with it).
 UNREACHABLE = ClientConfig(base_urls=["http://127.0.0.1:9/v1"], health_timeout_s=0.5)

@@ -11,7 +11,7 @@ import sum_digits
 from helpers.scripted import play
 from prime_rl.config.cli import parse_config
 from prime_rl.environments import EnvError, load_v1_env
-from prime_rl.rl.config import RLConfig
+from prime_rl.launcher.config import RLConfig
 from prime_rl.trainer.sft.config import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]

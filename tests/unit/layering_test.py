@@ -2,13 +2,18 @@
 for what it names: each rule below is checked over the transitive closure of the imports of every
 module of a layer, whenever they run.
 
-- No process reaches another: the orchestrator, the trainer, the inference server and the `rl`
-  launcher meet only in the shared modules (configs, the contract, transport, ...); `rl` reads the
-  other processes' configs and preflights, never their runtime.
+- No process reaches another: the orchestrator, the trainer, the inference server and the
+  launcher (`uv run rl`, `prime_rl.launcher`) meet only in the shared modules (configs, the run's
+  runtime, transport and its contract, ...); the launcher reads the other processes' configs and
+  preflights, never their runtime. One process config is read outside its process
+  (`READ_BY_ALL`): the inference server's, which the orchestrator's config holds for its engine
+  mode (vLLM's engine in the orchestrator's process); what it imports is checked like everything
+  else.
 - Inside the orchestrator, the loop and the env side (which may run in other processes) meet only
   in the message types: neither reaches the other. The configs, the advantage functions, the
   preflight and the message types belong to neither half.
-- Shared modules reach no process.
+- Shared modules reach no process, and two stand below all others (`BOTTOM`): `config/` reaches
+  no other package, `runtime/` (what every process uses to run) only `config/`.
 - Inside the trainer, components stand in layers (`TRAINER_LAYERS`: the packed batch and
   parallelism at the bottom, then the model, then losses, estimators and the step, then RL, SFT and
   reward-model training, the entry points on top): none reaches a layer above its own, and no two
@@ -19,7 +24,7 @@ function runs when the function is called, and is a dependency all the same (whe
 for torch at import is tests/unit/config_test.py's check). Only one under `if TYPE_CHECKING:` never
 runs. Importing `a.b.c` also runs the packages `a` and `a.b`. Modules loaded by name count too:
 `importlib.import_module("prime_rl....")` with a constant; a package's lazy names (its `LAZY`
-table, `prime_rl.plugins.lazy_names`), as imports of the module that takes them from the package
+table, `prime_rl.config.plugins.lazy_names`), as imports of the module that takes them from the package
 (`from package import name`; `import package` reaches them all); and a plugin path
 ('prime_rl.module:function') outside a config. A config's plugin paths are imported by the
 runtime module that resolves its registry, in the config's own package (a test below holds them
@@ -46,7 +51,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).parents[2] / "src" / "prime_rl"
-PROCESSES = ("orchestrator", "trainer", "inference", "rl")
+PROCESSES = ("orchestrator", "trainer", "inference", "launcher")
 NEITHER_HALF = ("orchestrator.loop", "orchestrator.envs")
 SHARED = sorted(
     p.name
@@ -54,10 +59,10 @@ SHARED = sorted(
     if p.name not in PROCESSES and (p.suffix == ".py" or (p / "__init__.py").exists())
 )
 FORBIDDEN = {
-    "orchestrator": ("trainer", "inference", "rl"),
-    "trainer": ("orchestrator", "inference", "rl"),
-    "inference": ("orchestrator", "trainer", "rl"),
-    "rl": (*NEITHER_HALF, "orchestrator.main", "trainer.main", "inference.main"),
+    "orchestrator": ("trainer", "inference", "launcher"),
+    "trainer": ("orchestrator", "inference", "launcher"),
+    "inference": ("orchestrator", "trainer", "launcher"),
+    "launcher": (*NEITHER_HALF, "orchestrator.main", "trainer.main", "inference.main"),
     "orchestrator/loop": ("orchestrator.envs",),
     "orchestrator/envs": ("orchestrator.loop",),
     "orchestrator/config.py": NEITHER_HALF,
@@ -70,6 +75,18 @@ FORBIDDEN = {
     **{name: PROCESSES for name in SHARED},
 }
 """Layer (a folder or file under src/prime_rl) -> the modules (dotted, under prime_rl) it must not reach."""
+
+BOTTOM = ("config", "runtime")
+"""The shared packages every other one stands on, bottom first: each reaches only those below it."""
+_TOP = (*PROCESSES, *(Path(name).stem for name in SHARED))
+for _i, _name in enumerate(BOTTOM):
+    FORBIDDEN[_name] = tuple(n for n in _TOP if n not in BOTTOM[: _i + 1])
+
+READ_BY_ALL = ("inference.config",)
+"""Process configs that any layer may import (with their packages, which importing them runs): the
+`[inference]` section, which the orchestrator's config holds for its engine mode. Not a way around
+the rules: the search goes on through them, so whatever they import is checked as the importer's
+own. (The engine, which turns it into vLLM's arguments, needs it for its annotations only.)"""
 
 
 def module_name(path: Path) -> str:
@@ -135,7 +152,7 @@ def nodes_that_can_run(node: ast.AST):
 
 
 PLUGIN_PATH = re.compile(r"prime_rl(\.\w+)+:\w+")
-"""A function named by its path ('package.module:function'), which `prime_rl.plugins` imports."""
+"""A function named by its path ('package.module:function'), which `prime_rl.config.plugins` imports."""
 
 
 def is_import_module(call: ast.Call) -> bool:
@@ -237,8 +254,12 @@ def chains_to(graph: dict[str, set[str]], start: str, forbidden: tuple[str, ...]
     """The shortest import chain from `start` to each forbidden module it reaches (breadth first;
     the search stops at a forbidden module, so that each chain names the first one on its way)."""
 
+    readable = {f"{SRC.name}.{m}" for r in READ_BY_ALL for m in with_parents(r)}
+
     def is_forbidden(m: str) -> bool:
-        return any(m == f"{SRC.name}.{o}" or m.startswith(f"{SRC.name}.{o}.") for o in forbidden)
+        return m not in readable and any(
+            m == f"{SRC.name}.{o}" or m.startswith(f"{SRC.name}.{o}.") for o in forbidden
+        )
 
     came_from: dict[str, str | None] = {start: None}
     queue, chains = deque([start]), []
@@ -281,7 +302,7 @@ RUNTIME_CHECK = """
 import importlib, sys
 for entry, forbidden in [
     ("prime_rl.trainer.main", ("prime_rl.orchestrator", "prime_rl.inference")),
-    ("prime_rl.rl.main", ("prime_rl.orchestrator.loop", "prime_rl.orchestrator.envs")),
+    ("prime_rl.launcher.main", ("prime_rl.orchestrator.loop", "prime_rl.orchestrator.envs")),
     ("prime_rl.orchestrator.loop.orchestrator", ("prime_rl.orchestrator.envs",)),
 ]:
     importlib.import_module(entry)
@@ -291,8 +312,8 @@ for entry, forbidden in [
 
 
 def test_the_entry_points_load_what_the_static_check_says():
-    """Python agrees with the import graph: starting the trainer loads no orchestrator, `rl` neither
-    half of it, and the loop no env side (in one fresh interpreter, in that order)."""
+    """Python agrees with the import graph: starting the trainer loads no orchestrator, the launcher
+    neither half of it, and the loop no env side (in one fresh interpreter, in that order)."""
     run = subprocess.run([sys.executable, "-c", RUNTIME_CHECK], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
 
@@ -364,12 +385,50 @@ def test_a_function_level_import_up_the_trainer_layers_fails_the_check(planted):
         test_no_layer_reaches_what_it_must_not("trainer/model.py")
 
 
+def test_the_inference_config_is_read_by_all_but_not_its_runtime(planted):
+    """Any layer (here the orchestrator and the engine) may import the inference server's config,
+    not its runtime."""
+    planted({
+        "orchestrator/config.py": "from prime_rl.inference.config import InferenceConfig\n",
+        "engine/local.py": "from prime_rl.inference import config\n",
+        "engine/server.py": "import prime_rl.inference.member\n",
+        "inference/config.py": "",
+        "inference/member.py": "",
+    })  # fmt: skip
+    assert violations("orchestrator") == []
+    assert violations("engine") == ["prime_rl.engine.server -> prime_rl.inference.member"]
+
+
+def test_what_the_inference_config_imports_is_reported_through_it(planted):
+    """What that config imports is the importer's import, reported through the config."""
+    planted({
+        "orchestrator/config.py": "from prime_rl.inference.config import InferenceConfig\n",
+        "inference/config.py": "from prime_rl.inference.member import Member\n",
+        "inference/member.py": "",
+    })  # fmt: skip
+    assert violations("orchestrator") == [
+        "prime_rl.orchestrator.config -> prime_rl.inference.config -> prime_rl.inference.member"
+    ]
+
+
+def test_the_runtime_reaching_up_is_reported(planted):
+    """The runtime stands on the config machinery only: even the transport's config is above it."""
+    planted({
+        "runtime/monitor.py": "from prime_rl.config import base\n",
+        "runtime/layout.py": "from prime_rl.transport import config\n",
+        "config/base.py": "",
+        "transport/config.py": "from prime_rl.config import base\n",
+    })  # fmt: skip
+    assert violations("runtime") == ["prime_rl.runtime.layout -> prime_rl.transport.config"]
+    assert violations("config") == []
+
+
 def test_modules_loaded_by_name_count(planted):
     """A package's lazy names are imports of whoever takes them from it; `import_module` with a
     constant and a plugin path outside a config are imports too; a config's plugin path is not."""
     planted({
         "trainer/losses/__init__.py": (
-            "from prime_rl.plugins import lazy_names\n"
+            "from prime_rl.config.plugins import lazy_names\n"
             'LAZY = {"prime_rl.trainer.rl.credit": ("Credit",)}\n'
             "__getattr__ = lazy_names(__name__, LAZY)\n"
         ),
@@ -380,7 +439,7 @@ def test_modules_loaded_by_name_count(planted):
         "trainer/losses/config.py": 'PPO = "prime_rl.trainer.rl.credit:credit"\n',
         "trainer/data.py": "import importlib\ndef f():\n    return importlib.import_module('prime_rl.trainer.step')\n",
         "trainer/optim.py": 'FN = "prime_rl.trainer.step:train_step"\n',
-        "plugins.py": "",
+        "config/plugins.py": "",
     })  # fmt: skip
     assert violations("trainer/step.py") == ["prime_rl.trainer.step -> prime_rl.trainer.rl.credit"]
     assert violations("trainer/model.py") == ["prime_rl.trainer.model -> prime_rl.trainer.rl.credit"]

@@ -42,7 +42,7 @@ LOGGING = """
 import logging
 import threading
 
-from prime_rl.logging_setup import setup_logging
+from prime_rl.runtime.logging_setup import setup_logging
 
 
 def test_a_main_sets_up_logging_on_the_captured_stderr(capsys):

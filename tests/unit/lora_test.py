@@ -226,7 +226,7 @@ def test_a_full_fine_tuning_checkpoint_does_not_load_into_adapters(tiny_model, t
     ],
 )
 def test_lora_settings_that_cannot_work_are_named(tiny_model, args, key, capsys):
-    from prime_rl.rl.config import RLConfig
+    from prime_rl.launcher.config import RLConfig
 
     with pytest.raises(SystemExit) as e:
         parse_config(RLConfig, ["--model", str(tiny_model), *args], prog="rl")

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.mode import resolve
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.mode import resolve
 
 V1 = [{"id": "v1_test_env", "sampling": {"max_tokens": 16}}]
 

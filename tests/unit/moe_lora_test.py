@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config import ConfigError
-from prime_rl.engine.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.preflight import inference_problems
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.preflight import check_rl
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.preflight import check_rl
 from prime_rl.trainer.config import ATTENTION_TARGETS, LORA_TARGETS, TrainerConfig
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.rl.trainer import Trainer

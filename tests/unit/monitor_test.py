@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prime_rl.monitor import MetricsLogger, WandbConfig, forget_steps_from, read_metrics
+from prime_rl.runtime.monitor import MetricsLogger, WandbConfig, forget_steps_from, read_metrics
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ def test_a_trainer_done_at_its_last_checkpoint_is_sent_nothing_again(tmp_path):
     """The trainer was killed after its checkpoint at max_steps, before the run saw it finish: when
     the run restarts, the trainer resumes with nothing to train and reads nothing, so the
     orchestrator re-sends nothing (a re-sent batch would wait for a reader forever)."""
-    from prime_rl.layout import DONE, checkpoint_root
+    from prime_rl.runtime.layout import DONE, checkpoint_root
 
     with FakeServer() as server:
         config = make_config(tmp_path, server, max_steps=2)

@@ -11,10 +11,10 @@ import pytest
 
 from fake_server import MODEL, FakeServer, Reply, tokenizer, user_text
 from prime_rl.environments import EnvError
-from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.advantages import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.main import make_orchestrator
+from prime_rl.runtime.monitor import read_metrics
 from prime_rl.transport.file_transport import FileReceiver
 from prime_rl.transport.messages import MicroBatch
 

@@ -1,7 +1,7 @@
 """How `rl` splits the machine's cores between vLLM and the trainer."""
 
-from prime_rl.rl.config import DeploymentConfig
-from prime_rl.rl.placement import placement
+from prime_rl.launcher.config import DeploymentConfig
+from prime_rl.launcher.placement import placement
 
 
 def test_vllm_cpu_and_trainer_get_separate_cores_by_default():

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.defaults import DEFAULT_MODEL
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.machine import Machine
-from prime_rl.rl.plan import plan
-from prime_rl.rl.wiring import policy_servers
+from prime_rl.config.defaults import DEFAULT_MODEL
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.machine import Machine
+from prime_rl.launcher.plan import plan
+from prime_rl.launcher.wiring import policy_servers
 
 MACHINE = Machine(
     cpus=(0, 1), cpu_build=True, run_dir=Path("/runs/exp"), run_id="exp-0123abcd", broadcast_port=40001,

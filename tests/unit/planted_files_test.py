@@ -10,11 +10,11 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from helpers.grad_worker import make_samples
-from prime_rl.contract import OrchestratorSide
-from prime_rl.layout import MANIFEST, verify_weights
+from prime_rl.runtime.layout import MANIFEST, verify_weights
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.weights.publish import Publisher
 from prime_rl.transport.base import TransportError
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.packing import pack
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.monitor import read_metrics
 from prime_rl.plot import by_step, main
+from prime_rl.runtime.monitor import read_metrics
 
 
 def write_metrics(path: Path, records: list[dict]) -> None:

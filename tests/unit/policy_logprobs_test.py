@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from prime_rl.engine import policy_logprobs
-from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import server_command, server_env
+from prime_rl.inference.config import InferenceConfig
 
 VOCAB = 11
 

@@ -12,12 +12,9 @@ import httpx
 import pytest
 
 from fake_server import MODEL, FakeServer, Reply
-from prime_rl import secret
 from prime_rl.auth import clients
-from prime_rl.engine.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.member import Member, door
-from prime_rl.layout import READY, pool_path
-from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig, PoolConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.loop.health import ServerHealth
@@ -26,6 +23,9 @@ from prime_rl.orchestrator.loop.scheduler import Scheduler
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.step_metrics import pool_metrics, pool_part
 from prime_rl.orchestrator.loop.weights import WeightSync
+from prime_rl.runtime import secret
+from prime_rl.runtime.layout import READY, pool_path
+from prime_rl.runtime.net import free_port
 
 RUN_SECRET = "the-runs-secret-0123456789abcdef"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import UnsafeFolder, private_dir, server_env
+from prime_rl.inference.config import InferenceConfig
 
 
 def mode(path: Path) -> int:

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from prime_rl.layout import step_dir
+from prime_rl.runtime.layout import step_dir
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.weights import publish
 from prime_rl.trainer.weights.publish import Publisher

@@ -15,12 +15,12 @@ from prime_rl.config import RootConfig, parse_config
 from prime_rl.config.cli import deep_merge
 from prime_rl.config.files import secrets_path, write_config
 from prime_rl.config.redact import PLACEHOLDER, is_secret_key, redact, secret_part
-from prime_rl.monitor import MetricsLogger, WandbConfig
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.main import _dry_run
+from prime_rl.launcher.plan import plan
+from prime_rl.launcher.supervisor import Launcher
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.launcher import Launcher
-from prime_rl.rl.main import _dry_run
-from prime_rl.rl.plan import plan
+from prime_rl.runtime.monitor import MetricsLogger, WandbConfig
 
 KEY = "sk-judge-0123456789"
 

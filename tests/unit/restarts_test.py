@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prime_rl.layout import restart_counts
-from prime_rl.rl.child import Child
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.launcher import Launcher
+from prime_rl.launcher.child import Child
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.supervisor import Launcher
+from prime_rl.runtime.layout import restart_counts
 
 
 def child(launcher: Launcher, name: str, code: str, group: str = "") -> Child:

@@ -17,6 +17,7 @@ from fake_server import FakeServer, Reply, tokenizer, user_text
 from helpers.scripted import play
 from prime_rl.config.cli import parse_config
 from prime_rl.environments import EnvError
+from prime_rl.launcher.config import RLConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.load import load_env
 from prime_rl.orchestrator.envs.rewards import RewardRunner
@@ -24,7 +25,6 @@ from prime_rl.orchestrator.envs.scoring import Hook
 from prime_rl.orchestrator.envs_config import EnvConfig, RewardsConfig
 from prime_rl.orchestrator.rewards import bind
 from prime_rl.orchestrator.rewards.length import length
-from prime_rl.rl.config import RLConfig
 
 
 def dapo(n: int, max_tokens: int, buffer: int) -> float:

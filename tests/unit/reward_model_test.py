@@ -23,12 +23,12 @@ from transformers import AutoModel, AutoTokenizer
 from fake_server import FakeServer
 from prime_rl.inference.reward_server import RewardServerConfig, make_server
 from prime_rl.model.reward import init_reward_model, load_reward_model
-from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.envs.reward_model import Batcher, RemoteScorer, reward_function
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.scoring import Hook, RewardError, Scorer
 from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
+from prime_rl.runtime.monitor import read_metrics
 from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.head import ScalarHead
 from prime_rl.trainer.model import ModelLoadError

@@ -14,12 +14,12 @@ import time
 import httpx
 import pytest
 
-from prime_rl import secret
 from prime_rl.auth import clients, signing
 from prime_rl.inference import reward_server
 from prime_rl.inference.reward_server import RewardServerConfig, make_server
 from prime_rl.orchestrator.envs.reward_model import RemoteScorer
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
+from prime_rl.runtime import secret
 
 CONVERSATION = [[{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "hello"}]]
 

@@ -11,14 +11,14 @@ import pytest
 
 from helpers.scripted import play
 from prime_rl.config import ConfigError
-from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import server_command
+from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.preflight import inference_problems
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.preflight import check_rl
 from prime_rl.orchestrator.envs.routes import decode_routes
 from prime_rl.orchestrator.loop.samples import RoutesMissing, rollout_to_samples
 from prime_rl.orchestrator.rollout import Rollout, Turn
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.preflight import check_rl
 
 LAYERS, K, EXPERTS = 2, 2, 8
 

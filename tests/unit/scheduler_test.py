@@ -4,12 +4,12 @@ import asyncio
 import random
 
 from fake_server import MODEL, FakeServer, Reply
-from prime_rl.layout import READY
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.loop.scheduler import Scheduler
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync
+from prime_rl.runtime.layout import READY
 
 
 def make(server: FakeServer, **overrides) -> Scheduler:

@@ -13,14 +13,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from conftest import RUN_SECRET
-from prime_rl import secret
 from prime_rl.auth import signing
 from prime_rl.auth.clients import sign_request
 from prime_rl.auth.store import StoreServer
 from prime_rl.inference import adapters, authenticated, vllm_server
 from prime_rl.inference.authenticated import Authenticated
-from prime_rl.layout import WEIGHTS, write_manifest
-from prime_rl.net import free_port
+from prime_rl.runtime import secret
+from prime_rl.runtime.layout import WEIGHTS, write_manifest
+from prime_rl.runtime.net import free_port
 
 SECRET = RUN_SECRET
 
@@ -279,7 +279,7 @@ def test_a_neighbours_adapter_cannot_be_seen_unloaded_replaced_or_claimed(tmp_pa
 
 
 def test_a_server_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch):
-    from prime_rl.engine.config import InferenceConfig
+    from prime_rl.inference.config import InferenceConfig
     from prime_rl.inference.preflight import bind_problems
 
     monkeypatch.delenv(secret.ENV, raising=False)

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from fake_server import MODEL
-from prime_rl.monitor import read_metrics
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable
 from prime_rl.orchestrator.main import make_orchestrator
+from prime_rl.runtime.monitor import read_metrics
 
 FAKE_SERVER = Path(__file__).parents[1] / "fake_server.py"
 

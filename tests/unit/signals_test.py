@@ -4,7 +4,7 @@ A standalone `orchestrator` stopped mid-run awaits the envs' teardown (verifiers
 schedule it as a task and exit, printing "Task was destroyed but it is pending!"). Ctrl-C (SIGINT to
 the process group, as a terminal sends it) or SIGTERM stops a trainer waiting for its data, a trainer
 under torchrun, and an orchestrator waiting for inference or for the trainer within a few seconds,
-with the process's one line and no traceback (`prime_rl.shutdown`; inference: the integration tests).
+with the process's one line and no traceback (`prime_rl.runtime.shutdown`; inference: the integration tests).
 """
 
 import os
@@ -21,8 +21,8 @@ import pytest
 from server_health_test import ServerProcess, wait_for
 
 from fake_server import MODEL
-from prime_rl.net import free_port
-from prime_rl.shutdown import GRACE_S
+from prime_rl.runtime.net import free_port
+from prime_rl.runtime.shutdown import GRACE_S
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "reverse_text"
@@ -114,7 +114,7 @@ def test_a_second_signal_mid_stop_still_reaps_every_child(tmp_path):
 
 
 def spawn(launcher, name: str, code: str, group: str = ""):
-    from prime_rl.rl.child import Child
+    from prime_rl.launcher.child import Child
 
     proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     child = Child(name, proc, launcher.out / f"{name}.log", group)
@@ -125,8 +125,8 @@ def spawn(launcher, name: str, code: str, group: str = ""):
 @pytest.mark.parametrize("server_code", ["pass", "raise SystemExit(3)"])
 def test_rl_stops_everything_when_a_server_exits_whatever_its_status(tmp_path, server_code):
     # vLLM's API server exits 0 when its engine dies: that must stop the run, not go unnoticed.
-    from prime_rl.rl.config import RLConfig
-    from prime_rl.rl.launcher import Launcher
+    from prime_rl.launcher.config import RLConfig
+    from prime_rl.launcher.supervisor import Launcher
 
     launcher = Launcher(RLConfig(output_dir=tmp_path))
     server = spawn(launcher, "teacher", server_code)
@@ -137,8 +137,8 @@ def test_rl_stops_everything_when_a_server_exits_whatever_its_status(tmp_path, s
 
 
 def test_rl_succeeds_when_the_workers_finish_and_then_stops_the_servers(tmp_path):
-    from prime_rl.rl.config import RLConfig
-    from prime_rl.rl.launcher import Launcher
+    from prime_rl.launcher.config import RLConfig
+    from prime_rl.launcher.supervisor import Launcher
 
     launcher = Launcher(RLConfig(output_dir=tmp_path))
     server = spawn(launcher, "inference", "import time; time.sleep(600)")
@@ -148,8 +148,8 @@ def test_rl_succeeds_when_the_workers_finish_and_then_stops_the_servers(tmp_path
 
 
 def test_one_of_several_policy_servers_exiting_leaves_the_run_going_and_the_last_one_stops_it(tmp_path):
-    from prime_rl.rl.config import RLConfig
-    from prime_rl.rl.launcher import Launcher
+    from prime_rl.launcher.config import RLConfig
+    from prime_rl.launcher.supervisor import Launcher
 
     launcher = Launcher(RLConfig(output_dir=tmp_path))
     dead = spawn(launcher, "inference-0", "raise SystemExit(3)", "policy")
@@ -278,8 +278,8 @@ def test_ctrl_c_stops_an_orchestrator_waiting_for_the_trainer(tmp_path, sig):
 STUCK = textwrap.dedent(
     """
     import signal, sys, time
-    from prime_rl.logging_setup import setup_logging
-    from prime_rl.shutdown import take_signals
+    from prime_rl.runtime.logging_setup import setup_logging
+    from prime_rl.runtime.shutdown import take_signals
     setup_logging("stuck")
     take_signals(grace_s=float(sys.argv[1]))
     # The main thread no longer takes these signals: it stands for one stuck in native code.
@@ -293,8 +293,8 @@ SLOW_CLEANUP = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from prime_rl.logging_setup import setup_logging
-    from prime_rl.shutdown import Stopped, exit_stopped, take_signals
+    from prime_rl.runtime.logging_setup import setup_logging
+    from prime_rl.runtime.shutdown import Stopped, exit_stopped, take_signals
     setup_logging("slow")
     take_signals(grace_s=30)
     try:

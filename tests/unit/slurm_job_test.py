@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config import parse_config
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.slurm import SlurmError, prepare
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.slurm import SlurmError, prepare
 
 RL = str(Path(sys.executable).parent / "rl")
 NODES = """

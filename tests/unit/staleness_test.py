@@ -1,9 +1,9 @@
 """The adaptive async level: down one at once below the target ESS, up one after `raise_after`
 calm steps, within [min_level, max_async_level]; the trainer publishes the ESS it is driven by."""
 
-from prime_rl.layout import read_trainer_stats, step_dir
 from prime_rl.orchestrator.config import AdaptiveAsyncConfig
 from prime_rl.orchestrator.loop.staleness import AsyncLevel, adapt
+from prime_rl.runtime.layout import read_trainer_stats, step_dir
 
 
 def levels(observations, config, start=3, max_level=3):

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.net import free_port
+from prime_rl.launcher.child import Child, start_child
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.supervisor import Launcher
 from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
 from prime_rl.orchestrator.envs_config import TeacherConfig
-from prime_rl.rl.child import Child, start_child
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.launcher import Launcher
+from prime_rl.runtime.net import free_port
 
 # A server that answers /health only once `go` exists.
 SERVER = """

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from prime_rl.model.local import tokenizer_mismatch
-from prime_rl.net import free_port
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError, parse_prompt_logprobs
 from prime_rl.orchestrator.envs_config import TeacherConfig
 from prime_rl.orchestrator.loop.failures import FailureStreak, RolloutsFailing
 from prime_rl.orchestrator.loop.samples import rollout_to_samples
 from prime_rl.orchestrator.rollout import Rollout, Turn
+from prime_rl.runtime.net import free_port
 from prime_rl.transport.packing import pack
 
 MODELS = Path(__file__).parents[2] / "models"

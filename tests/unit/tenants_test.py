@@ -9,10 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 from server_auth_test import Engine, make_app, published
 
-from prime_rl import secret
 from prime_rl.auth import clients, signing, tenant
 from prime_rl.auth.clients import sign_request
 from prime_rl.inference import adapters
+from prime_rl.runtime import secret
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config.cli import parse_config
-from prime_rl.engine.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.machine import here
+from prime_rl.launcher.plan import plan
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.machine import here
-from prime_rl.rl.plan import plan
 from prime_rl.trainer.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,12 +1,12 @@
-"""The framework's HTTP clients share one TLS context (`prime_rl.tls`)."""
+"""The framework's HTTP clients share one TLS context (`prime_rl.runtime.tls`)."""
 
 import ssl
 
 import httpx
 
-from prime_rl import tls
 from prime_rl.engine.server import is_healthy
-from prime_rl.net import free_port
+from prime_rl.runtime import tls
+from prime_rl.runtime.net import free_port
 
 
 def test_health_polls_build_no_tls_context_each(monkeypatch):

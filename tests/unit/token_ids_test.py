@@ -53,9 +53,9 @@ def test_an_id_outside_the_model_is_one_line_naming_the_micro_batch(trainer, fie
 def test_a_micro_batch_far_ahead_of_the_trainer_is_refused_not_kept():
     """A sender cannot fill the trainer's memory with steps it will never reach: over zmq, a
     micro-batch more than MAX_STEPS_AHEAD steps ahead is one line; nearer ones wait for their step."""
-    from prime_rl.contract import TrainerSide
-    from prime_rl.net import free_port
+    from prime_rl.runtime.net import free_port
     from prime_rl.trainer.data import MAX_STEPS_AHEAD, BadMicroBatch, StepReceiver
+    from prime_rl.transport.contract import TrainerSide
     from prime_rl.transport.zmq_transport import ZmqReceiver, ZmqSender
 
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -18,10 +18,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from prime_rl import secret
-from prime_rl.contract import OrchestratorSide, TrainerSide
-from prime_rl.layout import checkpoint_root, write_manifest
-from prime_rl.net import free_port
+from prime_rl.runtime import secret
+from prime_rl.runtime.layout import checkpoint_root, write_manifest
+from prime_rl.runtime.net import free_port
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.data import BadMicroBatch, StepReceiver
 from prime_rl.trainer.logprobs import forward_logprobs
@@ -33,6 +32,7 @@ from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.rl.trainer import Trainer
 from prime_rl.trainer.run import NaNLossError
 from prime_rl.trainer.weights.checkpoint import Checkpointer
+from prime_rl.transport.contract import OrchestratorSide, TrainerSide
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingSample
 from prime_rl.transport.packing import pack

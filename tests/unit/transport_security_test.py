@@ -13,12 +13,12 @@ import pytest
 import zmq
 from transport_test import RUN, assert_same, micro_batch
 
-from prime_rl import secret
-from prime_rl.contract import TrainerSide
-from prime_rl.net import free_port
+from prime_rl.runtime import secret
+from prime_rl.runtime.net import free_port
 from prime_rl.trainer.data import StepReceiver
 from prime_rl.transport.base import NoContract, TransportError, TransportTimeout
 from prime_rl.transport.config import TransportConfig
+from prime_rl.transport.contract import TrainerSide
 from prime_rl.transport.curve import run_keys
 from prime_rl.transport.endpoints import make_receiver
 from prime_rl.transport.file_transport import FileReceiver, FileSender

@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from prime_rl.contract import OrchestratorSide
-from prime_rl.net import free_port
+from prime_rl.runtime.net import free_port
 from prime_rl.transport.base import ForeignRunError, TransportTimeout
 from prime_rl.transport.config import TransportConfig, resolve_run_id
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.endpoints import make_receiver, make_sender
 from prime_rl.transport.file_transport import FileReceiver, FileSender
 from prime_rl.transport.messages import Header, MicroBatch, TrainingBatch, TrainingSample, decode, encode

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl import activity
-from prime_rl.rl import watchdog
-from prime_rl.rl.watchdog import Stall, Watchdog, blame, write_stacks
+from prime_rl.launcher import watchdog
+from prime_rl.launcher.watchdog import Stall, Watchdog, blame, write_stacks
+from prime_rl.runtime import activity
 
 SPEAKER = textwrap.dedent(
     """
     import sys, time
-    from prime_rl import activity
+    from prime_rl.runtime import activity
     activity.start(sys.argv[2], sys.argv[3], sys.argv[1])
     activity.doing(sys.argv[4], sys.argv[5], int(sys.argv[6]))
 
@@ -233,7 +233,7 @@ def test_file_work_is_progress_in_a_state_marked_io(tmp_path, monkeypatch):
     script = textwrap.dedent(
         """
         import sys, time
-        from prime_rl import activity
+        from prime_rl.runtime import activity
         activity.start("trainer-rank0", "trainer", sys.argv[1])
         activity.doing("step 5: writing the checkpoint of step 6", "", 5, io=True)
         print("ready", flush=True)
@@ -359,7 +359,7 @@ def test_a_process_that_dies_of_a_fatal_signal_writes_every_threads_stack_to_its
     code = textwrap.dedent(
         """
         import os, sys, threading, time
-        from prime_rl import activity
+        from prime_rl.runtime import activity
         activity.start("trainer-rank0", "trainer", sys.argv[1])
 
         def writing_in_the_background():

@@ -9,12 +9,12 @@ from transformers import AutoModelForCausalLM
 
 from fake_server import FakeServer
 from prime_rl.auth.store import RemoteStore, StoreServer
-from prime_rl.net import free_port
+from prime_rl.runtime.net import free_port
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.weights.broadcast import Broadcaster, BroadcastError
 from prime_rl.trainer.weights.publish import Publisher
-from prime_rl.weight_transfer import (
+from prime_rl.transport.weight_transfer import (
     chunk_bytes,
     join_group,
     make_plan,

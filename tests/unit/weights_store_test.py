@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from prime_rl.auth import store as store_module
 from prime_rl.auth.store import HELLO, NONCE_BYTES, RemoteStore, StoreRefused, StoreServer
-from prime_rl.net import free_port
-from prime_rl.weight_transfer import (
+from prime_rl.runtime.net import free_port
+from prime_rl.transport.weight_transfer import (
     Unsealed,
     join_group,
     make_plan,

@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, urlsplit
 
-from prime_rl import secret
 from prime_rl.auth import tenant
+from prime_rl.runtime import secret
 
 SCHEME = "PrimeRL-HMAC"
 WINDOW_S = 120.0

@@ -32,7 +32,7 @@ from hashlib import sha256
 import msgspec
 import torch.distributed as dist
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 
 log = logging.getLogger("prime_rl.auth")
 

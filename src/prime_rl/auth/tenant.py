@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 
 ENV = "PRIME_RL_TENANT_KEY_FILE"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

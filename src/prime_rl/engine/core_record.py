@@ -5,7 +5,7 @@ of its own, the orchestrator's "waiting for the inference" pointed `rl`'s watchd
 another machine, and a frozen engine core left the run waiting forever. With this record the engine
 core is a process of kind "inference" here like a server: frozen (SIGSTOP, a C call holding the
 GIL), it stops beating; stuck, its state and progress stand still while the orchestrator waits on it.
-The watchdog then names it, takes its stack and kills it alone (`rl/processes.py`), and the
+The watchdog then names it, takes its stack and kills it alone (`launcher/processes.py`), and the
 orchestrator restarts its engine (`orchestrator/loop/health.py`).
 
 Invariants: the record costs the engine's loop a comparison per iteration and one memory copy per
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from prime_rl import activity
+from prime_rl.runtime import activity
 
 PROGRESS_EVERY_S = 1.0
 

@@ -23,10 +23,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.sampling import BadRequestError, Completion, SamplingArgs
 from prime_rl.engine.server import is_cpu_build, server_command, server_env
+
+if TYPE_CHECKING:
+    # The caller builds the config; the engine only reads it, and loads no process package.
+    from prime_rl.inference.config import InferenceConfig
 
 OUR_FLAGS = {"--prime-rl-weights-dir": 1, "--prime-rl-adapters-root": 1, "--prime-rl-max-update-s": 1}
 """Flags of `vllm_server` that vLLM's own parser does not know, and how many values each takes."""
@@ -34,7 +38,7 @@ OUR_FLAGS = {"--prime-rl-weights-dir": 1, "--prime-rl-adapters-root": 1, "--prim
 
 def engine_argv(config: InferenceConfig) -> list[str]:
     """vLLM's command line for `config`: the server's, without the interpreter, module and our flags."""
-    from prime_rl import secret
+    from prime_rl.runtime import secret
 
     argv = server_command(config)[3:]  # python -m prime_rl.inference.vllm_server
     out, i = [], 0
@@ -227,7 +231,7 @@ class LocalEngine:
 
     async def load_weights(self, path: Path, step: int) -> Reload:
         """Serve the weights in folder `path` (an HF folder: the trainer's `step_<step>`) from now on."""
-        from prime_rl.layout import verify_weights
+        from prime_rl.runtime.layout import verify_weights
 
         problem = await asyncio.to_thread(verify_weights, path)  # planted weights are never loaded
         if problem is not None:

@@ -14,10 +14,14 @@ import stat
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prime_rl import secret, tls
 from prime_rl.engine import policy_logprobs
-from prime_rl.engine.config import InferenceConfig
+from prime_rl.runtime import secret, tls
+
+if TYPE_CHECKING:
+    # The caller builds the config; the engine only reads it, and loads no process package.
+    from prime_rl.inference.config import InferenceConfig
 
 
 def is_cpu_build() -> bool:

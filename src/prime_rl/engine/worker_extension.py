@@ -58,7 +58,7 @@ class WeightReloadExtension:
         import torch
 
         from prime_rl.auth.store import RemoteStore
-        from prime_rl.weight_transfer import join_group, plan_from_json, receive, seal_key
+        from prime_rl.transport.weight_transfer import join_group, plan_from_json, receive, seal_key
 
         device = self.device if getattr(self, "device", None) is not None else torch.device("cpu")
         cuda = torch.device(device).type == "cuda"

@@ -1,1 +1,2 @@
-"""Inference: vLLM's OpenAI-compatible server, plus a narrow route to reload weights in place."""
+"""Inference: vLLM's OpenAI-compatible server, plus a narrow route to reload weights in place; its
+config (`config.py`, the `[inference]` section) is the one the orchestrator's engine mode reads too."""

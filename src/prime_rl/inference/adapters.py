@@ -31,9 +31,9 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from prime_rl import secret
 from prime_rl.auth import signing
-from prime_rl.layout import READY
+from prime_rl.runtime import secret
+from prime_rl.runtime.layout import READY
 
 
 def _digest(owner: str) -> str:

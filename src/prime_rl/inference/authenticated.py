@@ -13,9 +13,9 @@ import json
 import sys
 import time
 
-from prime_rl import secret
 from prime_rl.auth import signing
 from prime_rl.inference import tenants
+from prime_rl.runtime import secret
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 """Open without a signature: whether the server is up and its version; none serves a completion,

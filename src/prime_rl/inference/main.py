@@ -7,15 +7,15 @@ one line and no traceback, whether it is starting or serving.
 import sys
 from pathlib import Path
 
-from prime_rl import secret
 from prime_rl.config import parse_config, raise_problems
-from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import UnsafeFolder, server_command, server_env
+from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.member import Member
 from prime_rl.inference.preflight import bind_problems, inference_problems
 from prime_rl.inference.supervise import run_server
-from prime_rl.logging_setup import setup_logging
-from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
+from prime_rl.runtime import secret
+from prime_rl.runtime.logging_setup import setup_logging
+from prime_rl.runtime.shutdown import Stopped, exit_stopped, stopping, take_signals
 
 LEAVE_MARGIN_S = 45.0
 """Beyond `pool.drain_s`: the orchestrator's answer (30 s) and vLLM's stop."""

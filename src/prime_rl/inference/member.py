@@ -25,11 +25,11 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import secret, tls
 from prime_rl.auth import clients
-from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import is_healthy
-from prime_rl.layout import pool_path
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.runtime import secret, tls
+from prime_rl.runtime.layout import pool_path
 
 NEEDS_USER = 2
 MEMBER_POLL_S = 5.0

@@ -6,7 +6,7 @@ Invariant: each problem is one sentence naming the key and what to do; nothing h
 
 from __future__ import annotations
 
-from prime_rl.engine.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig
 from prime_rl.model.local import num_experts
 
 
@@ -43,7 +43,7 @@ def inference_problems(
 
 def bind_problems(config: InferenceConfig) -> list[str]:
     """A server started by hand beyond loopback needs the run secret (`rl` always gives its own)."""
-    from prime_rl import secret
+    from prime_rl.runtime import secret
 
     problems = []
     host = secret.bound_host(["--host", config.server.host, *config.extra_args], config.server.host)

@@ -7,7 +7,7 @@ type `reward_model`) with a `url` speaks this protocol, and batches its calls, s
 forward pass here.
 
 Invariants: a request is scored whole or not at all: a malformed one gets HTTP 400 naming what is
-wrong, a failing forward pass HTTP 500, never a partial list. With a run secret (`secret.py`) every
+wrong, a failing forward pass HTTP 500, never a partial list. With a run secret (`runtime/secret.py`) every
 route but /health wants it (`Authorization: Bearer <secret>`; 401 and one log line otherwise), and
 without one the server listens on loopback only, unless told otherwise (`allow_unauthenticated`).
 What one client can make it hold is bounded: a body over `max_body_bytes` gets 413 with nothing of
@@ -26,12 +26,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pydantic import Field
 
-from prime_rl import secret
 from prime_rl.auth import signing
 from prime_rl.auth.ratelimit import RateLimited
 from prime_rl.config import RootConfig, parse_config
-from prime_rl.logging_setup import setup_logging
 from prime_rl.model.reward import RewardModel, RewardModelError, load_reward_model
+from prime_rl.runtime import secret
+from prime_rl.runtime.logging_setup import setup_logging
 
 log = logging.getLogger("prime_rl.reward_server")
 

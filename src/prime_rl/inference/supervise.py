@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from prime_rl import shutdown
 from prime_rl.inference.member import NEEDS_USER, Member
+from prime_rl.runtime import shutdown
 
 STOP_WAIT_S = 3.0
 """How long vLLM may take to stop on SIGTERM before its process group is killed (it took 0.5 s

@@ -10,7 +10,8 @@ Routes added (nothing else: vLLM's development endpoints stay off):
   (400 for a malformed body, 403 outside the weights dir, 404 for a folder that is not ready).
 - `POST /prime_rl/receive_weights {"step": N, "host", "port", "prefix", "first_rank", "world_size",
   "plan", "timeout_s"}`: pause generation, have every worker join the trainer's broadcast group for
-  this update and load the tensors as they arrive (`weight_transfer.py`), resume, answer `{"step": N}`.
+  this update and load the tensors as they arrive (`transport/weight_transfer.py`), resume, answer
+  `{"step": N}`.
   The trainer sends it (`weight_broadcast.type = "collective"`). A failed update (500) aborts the
   requests in flight and leaves the step at BROKEN (-2) until an update succeeds.
 - `GET /prime_rl/weights`: `{"step": N, "workers": W, "dtype": D, "weights_dir": DIR}`, the step of
@@ -18,7 +19,7 @@ Routes added (nothing else: vLLM's development endpoints stay off):
   compute in (a broadcast sends floating-point weights in it), and the folder weights load from
   (resolved), which the orchestrator checks against its own at start-up.
 
-With a run secret (`secret.py`), every route but `/health` needs it (`Authorization: Bearer`): a
+With a run secret (`runtime/secret.py`), every route but `/health` needs it (`Authorization: Bearer`): a
 request without it, or with another, gets 401 and one line in the log, and changes nothing. A weight
 update is taken only from the run's trainer: `load_weights` only for a folder `step_<step>`, and not
 older than the weights served unless `"rewind": true` says so (the orchestrator, which owns the
@@ -38,13 +39,13 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from prime_rl import activity, secret
 from prime_rl.auth import signing
 from prime_rl.auth.store import RemoteStore, StoreRefused
 from prime_rl.inference.adapters import make_adapter_router
 from prime_rl.inference.authenticated import Authenticated, log_refusal
-from prime_rl.layout import READY, verify_weights
-from prime_rl.weight_transfer import DTYPES, chunk_bytes, plan_from_json
+from prime_rl.runtime import activity, secret
+from prime_rl.runtime.layout import READY, verify_weights
+from prime_rl.transport.weight_transfer import DTYPES, chunk_bytes, plan_from_json
 
 BROKEN = -2
 """The served step after a broadcast failed midway: part of the weights may be new."""

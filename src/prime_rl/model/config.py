@@ -7,7 +7,7 @@ and attention, the server's context length); the orchestrator's is this alone.
 from pydantic import field_validator
 
 from prime_rl.config import BaseConfig
-from prime_rl.defaults import DEFAULT_MODEL
+from prime_rl.config.defaults import DEFAULT_MODEL
 from prime_rl.model.local import check_model_name
 
 

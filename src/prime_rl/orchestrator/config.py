@@ -15,20 +15,20 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
-from prime_rl.contract import OrchestratorSide, Setting
-from prime_rl.defaults import (
+from prime_rl.config.defaults import (
     DEFAULT_MAX_ASYNC_LEVEL,
     DEFAULT_MAX_STEPS,
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
-from prime_rl.engine.config import InferenceConfig
+from prime_rl.inference.config import InferenceConfig
 from prime_rl.model.config import ModelConfig
-from prime_rl.monitor import WandbConfig
 from prime_rl.orchestrator.advantages import AdvantageConfig
 from prime_rl.orchestrator.advantages.grpo import GRPOAdvantage
 from prime_rl.orchestrator.envs_config import EnvConfig, EvalConfig, RewardsConfig, TeacherConfig
+from prime_rl.runtime.monitor import WandbConfig
 from prime_rl.transport.config import TransportConfig
+from prime_rl.transport.contract import OrchestratorSide, Setting
 
 
 class FilterConfig(BaseConfig):
@@ -350,7 +350,7 @@ class OrchestratorConfig(RootConfig):
 
 
 def contract_side(config: OrchestratorConfig, session: str) -> OrchestratorSide:
-    """The settings of this config that the trainer's depend on (`prime_rl.contract`)."""
+    """The settings of this config that the trainer's depend on (`prime_rl.transport.contract`)."""
     drops = None
     if config.dynamic_sampling.enabled:
         drops = Setting.of("orchestrator.dynamic_sampling.enabled", True)

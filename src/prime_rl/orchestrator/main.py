@@ -4,14 +4,10 @@ import asyncio
 import os
 import sys
 
-from prime_rl import activity, secret
 from prime_rl.auth import tenant
 from prime_rl.config import parse_config
-from prime_rl.contract import ContractError
-from prime_rl.disk import DiskFull
 from prime_rl.engine.local import LocalEngine
 from prime_rl.environments import EnvError
-from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.advantages import AdvantageError
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
@@ -24,9 +20,13 @@ from prime_rl.orchestrator.loop.weights import AdapterRefused, WeightSyncError
 from prime_rl.orchestrator.loop.weights_dir import SecretRefused, WeightsDirMismatch
 from prime_rl.orchestrator.loop.workers import WorkerPool, WorkersFailing
 from prime_rl.orchestrator.preflight import check_orchestrator
-from prime_rl.secret import SecretError
-from prime_rl.shutdown import Stopped, exit_stopped, stopping, take_signals
+from prime_rl.runtime import activity, secret
+from prime_rl.runtime.disk import DiskFull
+from prime_rl.runtime.logging_setup import setup_logging
+from prime_rl.runtime.secret import SecretError
+from prime_rl.runtime.shutdown import Stopped, exit_stopped, stopping, take_signals
 from prime_rl.transport.base import TransportError
+from prime_rl.transport.contract import ContractError
 
 # Failures whose message says all the user needs: one line, no traceback. Exit status 2 for those
 # that need the user (a restart would fail the same way: `rl` never retries them), 1 for the rest
@@ -60,7 +60,7 @@ def make_orchestrator(config: OrchestratorConfig) -> Orchestrator:
 
 def main(argv: list[str] | None = None) -> None:
     # Ctrl-C or SIGTERM stops the orchestrator within seconds from here on, with one line: before
-    # its loop runs through `prime_rl.shutdown`, then through the loop (`Orchestrator._take_signals`).
+    # its loop runs through `prime_rl.runtime.shutdown`, then through the loop (`Orchestrator._take_signals`).
     setup_logging("orchestrator")
     take_signals()
     try:

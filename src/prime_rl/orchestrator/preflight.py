@@ -1,6 +1,6 @@
 """The orchestrator's preflight: checks of the code its config names (env modules and their
 arguments, custom advantage and reward functions, the teacher's tokenizer, reward model folders),
-run when it starts, before any real work; `rl` runs them too (`rl/preflight.py`), before it
+run when it starts, before any real work; `rl` runs them too (`launcher/preflight.py`), before it
 launches vLLM.
 
 Invariant: every check is cheap, at most importing a module and reading a signature or a JSON
@@ -17,13 +17,13 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.config import raise_problems
+from prime_rl.config.plugins import load_function, plugin_problem
 from prime_rl.config.redact import redact
 from prime_rl.environments import env_module_name, exports_v1_taskset
 from prime_rl.model.local import tokenizer_mismatch
 from prime_rl.model.reward import RewardModelError, check_reward_model_dir
 from prime_rl.orchestrator.rewards import CustomReward, unknown_kwargs
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
-from prime_rl.plugins import load_function, plugin_problem
 
 if TYPE_CHECKING:
     from prime_rl.orchestrator.config import OrchestratorConfig

@@ -7,16 +7,16 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
-from prime_rl.contract import Setting, TrainerSide
-from prime_rl.defaults import DEFAULT_MAX_STEPS, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
+from prime_rl.config.defaults import DEFAULT_MAX_STEPS, DEFAULT_OUTPUT_DIR, DEFAULT_SEQ_LEN
 from prime_rl.model.config import ModelConfig
 from prime_rl.model.local import check_model_name
-from prime_rl.monitor import WandbConfig
+from prime_rl.runtime.monitor import WandbConfig
 from prime_rl.trainer.estimators.config import EstimatorConfig, Reinforce
 from prime_rl.trainer.losses.config import LossConfig, PPOLoss, RolloutCorrectionConfig
 from prime_rl.trainer.moe.config import MoEConfig
 from prime_rl.trainer.parallel.config import ParallelConfig, check_cp_fits, check_ep_fits
 from prime_rl.transport.config import TransportConfig
+from prime_rl.transport.contract import Setting, TrainerSide
 
 
 class TrainedModelConfig(ModelConfig):
@@ -383,7 +383,7 @@ class TrainerConfig(TrainingConfig):
 
 
 def contract_side(config: TrainerConfig, dp: int) -> TrainerSide:
-    """The settings of this config that depend on the orchestrator's (`prime_rl.contract`); `dp` is
+    """The settings of this config that depend on the orchestrator's (`prime_rl.transport.contract`); `dp` is
     the number of data-parallel ranks (all ranks / cp)."""
     a = config.advantage
     return TrainerSide(

@@ -2,7 +2,7 @@
 
 Invariant: `get(step)` returns exactly the micro-batches of that step (all `count` of them, in
 index order, each validated), from an orchestrator whose side of the run contract agrees with this
-trainer's (`prime_rl.contract`): a `Hello` or a micro-batch whose side does not stops the trainer
+trainer's (`prime_rl.transport.contract`): a `Hello` or a micro-batch whose side does not stops the trainer
 with `ContractError`, after writing the refusal that stops that orchestrator too, and a micro-batch
 without that side is refused by the receiver (`transport.base.NoContract`): none goes unchecked.
 Messages of earlier steps are ones the orchestrator re-sent after a restart and are skipped; a
@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from prime_rl.contract import ContractError, OrchestratorSide, TrainerSide, problems
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.transport.base import Receiver, TransportError
+from prime_rl.transport.contract import ContractError, OrchestratorSide, TrainerSide, problems
 from prime_rl.transport.file_transport import write_atomic
 from prime_rl.transport.messages import Hello, MicroBatch, decode, encode
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from prime_rl.disk import writing
+from prime_rl.runtime.disk import writing
 from prime_rl.trainer.parallel.dist import World
 from prime_rl.trainer.rl.trainer import MicroBatchResult
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from prime_rl import activity
+from prime_rl.runtime import activity
 from prime_rl.trainer.config import TrainingConfig
 from prime_rl.trainer.memory import is_out_of_memory, out_of_memory
 from prime_rl.trainer.parallel.dist import World, collective_error, collective_failure
@@ -142,7 +142,7 @@ def metrics_log(world: World, path: Path, start: int, wandb, evals: bool = False
     the loop is about to log again (evaluation records too with `evals`); None on the other ranks."""
     if not world.is_main:
         return None
-    from prime_rl.monitor import MetricsLogger, forget_steps_from
+    from prime_rl.runtime.monitor import MetricsLogger, forget_steps_from
 
     forget_steps_from(path, start, evals=evals)
     return MetricsLogger(path, wandb, config=config)

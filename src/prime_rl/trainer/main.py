@@ -13,11 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-from prime_rl import activity, secret
 from prime_rl.config import parse_config
-from prime_rl.layout import refusal_path
-from prime_rl.logging_setup import setup_logging
-from prime_rl.shutdown import Stopped, exit_stopped, take_signals
+from prime_rl.runtime import activity, secret
+from prime_rl.runtime.layout import refusal_path
+from prime_rl.runtime.logging_setup import setup_logging
+from prime_rl.runtime.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.config import TrainerConfig, contract_side
 from prime_rl.trainer.data import StepReceiver, share_with_cp_group
 from prime_rl.trainer.loop import Steps, metrics_log, resume, train_loop
@@ -202,7 +202,7 @@ def fake_gpu_flags(argv: list[str]) -> tuple[list[str], bool, int | None]:
 
 def main(argv: list[str] | None = None) -> None:
     # Ctrl-C or SIGTERM stops the trainer within seconds wherever it waits (the orchestrator's data,
-    # the other ranks, a checkpoint), with one line: the first rank's (`prime_rl.shutdown`).
+    # the other ranks, a checkpoint), with one line: the first rank's (`prime_rl.runtime.shutdown`).
     setup_logging("trainer")
     take_signals(announce=os.environ.get("RANK", "0") == "0")
     try:

@@ -1,6 +1,6 @@
 """The trainer's preflight: checks of what its config names that validation cannot see (custom loss
 and advantage functions, the servers a collective broadcast needs), run when it starts, before any
-real work; `rl` runs them too (`rl/preflight.py`).
+real work; `rl` runs them too (`launcher/preflight.py`).
 
 Invariant: every check is cheap, at most importing the user's module: no model, no torch
 distributed, nothing of the orchestrator. Every problem found is one sentence naming the config key
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prime_rl.config import raise_problems
-from prime_rl.plugins import plugin_problem
+from prime_rl.config.plugins import plugin_problem
 
 if TYPE_CHECKING:
     from prime_rl.trainer.config import TrainerConfig

@@ -12,10 +12,9 @@ import logging
 
 import torch
 
-from prime_rl.contract import ContractError
-from prime_rl.disk import DiskFull
-from prime_rl.plugins import PluginError
-from prime_rl.secret import SecretError
+from prime_rl.config.plugins import PluginError
+from prime_rl.runtime.disk import DiskFull
+from prime_rl.runtime.secret import SecretError
 from prime_rl.trainer.config import TrainingConfig
 from prime_rl.trainer.data import OutsideTheModel, SampleTooLong
 from prime_rl.trainer.estimators.base import TokenAdvantageError
@@ -24,6 +23,7 @@ from prime_rl.trainer.model import ModelLoadError
 from prime_rl.trainer.parallel.dist import FILE_WORK_TIMEOUT_S, World, patient
 from prime_rl.trainer.weights.checkpoint import CheckpointError, checkpoint_root, choose_checkpoint
 from prime_rl.transport.base import TransportError
+from prime_rl.transport.contract import ContractError
 
 log = logging.getLogger("prime_rl.trainer")
 

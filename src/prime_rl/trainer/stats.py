@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from prime_rl import activity
+from prime_rl.runtime import activity
 from prime_rl.trainer.parallel.dist import World, all_reduce_max, all_reduce_sum
 
 ESS_METRICS = ("is_ratio", "is_weight")

@@ -2,7 +2,7 @@
 
 Invariant: a transport delivers each message at most once and in the order it was sent, or raises;
 it never drops a message silently. A receiver only returns messages of its own run, and only
-micro-batches that carry the orchestrator's side of the run contract (`prime_rl.contract`), so
+micro-batches that carry the orchestrator's side of the run contract (`prime_rl.transport.contract`), so
 that the trainer checks it on every one.
 """
 

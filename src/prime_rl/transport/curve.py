@@ -1,6 +1,6 @@
 """CURVE on the zmq transport: only the processes of one run can exchange its micro-batches.
 
-With a run secret (`prime_rl.secret`), both keypairs derive from it: the server's (the orchestrator's
+With a run secret (`prime_rl.runtime.secret`), both keypairs derive from it: the server's (the orchestrator's
 bound PUSH socket) and the client's (each trainer rank's PULL socket). The server completes a
 handshake only with a peer that proves it holds the client key (a ZAP handler checks it), and the
 client only with a peer that holds the server key (CURVE itself: it encrypts its hello to that key).
@@ -30,7 +30,7 @@ from zmq.auth.base import Authenticator
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 
 log = logging.getLogger("prime_rl.transport")
 

@@ -16,8 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from prime_rl import secret
-from prime_rl.disk import writing
+from prime_rl.runtime import secret
+from prime_rl.runtime.disk import writing
 from prime_rl.transport.base import TransportError, TransportTimeout, check_run
 from prime_rl.transport.messages import Message, MicroBatch, TrainingBatch, decode, encode
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from prime_rl.contract import OrchestratorSide
+from prime_rl.transport.contract import OrchestratorSide
 
 ID_DTYPE = np.dtype("<i4")
 MASK_DTYPE = np.dtype("u1")
@@ -150,7 +150,7 @@ class MicroBatch(msgspec.Struct, tag=True):
     route_dtype: str = "u1"
     """dtype of `routes`' entries: 'u1' or 'u2'."""
     orchestrator: OrchestratorSide | None = None
-    """The sender's side of the run contract, checked by the trainer (`prime_rl.contract`)."""
+    """The sender's side of the run contract, checked by the trainer (`prime_rl.transport.contract`)."""
     filler: bool = False
     """A filler micro-batch: one pad sample with no loss token, sent so that every rank runs the
     same number of micro-batches; nothing in it is a real sample."""
@@ -298,7 +298,7 @@ def max_message_bytes(seq_len: int) -> int:
 class Hello(msgspec.Struct, tag=True):
     """The orchestrator's first message to each trainer rank, sent as it starts (before any
     rollout): its side of the run contract, so that a trainer whose config cannot work with it
-    stops at once rather than at the first step (`prime_rl.contract`)."""
+    stops at once rather than at the first step (`prime_rl.transport.contract`)."""
 
     header: Header
     orchestrator: OrchestratorSide

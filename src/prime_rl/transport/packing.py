@@ -14,7 +14,7 @@ from itertools import chain, repeat
 
 import numpy as np
 
-from prime_rl.contract import OrchestratorSide
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.messages import FLOAT_DTYPE, ID_DTYPE, MASK_DTYPE, Header, MicroBatch, TrainingSample
 
 FILLER_TOKENS = 1

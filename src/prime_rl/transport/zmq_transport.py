@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 from prime_rl.transport import curve
 from prime_rl.transport.base import TransportError, TransportTimeout, check_run
 from prime_rl.transport.config import TransportConfig, resolve_port

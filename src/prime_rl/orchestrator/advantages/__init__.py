@@ -8,6 +8,7 @@ with `BUILTIN = Builtin("<name>", <name>, <Config>)`; add it to `ADVANTAGES`.
 
 from __future__ import annotations
 
+from prime_rl.config.plugins import PluginError, Registry
 from prime_rl.orchestrator.advantages import grpo, reinforce_baseline, rloo
 from prime_rl.orchestrator.advantages.base import (
     Advantage,
@@ -17,7 +18,6 @@ from prime_rl.orchestrator.advantages.base import (
     AdvantageOutputs,
     CustomAdvantage,
 )
-from prime_rl.plugins import PluginError, Registry
 
 ADVANTAGES = Registry("advantage function", AdvantageBase, CustomAdvantage, [
     grpo.BUILTIN,

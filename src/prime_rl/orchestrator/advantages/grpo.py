@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from prime_rl.config.plugins import Builtin
 from prime_rl.orchestrator.advantages.base import (
     STD_EPS,
     AdvantageBase,
@@ -19,7 +20,6 @@ from prime_rl.orchestrator.advantages.base import (
     mean,
     std,
 )
-from prime_rl.plugins import Builtin
 
 
 class GRPOAdvantage(AdvantageBase):

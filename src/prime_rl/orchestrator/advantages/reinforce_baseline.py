@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from prime_rl.config.plugins import Builtin
 from prime_rl.orchestrator.advantages.base import AdvantageBase, AdvantageInputs, AdvantageOutputs
 from prime_rl.orchestrator.advantages.grpo import grpo
-from prime_rl.plugins import Builtin
 
 
 class ReinforceBaselineAdvantage(AdvantageBase):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from prime_rl.config.plugins import Builtin
 from prime_rl.orchestrator.advantages.base import AdvantageBase, AdvantageInputs, AdvantageOutputs
-from prime_rl.plugins import Builtin
 
 
 class RLOOAdvantage(AdvantageBase):

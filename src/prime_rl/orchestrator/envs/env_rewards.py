@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from prime_rl.config.plugins import PluginError
 from prime_rl.environments import EnvError
 from prime_rl.model.reward import RewardModelError
 from prime_rl.orchestrator.envs.reward_model import RewardModels, reward_function
@@ -24,7 +25,6 @@ from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.scoring import Hook, Scorer
 from prime_rl.orchestrator.rewards import REWARDS, RewardBase, bind, unknown_kwargs
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
-from prime_rl.plugins import PluginError
 
 
 def build_reward(config: RewardBase, key: str, models: RewardModels | None) -> Callable[..., Any] | None:

@@ -12,7 +12,6 @@ import logging
 
 from prime_rl.engine.local import LocalEngine
 from prime_rl.environments import EnvError
-from prime_rl.logging_setup import adopt_verifiers_logging
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.client import Clients
 from prime_rl.orchestrator.envs.group_runner import GroupRun, run_group
@@ -24,6 +23,7 @@ from prime_rl.orchestrator.envs.teacher import Teacher, TeacherError
 from prime_rl.orchestrator.envs_config import EnvConfig, EvalEnvConfig
 from prime_rl.orchestrator.messages import EnvView, GroupJob
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.runtime.logging_setup import adopt_verifiers_logging
 
 log = logging.getLogger("prime_rl.orchestrator")
 

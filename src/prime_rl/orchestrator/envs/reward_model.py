@@ -19,12 +19,12 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prime_rl import tls
 from prime_rl.auth import clients
 from prime_rl.model.reward import RewardModelError, load_reward_model
 from prime_rl.orchestrator.envs.http_retry import post_json
 from prime_rl.orchestrator.rewards import bind
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward, reward_model
+from prime_rl.runtime import tls
 
 log = logging.getLogger("prime_rl.orchestrator")
 
@@ -105,7 +105,8 @@ class LocalScorer:
 
 
 class RemoteScorer:
-    """A reward server at a URL, asked with one POST per batch, with the run's secret (`secret.py`)."""
+    """A reward server at a URL, asked with one POST per batch, with the run's secret
+    (`runtime/secret.py`)."""
 
     def __init__(self, config: RewardModelReward, key: str):
         import httpx

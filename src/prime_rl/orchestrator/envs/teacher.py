@@ -19,11 +19,11 @@ import logging
 import time
 from dataclasses import replace
 
-from prime_rl import tls
 from prime_rl.auth import clients
 from prime_rl.orchestrator.envs.http_retry import post_json
 from prime_rl.orchestrator.envs_config import TeacherConfig
 from prime_rl.orchestrator.rollout import Rollout, Turn, failed_rollout
+from prime_rl.runtime import tls
 
 log = logging.getLogger("prime_rl.orchestrator")
 

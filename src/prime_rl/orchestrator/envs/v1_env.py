@@ -27,7 +27,6 @@ from typing import Any
 import verifiers.v1 as vf
 from verifiers.v1.dialects.chat import message_to_wire
 
-from prime_rl import activity
 from prime_rl.engine.sampling import SamplingArgs
 from prime_rl.environments import EnvError, env_module_name
 from prime_rl.environments import load_v1_env as load_env
@@ -44,6 +43,7 @@ from prime_rl.orchestrator.envs.verifiers_adapter import from_trace
 from prime_rl.orchestrator.envs_config import RewardsConfig
 from prime_rl.orchestrator.messages import Example
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.runtime import activity
 from prime_rl.sandbox.bwrap import SandboxUnavailable, check
 from prime_rl.sandbox.config import SandboxConfig
 from prime_rl.sandbox.tools_host import ToolsHost

@@ -25,12 +25,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from prime_rl import activity
 from prime_rl.environments import EnvError
-from prime_rl.logging_setup import setup_logging
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.messages import Broken, Cancel, GroupDone, Job, Ready, Stop, ToWorker
+from prime_rl.runtime import activity
+from prime_rl.runtime.logging_setup import setup_logging
 from prime_rl.sandbox.tools_host import slow_call
 
 log = logging.getLogger("prime_rl.orchestrator")

@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_rl import activity
-from prime_rl.layout import read_trainer_stats, weights_root
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.loop.eval import Evaluator
 from prime_rl.orchestrator.loop.health import ServerHealth
@@ -26,6 +24,8 @@ from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.staleness import AsyncLevel, adapt
 from prime_rl.orchestrator.loop.weights import WeightSync
 from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.runtime import activity
+from prime_rl.runtime.layout import read_trainer_stats, weights_root
 from prime_rl.sandbox.tools_host import slow_call
 
 log = logging.getLogger("prime_rl.orchestrator")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prime_rl.monitor import MetricsLogger, stats
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs_config import EvalEnvConfig
 from prime_rl.orchestrator.loop.failures import FailureStreak
@@ -20,6 +19,7 @@ from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
 from prime_rl.orchestrator.messages import EnvSide, EnvView, Example, GroupJob
 from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.runtime.monitor import MetricsLogger, stats
 
 log = logging.getLogger("prime_rl.orchestrator")
 

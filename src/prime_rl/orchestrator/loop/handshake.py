@@ -1,4 +1,4 @@
-"""The orchestrator's half of the run contract's handshake (`prime_rl.contract`): the trainer gets
+"""The orchestrator's half of the run contract's handshake (`prime_rl.transport.contract`): the trainer gets
 this orchestrator's side in a `Hello` (`sender.py`) and with every micro-batch; a trainer whose
 config cannot work with it writes a refusal before it stops, which `wait_for_refusal` turns into
 the same one-line error here.
@@ -13,7 +13,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from prime_rl.contract import ContractError
+from prime_rl.transport.contract import ContractError
 
 POLL_S = 0.5
 """How often to look for the trainer's refusal."""

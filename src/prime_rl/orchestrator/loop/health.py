@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import httpx
 
-from prime_rl import tls
 from prime_rl.auth import clients
 from prime_rl.orchestrator.loop.servers import InferenceUnavailable, Server, ServerPool
 from prime_rl.orchestrator.loop.weights import UNKNOWN, WeightSync, WeightSyncError, served_step
+from prime_rl.runtime import tls
 
 log = logging.getLogger("prime_rl.orchestrator")
 

@@ -20,18 +20,8 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from prime_rl import activity, secret, shutdown
-from prime_rl.contract import ContractError
-from prime_rl.disk import writing
 from prime_rl.engine.local import LocalEngine
-from prime_rl.layout import (
-    record_restart,
-    refusal_path,
-    restart_counts,
-    weights_root,
-)
 from prime_rl.model.local import num_experts
-from prime_rl.monitor import MetricsLogger
 from prime_rl.orchestrator.advantages import build_advantage
 from prime_rl.orchestrator.config import OrchestratorConfig, contract_side
 from prime_rl.orchestrator.loop.collect import Collected, Collector
@@ -69,7 +59,17 @@ from prime_rl.orchestrator.loop.weights import Adapter, WeightSync
 from prime_rl.orchestrator.loop.weights_dir import check_weights_dirs
 from prime_rl.orchestrator.messages import EnvSide
 from prime_rl.orchestrator.rollout import Rollout, most_common_failure
+from prime_rl.runtime import activity, secret, shutdown
+from prime_rl.runtime.disk import writing
+from prime_rl.runtime.layout import (
+    record_restart,
+    refusal_path,
+    restart_counts,
+    weights_root,
+)
+from prime_rl.runtime.monitor import MetricsLogger
 from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.contract import ContractError
 from prime_rl.transport.messages import MicroBatch, TrainingBatch
 from prime_rl.transport.packing import pack
 

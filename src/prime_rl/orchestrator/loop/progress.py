@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_rl.monitor import forget_steps_from
 from prime_rl.orchestrator.loop.examples import Cursor
 from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting
 from prime_rl.orchestrator.messages import Example
+from prime_rl.runtime.monitor import forget_steps_from
 from prime_rl.transport.base import TransportError
 from prime_rl.transport.file_transport import seal, unseal, write_atomic
 from prime_rl.transport.messages import TrainingBatch, decode, encode

@@ -13,11 +13,11 @@ from typing import Any
 
 import msgspec
 
-from prime_rl.disk import writing
-from prime_rl.monitor import stats
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup, ScoredGroup
 from prime_rl.orchestrator.loop.samples import segments, turn_stats
 from prime_rl.orchestrator.rollout import Rollout
+from prime_rl.runtime.disk import writing
+from prime_rl.runtime.monitor import stats
 from prime_rl.sandbox.tools_host import FAILURES
 
 

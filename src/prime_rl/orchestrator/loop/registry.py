@@ -32,13 +32,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from prime_rl import secret
 from prime_rl.auth import signing
-from prime_rl.layout import pool_path
 from prime_rl.orchestrator.config import PoolConfig
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import WeightSync
 from prime_rl.orchestrator.loop.weights_dir import check_weights_dir
+from prime_rl.runtime import secret
+from prime_rl.runtime.layout import pool_path
 from prime_rl.transport.file_transport import write_atomic
 
 log = logging.getLogger("prime_rl.orchestrator")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prime_rl.layout import checkpoint_root, complete_steps, verify_checkpoint
+from prime_rl.runtime.layout import checkpoint_root, complete_steps, verify_checkpoint
 
 
 def oldest_resume_step(output_dir: Path, version: int) -> int:

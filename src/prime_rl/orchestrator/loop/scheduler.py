@@ -34,7 +34,6 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from prime_rl.logging_setup import ROLLOUT_FAILED
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs_config import EnvConfig
 from prime_rl.orchestrator.loop.difficulty import DifficultyMemory
@@ -45,6 +44,7 @@ from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import request_model
 from prime_rl.orchestrator.messages import EnvSide, EnvView, Example, GroupJob
 from prime_rl.orchestrator.rollout import Rollout, failed_rollout
+from prime_rl.runtime.logging_setup import ROLLOUT_FAILED
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from prime_rl.contract import OrchestratorSide
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.transport.config import resolve_run_id
+from prime_rl.transport.contract import OrchestratorSide
 from prime_rl.transport.endpoints import transport_dir
 from prime_rl.transport.file_transport import FileSender
 from prime_rl.transport.messages import Header, Hello, MicroBatch, max_message_bytes

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import httpx
 
-from prime_rl import tls
 from prime_rl.auth import clients
 from prime_rl.engine.local import ENGINE_URL, LocalEngine
 from prime_rl.orchestrator.config import ClientConfig
+from prime_rl.runtime import tls
 
 log = logging.getLogger(__name__)
 

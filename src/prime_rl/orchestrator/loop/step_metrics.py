@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prime_rl.monitor import stats
 from prime_rl.orchestrator.loop.pipeline import FinishedGroup, ScoredGroup
 from prime_rl.orchestrator.loop.records import turn_metrics
 from prime_rl.orchestrator.loop.scheduler import BUCKETS, Accounting
+from prime_rl.runtime.monitor import stats
 from prime_rl.sandbox.tools_host import FAILURES
 
 

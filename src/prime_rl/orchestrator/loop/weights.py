@@ -28,11 +28,11 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import activity, secret, tls
 from prime_rl.auth import clients, signing
 from prime_rl.engine.local import EngineBroken, EngineStopped
-from prime_rl.layout import BROADCAST, READY, latest_ready_step, step_dir
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
+from prime_rl.runtime import activity, secret, tls
+from prime_rl.runtime.layout import BROADCAST, READY, latest_ready_step, step_dir
 
 log = logging.getLogger(__name__)
 

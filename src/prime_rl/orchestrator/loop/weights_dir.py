@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl import secret, tls
 from prime_rl.auth import clients
-from prime_rl.layout import weights_root
 from prime_rl.orchestrator.loop.servers import Server, ServerPool
 from prime_rl.orchestrator.loop.weights import ADAPTERS_ROUTE, WEIGHTS_ROUTE, WeightSyncError
+from prime_rl.runtime import secret, tls
+from prime_rl.runtime.layout import weights_root
 
 
 class WeightsDirMismatch(WeightSyncError):

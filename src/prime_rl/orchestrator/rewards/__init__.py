@@ -12,9 +12,9 @@ orchestrator's config and preflight can import this package.
 
 from __future__ import annotations
 
+from prime_rl.config.plugins import Registry
 from prime_rl.orchestrator.rewards import length, reward_model
 from prime_rl.orchestrator.rewards.base import CustomReward, RewardBase, bind, unknown_kwargs
-from prime_rl.plugins import Registry
 
 REWARDS = Registry("reward function", RewardBase, CustomReward, [
     reward_model.BUILTIN,

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from prime_rl.config.plugins import Builtin
 from prime_rl.orchestrator.rewards.base import RewardBase
-from prime_rl.plugins import Builtin
 
 
 class LengthReward(RewardBase):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prime_rl.plugins import lazy_names
+from prime_rl.config.plugins import lazy_names
 from prime_rl.trainer.estimators.config import ESTIMATORS, EstimatorConfig
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from prime_rl.config import BaseConfig
-from prime_rl.plugins import Builtin, Registry
+from prime_rl.config.plugins import Builtin, Registry
 
 
 class EstimatorBase(BaseConfig):

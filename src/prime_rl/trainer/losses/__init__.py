@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prime_rl.plugins import lazy_names
+from prime_rl.config.plugins import lazy_names
 from prime_rl.trainer.losses.config import LOSSES, LossConfig
 
 if TYPE_CHECKING:

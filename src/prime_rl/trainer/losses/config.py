@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from prime_rl.config import BaseConfig
-from prime_rl.plugins import Builtin, Registry
+from prime_rl.config.plugins import Builtin, Registry
 
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

@@ -52,8 +52,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prime_rl import activity
-from prime_rl.shutdown import Stopped, exit_now, say_stopped, stopping
+from prime_rl.runtime import activity
+from prime_rl.runtime.shutdown import Stopped, exit_now, say_stopped, stopping
 
 FILE_WORK_TIMEOUT_S = 1800.0
 """How long ranks wait in a collective for one rank's work on files that grow with the model
@@ -353,7 +353,7 @@ def run_rank(
     if it is one of `needs_user` (a restart would fail the same way), else 1; so is a collective
     that timed out or lost its peer (`collective_failure`; `timeout_key` names the timeout's key),
     with status 1; a SIGINT or SIGTERM is the stop's one line and 128 + the signal
-    (`prime_rl.shutdown`), also when what it raised is an error the stop caused (a peer rank gone);
+    (`prime_rl.runtime.shutdown`), also when what it raised is an error the stop caused (a peer rank gone);
     the process group is destroyed in any case; a distributed rank always leaves through `exit_rank`."""
     code = 0
     try:

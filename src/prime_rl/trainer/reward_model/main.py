@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from prime_rl.config import parse_config
-from prime_rl.logging_setup import setup_logging
-from prime_rl.shutdown import Stopped, exit_stopped, take_signals
+from prime_rl.runtime.logging_setup import setup_logging
+from prime_rl.runtime.shutdown import Stopped, exit_stopped, take_signals
 from prime_rl.trainer.loop import Steps, metrics_log, resume, train_loop
 from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank
@@ -126,7 +126,7 @@ def train(config: RewardModelTrainConfig, world: World | None = None) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Ctrl-C or SIGTERM stops every rank with one line (`prime_rl.shutdown`); a checkpoint being
+    # Ctrl-C or SIGTERM stops every rank with one line (`prime_rl.runtime.shutdown`); a checkpoint being
     # written when it comes is never resumed from (`weights/checkpoint.py`).
     setup_logging("reward_model")
     take_signals(announce=os.environ.get("RANK", "0") == "0")

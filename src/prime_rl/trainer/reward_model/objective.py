@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from prime_rl.disk import writing
+from prime_rl.runtime.disk import writing
 from prime_rl.trainer import lora as lora_files
 from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.head import ScalarHead

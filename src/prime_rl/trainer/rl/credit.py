@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from prime_rl import activity
+from prime_rl.runtime import activity
 from prime_rl.trainer.batch import PackedBatch
 from prime_rl.trainer.parallel.dist import World, all_reduce_sum
 

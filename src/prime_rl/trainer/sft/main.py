@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from prime_rl.config import parse_config
-from prime_rl.logging_setup import setup_logging
+from prime_rl.runtime.logging_setup import setup_logging
 from prime_rl.trainer.loop import Steps, metrics_log, resume, train_loop
 from prime_rl.trainer.memory import keep_freed_memory
 from prime_rl.trainer.parallel.dist import World, init_world, init_world_or_exit, run_rank

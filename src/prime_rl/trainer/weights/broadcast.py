@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from prime_rl import tls
 from prime_rl.auth import clients
 from prime_rl.auth.store import StoreServer
 from prime_rl.engine.local import ENGINE_URL
-from prime_rl.layout import pool_path
+from prime_rl.runtime import tls
+from prime_rl.runtime.layout import pool_path
 from prime_rl.trainer.config import WeightBroadcastConfig
-from prime_rl.weight_transfer import (
+from prime_rl.transport.weight_transfer import (
     DTYPES,
     chunk_bytes,
     join_group,

@@ -4,7 +4,7 @@ and the KL controller, when configured), to resume a killed trainer.
 Layout: `<output_dir>/checkpoints/step_<N>/` (the state after N optimizer steps) with the sharded
 model and optimizer state (torch.distributed.checkpoint, one shard per rank), `rank_<r>.pt` with the
 scheduler, step and RNG states, `MANIFEST.json` (every file's size and hash, keyed by the run secret
-when there is one: `prime_rl.layout`) and `DONE`, written last, by rank 0 while the others wait.
+when there is one: `prime_rl.runtime.layout`) and `DONE`, written last, by rank 0 while the others wait.
 Invariants: only a folder with `DONE` is ever resumed from, so a trainer killed while saving
 resumes from the previous checkpoint; a resume verifies the checkpoint against its manifest first,
 and `choose_checkpoint` falls back from a damaged newest one to the newest intact one (an explicit
@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from prime_rl.disk import writing
-from prime_rl.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
+from prime_rl.runtime.disk import writing
+from prime_rl.runtime.layout import DONE, checkpoint_root, complete_steps, verify_checkpoint, write_manifest
 from prime_rl.trainer.parallel.dist import FILE_WORK_TIMEOUT_S, World, patient
 from prime_rl.trainer.weights.no_pickle import NotState, SafePlanner, SafeReader, load_weights_only
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import field_validator
 
 from prime_rl.config import RootConfig, parse_config
-from prime_rl.layout import READY
+from prime_rl.runtime.layout import READY
 from prime_rl.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merge
 
 

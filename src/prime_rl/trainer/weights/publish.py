@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from prime_rl.disk import writing
-from prime_rl.layout import (
+from prime_rl.runtime.disk import writing
+from prime_rl.runtime.layout import (
     BROADCAST,
     READY,
     TRAINER_STATS,

@@ -1,6 +1,6 @@
 """Tell a run that hangs from one that works, name the process it hangs on, and take every stack.
 
-The processes of a run say what they are doing (`prime_rl.activity`). The run makes progress while
+The processes of a run say what they are doing (`prime_rl.runtime.activity`). The run makes progress while
 any of them changes what it is doing, raises its progress counter, or reads or writes files in a
 state marked `io`; a run whose states have all stood still for the stall timeout is stalled, and so
 is one process that has been frozen that long while the others go on. The timeout adapts to the
@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prime_rl.activity import STACK_SIGNAL, State, process_state, read_all
+from prime_rl.runtime.activity import STACK_SIGNAL, State, process_state, read_all
 
 STALL_FACTOR = 5.0
 """Stall timeout = this many times the slowest trainer step so far (at least the floor)."""

@@ -14,18 +14,18 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, RootConfig
-from prime_rl.defaults import (
+from prime_rl.config.defaults import (
     DEFAULT_MAX_ASYNC_LEVEL,
     DEFAULT_MAX_STEPS,
     DEFAULT_MODEL,
     DEFAULT_OUTPUT_DIR,
     DEFAULT_SEQ_LEN,
 )
-from prime_rl.engine.config import LORA_RANKS, InferenceConfig
+from prime_rl.inference.config import LORA_RANKS, InferenceConfig
+from prime_rl.launcher.shared import hand_down
+from prime_rl.launcher.slurm_config import SlurmConfig
 from prime_rl.model.local import check_model_name
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.rl.shared import hand_down
-from prime_rl.rl.slurm_config import SlurmConfig
 from prime_rl.trainer.config import TrainerConfig
 
 Role = Literal["inference", "orchestrator", "trainer"]
@@ -263,7 +263,7 @@ class RLConfig(RootConfig):
 
     def engine_obstacle(self) -> str | None:
         """What in this config keeps vLLM's engine out of the orchestrator's process (None: nothing;
-        the envs are `rl.mode`'s to check)."""
+        the envs are `launcher.mode`'s to check)."""
         d = self.deployment
         return (
             "deployment.nodes is set (the engine serves the orchestrator's own machine)" if d.nodes
@@ -326,9 +326,9 @@ class RLConfig(RootConfig):
     @model_validator(mode="after")
     def _orchestrator_feeds_the_trainer(self):
         # The run contract, as the two processes also check it when started by hand.
-        from prime_rl.contract import problems
         from prime_rl.orchestrator.config import contract_side as orchestrator_side
         from prime_rl.trainer.config import contract_side as trainer_side
+        from prime_rl.transport.contract import problems
 
         orch = self.orchestrator.model_copy(update={"trainer_ranks": self.dp})
         found = problems(orchestrator_side(orch, session=""), trainer_side(self.trainer, self.dp))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prime_rl.rl.config import DeploymentConfig
+from prime_rl.launcher.config import DeploymentConfig
 
 
 @dataclass(frozen=True)

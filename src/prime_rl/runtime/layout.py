@@ -4,7 +4,7 @@
 - `checkpoints/step_<N>/`: the trainer's state after N optimizer steps; `MANIFEST.json` (each
   file's size and hash) and then `DONE` are written last, so only folders with `DONE` are
   complete, and `verify_checkpoint` tells a complete one that storage damaged since. With a run
-  secret (`prime_rl.secret`) the hashes are HMACs keyed by it, and the manifest carries a MAC over
+  secret (`prime_rl.runtime.secret`) the hashes are HMACs keyed by it, and the manifest carries a MAC over
   its folder's name and every file's name, size and hash: a checkpoint that anyone without the
   secret changed, added a file to, or moved is refused as a damaged one is; so is one whose
   manifest is unkeyed or missing (the way around the keys), unless `TRUST_UNKEYED` is set.
@@ -36,7 +36,7 @@ import time
 import zlib
 from pathlib import Path
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 
 DONE = "DONE"
 MANIFEST = "MANIFEST.json"
@@ -91,7 +91,7 @@ def latest_ready_step(root: Path) -> int | None:
 
 def refusal_path(output_dir: Path) -> Path:
     """Where a trainer that refused the orchestrator's side of the run contract says why
-    (`prime_rl.contract`): JSON with the orchestrator's session and the one-line reason."""
+    (`prime_rl.transport.contract`): JSON with the orchestrator's session and the one-line reason."""
     return Path(output_dir) / "trainer" / "refused.json"
 
 

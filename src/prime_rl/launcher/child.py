@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from prime_rl.disk import writing
-from prime_rl.logging_setup import ROLLOUT_FAILED
+from prime_rl.runtime.disk import writing
+from prime_rl.runtime.logging_setup import ROLLOUT_FAILED
 
 # Console view: the lines that say what each process is doing; everything is in the log files.
 # vLLM's own records (its engine in the orchestrator's process logs there too) stay in the log,

@@ -1,9 +1,9 @@
 """The console scripts of the run's three processes: `inference`, `orchestrator`, `trainer`.
 
-Invariant: a process takes Ctrl-C and SIGTERM (`prime_rl.shutdown`) before it imports its `main`
+Invariant: a process takes Ctrl-C and SIGTERM (`prime_rl.runtime.shutdown`) before it imports its `main`
 module, whose imports (torch, vLLM, verifiers) take seconds: a signal then stops it with its one
 line, as anywhere later, instead of a KeyboardInterrupt traceback from inside an import. This module
-imports nothing heavy itself. (`rl` stops its children its own way, `prime_rl.rl.launcher`.)
+imports nothing heavy itself. (`rl` stops its children its own way, `prime_rl.launcher.supervisor`.)
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import os
 
-from prime_rl.logging_setup import setup_logging
-from prime_rl.shutdown import Stopped, exit_stopped, take_signals
+from prime_rl.runtime.logging_setup import setup_logging
+from prime_rl.runtime.shutdown import Stopped, exit_stopped, take_signals
 
 
 def _run(process: str, module: str, announce: bool = True) -> None:

@@ -16,12 +16,12 @@ from prime_rl.orchestrator.preflight import orchestrator_problems, teacher_probl
 from prime_rl.trainer.preflight import trainer_problems
 
 if TYPE_CHECKING:
-    from prime_rl.rl.config import RLConfig
+    from prime_rl.launcher.config import RLConfig
 
 
 def check_rl(config: RLConfig) -> None:
+    from prime_rl.launcher.wiring import served
     from prime_rl.model.local import num_experts
-    from prime_rl.rl.wiring import served
 
     teacher = config.teacher
     raise_problems(

@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from prime_rl.config import BaseConfig, RootConfig
-from prime_rl.defaults import DEFAULT_OUTPUT_DIR
+from prime_rl.config.defaults import DEFAULT_OUTPUT_DIR
 from prime_rl.model.config import ModelConfig
 from prime_rl.model.local import max_model_len
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from prime_rl.rl.config import RLConfig
+    from prime_rl.launcher.config import RLConfig
 
 
 def why_server(config: RLConfig) -> str | None:

@@ -13,7 +13,7 @@ import os
 import signal
 from pathlib import Path
 
-from prime_rl.activity import ENGINE_CORE, State, start_ticks
+from prime_rl.runtime.activity import ENGINE_CORE, State, start_ticks
 
 
 def process_tree(root: int) -> list[int]:

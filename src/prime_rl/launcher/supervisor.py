@@ -27,19 +27,19 @@ import sys
 import time
 from pathlib import Path
 
-from prime_rl import activity, secret
 from prime_rl.auth import tenant
 from prime_rl.config.files import write_config
-from prime_rl.disk import DiskFull, writing
 from prime_rl.engine.server import UnsafeFolder, is_healthy, server_env
-from prime_rl.layout import record_restart, restarts_path
-from prime_rl.rl.child import Child, start_child
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.machine import here
-from prime_rl.rl.plan import Plan, Server, plan
-from prime_rl.rl.processes import kill_culprit, kill_tree, process_tree, tree_of
-from prime_rl.rl.watchdog import Watchdog, look, stall_line, waiting_line
-from prime_rl.rl.wiring import hosts
+from prime_rl.launcher.child import Child, start_child
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.machine import here
+from prime_rl.launcher.plan import Plan, Server, plan
+from prime_rl.launcher.processes import kill_culprit, kill_tree, process_tree, tree_of
+from prime_rl.launcher.watchdog import Watchdog, look, stall_line, waiting_line
+from prime_rl.launcher.wiring import hosts
+from prime_rl.runtime import activity, secret
+from prime_rl.runtime.disk import DiskFull, writing
+from prime_rl.runtime.layout import record_restart, restarts_path
 
 GRACE_S = 15.0
 CHECK_S = 1.0

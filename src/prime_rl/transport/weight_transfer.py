@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from prime_rl import secret
+from prime_rl.runtime import secret
 
 DTYPES = {
     str(d).removeprefix("torch."): d

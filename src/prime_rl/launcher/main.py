@@ -5,20 +5,20 @@ import sys
 
 from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
-from prime_rl.rl.config import RLConfig
-from prime_rl.rl.preflight import check_rl
+from prime_rl.launcher.config import RLConfig
+from prime_rl.launcher.preflight import check_rl
 
 
 def _dry_run(config: RLConfig) -> str:
     if config.deployment.type == "slurm":
-        from prime_rl.rl.slurm import dry_run
+        from prime_rl.launcher.slurm import dry_run
 
         return dry_run(config)
     return to_toml(config, redacted=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from prime_rl.rl.slurm import SlurmError, submit
+    from prime_rl.launcher.slurm import SlurmError, submit
 
     try:
         # Every check that needs no process runs here, so a mistake costs seconds, not a vLLM start-up.
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     except SlurmError as e:  # (a job that cannot be rendered, with --dry-run too, or submitted)
         sys.stderr.write(f"rl: error: {e}\n")
         raise SystemExit(1) from None
-    from prime_rl.rl.launcher import launch
-    from prime_rl.rl.mode import resolve
+    from prime_rl.launcher.mode import resolve
+    from prime_rl.launcher.supervisor import launch
 
     config, line = resolve(config)
     print(line, flush=True)

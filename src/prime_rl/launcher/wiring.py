@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prime_rl.engine.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
+from prime_rl.inference.config import LORA_RANKS, InferenceConfig, ServeLoRAConfig, ServerConfig
+from prime_rl.launcher.config import DeploymentConfig, RLConfig
+from prime_rl.launcher.machine import Machine
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs_config import TeacherConfig
-from prime_rl.rl.config import DeploymentConfig, RLConfig
-from prime_rl.rl.machine import Machine
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.transport.config import TransportConfig
 

@@ -1,5 +1,5 @@
 """What each process of a run is doing now, and since when: one small record per process (per
-trainer rank, per env worker), which `rl`'s watchdog (`rl/watchdog.py`) reads to tell a run that
+trainer rank, per env worker), which `rl`'s watchdog (`launcher/watchdog.py`) reads to tell a run that
 hangs from one that works, and to name the process that hangs.
 
 A record is a 4 KiB file `<output_dir>/activity/<label>.<pid>` that the process maps into memory:

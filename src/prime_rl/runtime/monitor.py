@@ -19,7 +19,7 @@ from typing import Any
 
 from prime_rl.config import BaseConfig
 from prime_rl.config.redact import redact
-from prime_rl.disk import writing
+from prime_rl.runtime.disk import writing
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.engine.server import is_cpu_build
+from prime_rl.launcher.config import RLConfig
 from prime_rl.model.local import num_experts
-from prime_rl.net import free_port
-from prime_rl.rl.config import RLConfig
+from prime_rl.runtime.net import free_port
 from prime_rl.transport.config import resolve_run_id
 
 

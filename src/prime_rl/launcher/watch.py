@@ -18,11 +18,11 @@ from pathlib import Path
 
 from pydantic import Field
 
-from prime_rl import activity
 from prime_rl.config import parse_config
 from prime_rl.config.base import RootConfig
-from prime_rl.defaults import DEFAULT_OUTPUT_DIR
-from prime_rl.rl.watchdog import Watchdog, stack_file, stall_line, write_stacks
+from prime_rl.config.defaults import DEFAULT_OUTPUT_DIR
+from prime_rl.launcher.watchdog import Watchdog, stack_file, stall_line, write_stacks
+from prime_rl.runtime import activity
 
 
 class WatchdogConfig(RootConfig):

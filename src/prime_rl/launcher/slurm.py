@@ -18,9 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prime_rl import secret
 from prime_rl.config.files import config_args, write_config
-from prime_rl.rl.config import RLConfig
+from prime_rl.launcher.config import RLConfig
+from prime_rl.runtime import secret
 
 
 class SlurmError(RuntimeError):
@@ -144,7 +144,7 @@ DRAIN_MARGIN_S = 30
 
 def array_config(config: RLConfig):
     """What every task of the inference array serves: the run's policy server, joining its pool."""
-    from prime_rl.rl.wiring import served
+    from prime_rl.launcher.wiring import served
 
     base = served(config, 0)
     out = Path(config.output_dir).resolve()

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.config.files import config_args
-from prime_rl.engine.config import InferenceConfig
 from prime_rl.engine.server import server_command
-from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.rl.config import DeploymentConfig, RLConfig
-from prime_rl.rl.machine import Machine
-from prime_rl.rl.placement import Placement, placement
-from prime_rl.rl.wiring import (
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.launcher.config import DeploymentConfig, RLConfig
+from prime_rl.launcher.machine import Machine
+from prime_rl.launcher.placement import Placement, placement
+from prime_rl.launcher.wiring import (
     WILDCARD,
     hosts,
     orchestrator_config,
@@ -34,6 +33,7 @@ from prime_rl.rl.wiring import (
     teacher_server,
     trainer_config,
 )
+from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.trainer.config import TrainerConfig
 
 

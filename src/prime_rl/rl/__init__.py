@@ -1,1 +1,0 @@
-"""`uv run rl`: one config resolved into inference, orchestrator and trainer, launched together."""
