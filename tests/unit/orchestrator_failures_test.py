@@ -11,10 +11,10 @@ import pytest
 from orchestrator_test import assert_accounting, env_workers, make_config, received, rollouts, run
 
 from fake_server import FakeServer, Reply, user_text
-from prime_rl.runtime.monitor import read_metrics
 from prime_rl.orchestrator.loop.failures import RolloutsFailing
 from prime_rl.orchestrator.loop.orchestrator import Orchestrator
 from prime_rl.orchestrator.loop.sender import BatchSender
+from prime_rl.runtime.monitor import read_metrics
 from prime_rl.transport.messages import decode
 
 __all__ = ["env_workers"]  # a fixture, used by name
