@@ -98,3 +98,14 @@ def test_an_env_with_tools_stops_in_one_line_where_the_machine_cannot_sandbox(mo
     # An env without tools needs no sandbox; the explicit opt-out runs the tools in process.
     assert load_v1_env("reverse-text", {}, SandboxConfig()).sandbox is not None
     assert load_v1_env("tool-add", {}, SandboxConfig(runtime="none")).sandbox is None
+
+
+def test_the_host_side_is_the_module_the_orchestrator_names_to_the_host():
+    """The orchestrator's side names the host's by a string (so that neither imports the other in a
+    circle): that string loads the host's entry points."""
+    import importlib
+
+    from prime_rl.orchestrator.envs.sandboxed_tools import HOST
+
+    session = importlib.import_module(HOST)
+    assert all(callable(getattr(session, name, None)) for name in ("preload", "open_tools", "call_tool"))

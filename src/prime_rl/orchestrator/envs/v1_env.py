@@ -35,7 +35,7 @@ from prime_rl.orchestrator.envs.policy import Policy, SharedFirstTurn, TurnAudit
 from prime_rl.orchestrator.envs.renderer import Renderer
 from prime_rl.orchestrator.envs.rewards import RewardRunner
 from prime_rl.orchestrator.envs.sandboxed_tools import ENV as TOOLS_ENV
-from prime_rl.orchestrator.envs.sandboxed_tools import HERE as SANDBOXED_TOOLS
+from prime_rl.orchestrator.envs.sandboxed_tools import HOST as TOOL_SESSION
 from prime_rl.orchestrator.envs.sandboxed_tools import SandboxedTools
 from prime_rl.orchestrator.envs.scoring import RewardError, Scorer
 from prime_rl.orchestrator.envs.speedups import cache_default_factory_signatures
@@ -165,10 +165,10 @@ class V1Env:
                 # Imported once in the host, before its sessions fork: a session then only builds
                 # its tools (loading the env imports the orchestrator's env side and verifiers).
                 modules = [
-                    SANDBOXED_TOOLS,
+                    TOOL_SESSION,
                     __name__,
                     env_module_name(self.env_id),
-                    f"{SANDBOXED_TOOLS}:preload",
+                    f"{TOOL_SESSION}:preload",
                 ]
                 env = {TOOLS_ENV: json.dumps([self.env_id, self.args])}
                 try:
