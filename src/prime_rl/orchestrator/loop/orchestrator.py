@@ -1,11 +1,10 @@
 """The orchestrator's step loop: collect a step's groups, build its batch, save, send, log.
 
-One asyncio process. The loop per step: collect its groups (`collect.py`: follow the trainer's
-weights, drop what is stale, dispatch what the policy lag allows, and wait for groups until the
-step's batch is full). Then the batch is built (advantages, samples, packing) in a worker thread,
-its rollouts and metrics are written, it is saved with the progress checkpoint (the commit point),
-and streamed to the trainer ranks. A kill at any point leaves every committed step with exactly one
-metrics record and its rollouts on disk. Generation for the next steps continues meanwhile.
+One asyncio process. Per step: collect its groups (`collect.py`: follow the trainer's weights, drop
+what is stale, dispatch what the policy lag allows, wait until the batch is full); build the batch
+in a worker thread; write its rollouts and metrics, save it with the progress checkpoint (the
+commit point) and stream it to the trainer ranks, while generation for the next steps goes on.
+Invariant: a kill at any point leaves every committed step with one metrics record and its rollouts.
 """
 
 from __future__ import annotations
