@@ -258,13 +258,16 @@ def test_in_engine_mode_a_frozen_then_a_killed_engine_core_is_restarted_and_ever
         wait_for(lambda: len(trainer_steps(run)) >= 3, "3 trainer steps")
         frozen = engine_core(run)
         os.kill(frozen.pid, signal.SIGSTOP)
-        done_at = len(trainer_steps(run))
         wait_for(lambda: stall_lines(console.read_text()), "a stall line")
-        wait_for(lambda: len(trainer_steps(run)) > done_at + 1, "two steps after the freeze")
+        # The kill must find the restarted engine serving: steps counted from the first restart's
+        # line (ones counted from the freeze can be the batches made before it, and the kill then
+        # lands on an engine core still starting, which the first restart itself replaces).
+        wait_for(lambda: "restarting the engine (1 of 3" in console.read_text(), "the first restart")
+        healed_at = len(trainer_steps(run))
+        wait_for(lambda: len(trainer_steps(run)) > healed_at + 1, "two steps after the first restart")
         killed = engine_core(run, other_than=frozen.pid)
-        done_at = len(trainer_steps(run))
         os.kill(killed.pid, signal.SIGKILL)
-        wait_for(lambda: len(trainer_steps(run)) > done_at + 1, "two steps after the kill")
+        wait_for(lambda: "restarting the engine (2 of 3" in console.read_text(), "the restart after the kill")
         proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
