@@ -125,7 +125,13 @@ SERVERS = pytest.StashKey[SharedServers]()
 def shared_servers(request, tmp_path_factory):
     # One vLLM cache for every server of the run (the ones `rl` starts too, through the environment
     # they inherit): a start then finds its model class's inspection there instead of running it.
-    cache = tmp_path_factory.mktemp("vllm-cache")
+    # Every xdist worker's too (a worker's basetemp is a folder of the run's): each inspected every
+    # model class again, 8 s of CPU apiece. vLLM writes its cache files atomically.
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):
+        root = root.parent
+    cache = root / "vllm-cache"
+    cache.mkdir(exist_ok=True)
     saved = os.environ.get("VLLM_CACHE_ROOT")
     os.environ["VLLM_CACHE_ROOT"] = str(cache)
     servers = SharedServers(tmp_path_factory.getbasetemp() / SHARED_STARTS)

@@ -151,9 +151,11 @@ def test_sbatch_reads_an_odd_run_folder_and_working_directory_whole(tmp_path):
         tmp_path, '[deployment.slurm]\nsbatch_args = ["--comment=a b # c"]\n', run=ODD, cwd=workdir
     )
     # sbatch parses the #SBATCH lines before it needs a controller; a stand-in config is enough.
+    # (MessageTimeout: sbatch then gives up on the absent controller at once, not after 18 s of retries.)
     conf = tmp_path / "slurm.conf"
     conf.write_text(
-        "ClusterName=t\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n"
+        "ClusterName=t\nSlurmctldHost=localhost\nMessageTimeout=1\nNodeName=localhost CPUs=1\n"
+        "PartitionName=p Nodes=localhost\n"
     )
     env = {**os.environ, "SLURM_CONF": str(conf)}
     done = subprocess.run(

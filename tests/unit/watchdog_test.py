@@ -197,6 +197,28 @@ def test_a_stall_is_declared_after_the_adaptive_timeout_and_not_before(sleepers,
     assert dog.check(t0 + 150 + 152) is None  # one verdict per stall, then a first step's timeout
 
 
+def test_a_trainer_resumed_from_a_checkpoint_times_neither_the_jump_to_its_step_nor_its_first_step(
+    sleepers, tmp_path
+):
+    """A restarted trainer says step 0 while it loads, then the step it resumes at: that jump is no
+    step trained, and the first step after it (waiting for the re-sent batches) is not timed either."""
+    folder = tmp_path / "activity"
+    trainer = sleepers()
+    t0 = time.time()
+    dog = Watchdog(folder, timeout_s=None, floor_s=10.0, first_step_s=600.0)
+    fake(folder, trainer, "trainer-rank0", "trainer", "loading the model and its checkpoint", at=t0, io=True)
+    assert dog.check(t0) is None
+    # Resumed at step 4 after 5 s of loading; step 4 waits 40 s for its batches, then 1 s steps.
+    for step, at in ((4, 5), (5, 45), (6, 46), (7, 47)):
+        waiting = f"waiting for the micro-batches of step {step}"
+        fake(folder, trainer, "trainer-rank0", "trainer", waiting, "orchestrator", step=step, at=t0 + at)
+        assert dog.check(t0 + at) is None
+        # Publishing the step is file work: the same step, no new one.
+        fake(folder, trainer, "trainer-rank0", "trainer", "publishing", step=step, at=t0 + at + 0.5, io=True)
+        assert dog.check(t0 + at + 0.5) is None
+    assert dog.stall_timeout_s() == 10.0  # the floor: 5 x 1 s, not 5 x 40 s
+
+
 def test_before_the_first_step_the_fixed_first_step_timeout_holds_and_a_fixed_one_overrides(
     sleepers, tmp_path
 ):

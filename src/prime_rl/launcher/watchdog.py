@@ -136,7 +136,10 @@ class Watchdog:
     def _time_steps(self, states: list[State], now: float) -> None:
         """The slowest trainer step so far: the time between two step changes, the first one after
         start-up or a restart not counted (it holds the model's load and the first rollouts)."""
-        steps = [s.step for s in states if s.kind == "trainer"]
+        # A trainer's step in an io state is no news: while it loads it says 0, not yet the step it
+        # resumes at (that jump is no step trained; timed, the slow first step after it would be),
+        # and publishing or checkpointing repeats the step it just trained.
+        steps = [s.step for s in states if s.kind == "trainer" and not s.io]
         if not steps:
             return
         step = max(steps)

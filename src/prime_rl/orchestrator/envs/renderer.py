@@ -52,9 +52,9 @@ class Renderer:
     @functools.cache
     def for_model(cls, name: str) -> Renderer:
         """The renderer of the model `name` (a folder or hub id), loaded once per process."""
-        from transformers import AutoTokenizer
+        from prime_rl.model.tokenizer import load_tokenizer
 
-        return cls(AutoTokenizer.from_pretrained(name))
+        return cls(load_tokenizer(name))
 
     def render(
         self, messages: list[dict], tools: list[dict] | None = None, generation: bool = True
