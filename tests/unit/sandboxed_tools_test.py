@@ -27,12 +27,14 @@ def descends_from_us(pid: int) -> bool:
     while pid > 1:
         if pid == os.getpid():
             return True
-        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        pid = parent(pid)
     return False
 
 
-def host_process() -> tuple[int, int]:
-    """(pid, user) of the tool host this test started."""
+def hosts_of_ours() -> set[int]:
+    """The sandbox hosts this process started (at any depth), a test of this worker's included that
+    keeps one running beside ours."""
+    found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -41,16 +43,30 @@ def host_process() -> tuple[int, int]:
                 and not args[0].endswith(b"bwrap")
                 and descends_from_us(int(pid))
             ):
-                return int(pid), os.stat(f"/proc/{pid}").st_uid
+                found.add(int(pid))
         except OSError:
             pass
-    raise AssertionError("no tool host of ours runs")
+    return found
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def host_process(before: set[int]) -> tuple[int, int]:
+    """(pid, user) of the tool host this test started: the one not running `before` whose parent is
+    no host (its sessions are forks of it, with its command line)."""
+    new = hosts_of_ours() - before
+    roots = [pid for pid in new if parent(pid) not in new]
+    assert len(roots) == 1, f"tool hosts started by this test: {sorted(new)}"
+    return roots[0], os.stat(f"/proc/{roots[0]}").st_uid
 
 
 def test_tool_add_calls_its_tool_in_the_sandbox_with_the_same_results():
     replies = [call(1, 2), '<tool_call>\n{"name": "mul", "arguments": {}}\n</tool_call>', "3"]
 
     async def go():
+        before = hosts_of_ours()
         env = load_v1_env("tool-add", {}, SandboxConfig())
         renderer = Renderer.for_model(TOOL_MODEL)
         started_before = env.host is not None
@@ -59,7 +75,7 @@ def test_tool_add_calls_its_tool_in_the_sandbox_with_the_same_results():
                 env.first, 0, 1, Scripted(renderer, replies), renderer, "m", SamplingArgs(max_tokens=32),
                 "tool-add", 0, [], 60,
             )  # fmt: skip
-            host_pid, uid = host_process()
+            host_pid, uid = host_process(before)
         finally:
             await env.close()
         return started_before, rollout, uid, host_pid
@@ -76,7 +92,7 @@ def test_tool_add_calls_its_tool_in_the_sandbox_with_the_same_results():
         _, alive = psutil.wait_procs([psutil.Process(host_pid)], timeout=120)
     except psutil.NoSuchProcess:
         alive = []
-    assert not alive
+    assert not alive, [(p.pid, p.ppid(), p.status(), p.cmdline()) for p in alive]
 
 
 def test_an_env_with_tools_stops_in_one_line_where_the_machine_cannot_sandbox(monkeypatch):
