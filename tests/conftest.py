@@ -1,6 +1,8 @@
 """Shared fixtures: the tiny model is built once per test run (it takes ~10 s); every test
-fails if it leaves a thread running or a logging handler on a closed stream (`_nothing_left_running`)."""
+fails if it leaves a thread running, a sandbox's tool host or a logging handler on a closed stream
+(`_nothing_left_running`)."""
 
+import contextlib
 import logging
 import os
 import shutil
@@ -10,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 # One torch (OpenMP) thread in the tests and the processes they start, unless they set their own (as
@@ -80,6 +83,20 @@ def _all_handlers() -> list[tuple[str, logging.Handler]]:
     return [(name, handler) for name, logger in loggers for handler in list(logger.handlers)]
 
 
+def _tool_hosts() -> dict[int, str]:
+    """This process's descendants that are tool hosts (`prime_rl.sandbox.host`), with their command
+    line: an env that is never closed leaves its host running until the process ends."""
+    hosts = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "prime_rl.sandbox.host" in cmdline:
+            hosts[proc.pid] = " ".join(cmdline)
+    return hosts
+
+
 def _where(thread: threading.Thread) -> str:
     frame = sys._current_frames().get(thread.ident)
     return (
@@ -107,12 +124,28 @@ def _restore_logging(saved: dict[str, tuple[list[logging.Handler], int, bool]]) 
         logger.propagate = propagate
 
 
+def _hosts_left(before: dict[int, str], deadline: float) -> dict[int, str]:
+    """The tool hosts started during a test that are still running at `deadline` (killed then, so
+    that the next test starts without them)."""
+    new = {pid: cmd for pid, cmd in _tool_hosts().items() if pid not in before}
+    procs = []
+    for pid in new:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, deadline - time.monotonic()))
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return {proc.pid: new[proc.pid] for proc in alive}
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_running():
-    """Fails a test that leaves a non-daemon thread running, or a logging handler writing to a
-    closed stream; puts the loggers that `setup_logging` configures back as they were before it, and
+    """Fails a test that leaves a non-daemon thread running, a tool host (an env it never closed), or
+    a logging handler writing to a closed stream; puts the loggers that `setup_logging` configures back as they were before it, and
     stops the activity record that a main run in-process started."""
     threads = set(threading.enumerate())
+    hosts = _tool_hosts()
     saved = {name: (list(lg.handlers), lg.level, lg.propagate) for name, lg in _configured_loggers().items()}
     activity = sys.modules.get("prime_rl.runtime.activity")
     record = activity and activity._record
@@ -133,9 +166,15 @@ def _nothing_left_running():
     for thread in left:
         thread.join(max(0.0, deadline - time.monotonic()))
     left = [t for t in left if t.is_alive()]
-    problems = [f"a thread still running {LINGER_S:g} s after the test: {_where(t)}" for t in left] + [
-        f"logger {name!r} has a handler on a closed stream: {handler!r}" for name, handler in closed
-    ]
+    hosts_left = _hosts_left(hosts, deadline)
+    problems = (
+        [f"a thread still running {LINGER_S:g} s after the test: {_where(t)}" for t in left]
+        + [
+            f"a tool host still running (an env not closed): pid {pid}: {cmd}"
+            for pid, cmd in hosts_left.items()
+        ]
+        + [f"logger {name!r} has a handler on a closed stream: {handler!r}" for name, handler in closed]
+    )
     if problems:
         pytest.fail("the test left behind:\n  " + "\n  ".join(problems), pytrace=False)
 

@@ -89,6 +89,10 @@ class FakeServer:
     """The folder `GET /prime_rl/weights` says weights load from (unset: it does not say)."""
     adapters_root: str | None = None
     """Serve `GET /prime_rl/adapters` as a LoRA server with this root (unset: no such route)."""
+    load_status: int = 200
+    """The status a weight reload is answered with (not 200: it fails, as a vLLM whose engine died)."""
+    hold_loads: threading.Event | None = None
+    """A weight reload, once recorded, waits for this event before it is answered."""
 
     def __post_init__(self):
         from prime_rl.inference.authenticated import Authenticated
@@ -105,6 +109,12 @@ class FakeServer:
             body = await req.json()
             self.loads.append(body)
             self.events.append(f"load {body['step']}")
+            if self.hold_loads is not None:
+                await asyncio.to_thread(self.hold_loads.wait)
+            if self.load_status != 200:
+                return JSONResponse(
+                    {"error": "EngineCore encountered an issue"}, status_code=self.load_status
+                )
             return {"step": body["step"]}
 
         @app.get("/prime_rl/weights")

@@ -50,11 +50,20 @@ def play(
     """The rollouts of one group of `env_id` (taskset config `args`, or the loaded `env`) whose model
     says `replies` (with MoE `routes` on every call); without `merge`, each rollout's first turn is a
     call of its own (so the rollouts of a group can say different things)."""
+    owned = env is None  # an env loaded here is closed here (its tool host, if any, with it)
     env = env or load_v1_env(env_id, args)
     task = next(itertools.islice(env.tasks(), row, None))
     renderer = Renderer.for_model(model)
     sampler = Scripted(renderer, replies, routes=routes)
     args = SamplingArgs(max_tokens=32)
-    return asyncio.run(
-        env.run_group(task, task.data.idx, size, sampler, renderer, "m", args, env_id, 0, [], 30, merge)
-    ), task
+
+    async def group():
+        try:
+            return await env.run_group(
+                task, task.data.idx, size, sampler, renderer, "m", args, env_id, 0, [], 30, merge
+            )
+        finally:
+            if owned:
+                await env.close()
+
+    return asyncio.run(group()), task

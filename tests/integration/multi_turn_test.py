@@ -45,7 +45,7 @@ def test_a_three_turn_rollout_is_one_sample_with_the_exact_tokens_of_each_turn(s
     def has_three_turns(rollouts):
         return any(len(r.turns) == 3 for r in rollouts)
 
-    rollouts, wire, _ = rollouts_of(served, "digit-sum-feedback", sampling, 6, until=has_three_turns)
+    rollouts, wire = rollouts_of(served, "digit-sum-feedback", sampling, 6, until=has_three_turns)
     assert has_three_turns(rollouts)
     for r in rollouts:
         assert turn_stats(r).samples == 1 and r.drifted_turns == 0  # ChatML keeps history as it was
@@ -58,7 +58,7 @@ def test_a_three_turn_rollout_is_one_sample_with_the_exact_tokens_of_each_turn(s
 
 def test_five_turns_under_a_history_rewriting_template_train_as_one_exact_sample(served, hf, rewriting):
     sampling = SamplingConfig(temperature=1.0, max_tokens=16)
-    rollouts, wire, _ = rollouts_of(
+    rollouts, wire = rollouts_of(
         served, "turns-env", sampling, 1, size=4, renderer=rewriting, args={"turns": 5}
     )
     for r in rollouts:

@@ -43,8 +43,8 @@ def rollouts_of(
     renderer=None,
     args=None,
 ):
-    """Up to `groups` groups of `size` rollouts (fewer once `until(rollouts)` holds), the wire and the
-    env; `renderer`: the chat template the orchestrator renders with (default: the served model's)."""
+    """Up to `groups` groups of `size` rollouts (fewer once `until(rollouts)` holds) and the wire (the
+    env is closed after: a tool env's host with it); `renderer`: the chat template the orchestrator renders with (default: the served model's)."""
     env = load_env(EnvConfig(id=env_id, args=args or {}, group_size=size, sampling=sampling))
     examples = ExampleSource(env.examples, 0)
     url = f"{served.base}/v1"
@@ -63,11 +63,12 @@ def rollouts_of(
                     break
         finally:
             await wire.close()
+            await env.vf_env.close()
         return out, wire
 
     out, wire = asyncio.run(go())
     assert not [r.error for r in out if r.failed]
-    return out, wire, env
+    return out, wire
 
 
 def turn_messages(rollout, k: int) -> list[dict]:

@@ -33,7 +33,7 @@ def test_a_tool_call_rollout_runs_the_tool_and_trains_on_the_exact_tokens(served
     def called(rollouts):
         return any(r.tool_calls and len(r.turns) == 2 and turn_stats(r).samples == 1 for r in rollouts)
 
-    rollouts, wire, _env = rollouts_of(served, "tool-add", sampling, 4, until=called)
+    rollouts, wire = rollouts_of(served, "tool-add", sampling, 4, until=called)
     assert called(rollouts)
     tools = tool_schemas()  # what the orchestrator renders into the prompt
     hf = (

@@ -1,11 +1,13 @@
 """The pool's door, against fake servers: a server that registers with the run secret becomes a
 member once loaded with the current weights; one without it is refused (401, one line) and changes
 nothing; one that leaves gets no new group, its groups in flight finish or are handed back, and it is
-removed; `inference --pool.join` finds the door in the run folder; the step line shows the pool."""
+removed (a reload it fails while it leaves is its leaving, not the run's end); `inference
+--pool.join` finds the door in the run folder; the step line shows the pool."""
 
 import asyncio
 import json
 import random
+import threading
 from pathlib import Path
 
 import httpx
@@ -22,7 +24,7 @@ from prime_rl.orchestrator.loop.registry import Registry
 from prime_rl.orchestrator.loop.scheduler import Scheduler
 from prime_rl.orchestrator.loop.servers import ServerPool
 from prime_rl.orchestrator.loop.step_metrics import pool_metrics, pool_part
-from prime_rl.orchestrator.loop.weights import WeightSync
+from prime_rl.orchestrator.loop.weights import WeightSync, WeightSyncError
 from prime_rl.runtime import secret
 from prime_rl.runtime.layout import READY, pool_path
 from prime_rl.runtime.net import free_port
@@ -131,6 +133,44 @@ def test_a_leaving_server_gets_no_new_group_and_its_groups_in_flight_are_handed_
             await registry.close()
             await sched.shutdown()
             await sched.env_side.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("leaves", [True, False], ids=["leaving", "staying"])
+def test_a_server_that_fails_a_reload_while_it_leaves_is_left_behind_and_one_that_stays_stops_the_run(
+    tmp_path, leaves
+):
+    """The race seen in a real run: a server stopped while a reload is in flight answers 500 (its
+    engine is going); it has left meanwhile, so the others load on. The same 500 from a member
+    that stays is a server that cannot load this run's weights: the run stops, naming it."""
+
+    async def scenario():
+        run = tmp_path / "run"
+        hold = threading.Event()
+        going = FakeServer(weights_dir=str(run / "weights"), load_status=500, hold_loads=hold)
+        with FakeServer(weights_dir=str(run / "weights")) as first, going as second:
+            pool, weights, _, _, _ = await pool_with(first, run)
+            member = pool.join(second.base_url)
+            member.up, member.joining = True, False
+            publish(run, 1)
+            poll = asyncio.create_task(weights.poll())
+            while not second.loads:  # the reload reached it
+                await asyncio.sleep(0.01)
+            if leaves:
+                pool.remove(member)
+            hold.set()
+            try:
+                if leaves:
+                    assert await poll == 1  # the run is at step 1, on the server that stays
+                    assert [load["step"] for load in first.loads] == [1]
+                else:
+                    with pytest.raises(
+                        WeightSyncError, match=rf"{second.port}.* refused to load .* step 1 \(500\)"
+                    ):
+                        await poll
+            finally:
+                hold.set()
 
     asyncio.run(scenario())
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _resolve(spec: str):
+def resolve(spec: str):
+    """The object a "module:qualname" names (how a session names the function it calls)."""
     module, _, qualname = spec.partition(":")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
@@ -136,7 +137,7 @@ class Worker:
         for line in stream:
             try:
                 call = json.loads(line)
-                result = _resolve(call["fn"])(**call.get("kwargs", {}))
+                result = resolve(call["fn"])(**call.get("kwargs", {}))
                 if inspect.isawaitable(result):
                     result = self.loop.run_until_complete(result)
                 answer = {"result": result}
@@ -224,7 +225,7 @@ def main() -> None:
     host = Host(Limits.from_env())
     for module in modules:  # paid once, before the first worker forks; a function is called
         if ":" in module:
-            _resolve(module)()
+            resolve(module)()
         else:
             importlib.import_module(module)
     # What the imports made is never collected again: a worker's collections would otherwise touch

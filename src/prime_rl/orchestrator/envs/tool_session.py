@@ -8,12 +8,12 @@ taskset's), so a trace's tool state dies with its session; `call_tool` never rai
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
 from prime_rl.orchestrator.envs.sandboxed_tools import ENV
 from prime_rl.orchestrator.envs.tools import ToolBox
+from prime_rl.sandbox.host import resolve
 
 _env = None
 _box: ToolBox | None = None
@@ -28,21 +28,13 @@ def preload() -> None:
     _env = load_v1_env(env_id, args)
 
 
-def _named(name: str):
-    module, _, qualname = name.partition(":")
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def open_tools(task: str, config: list) -> list[str]:
     """In the session: its own tools built, as the trace's (its task type's toolsets for its task
     config `[config type, fields]`, and the taskset's)."""
     global _box
     try:
-        kind, (config_type, fields) = _named(task), config
-        own = kind.toolsets(_named(config_type).model_validate(fields))
+        kind, (config_type, fields) = resolve(task), config
+        own = kind.toolsets(resolve(config_type).model_validate(fields))
     except (ImportError, AttributeError):  # a type not importable by its name (defined in a function)
         own = _env.first.toolsets(_env.first.config)
     _box = ToolBox.of([*own, *_env.shared_tools], schemas=False)

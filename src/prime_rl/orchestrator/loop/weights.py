@@ -264,7 +264,17 @@ class WeightSync:
                     self.pool.suspect(server)
                     unreachable.append(server)
                     return
-                if resp.status_code != 200:
+                if resp.status_code != 200 and server.lost:
+                    # It left the pool (or is leaving) while the reload was in flight: its vLLM may
+                    # be shutting down under the request. A departure, not a refusal.
+                    log.info(
+                        "%s left the pool during the weight reload of step %d (%d)",
+                        server.root_url,
+                        step,
+                        resp.status_code,
+                    )
+                    unreachable.append(server)
+                elif resp.status_code != 200:
                     what = f"the adapter '{self.adapter.name}'" if self.adapter else "the weights"
                     raise WeightSyncError(
                         f"{server.root_url} refused to load {what} of step {step} ({resp.status_code}): {_error(resp)}"
