@@ -3,6 +3,7 @@ fails if it leaves a thread running, a sandbox's tool host or a logging handler 
 (`_nothing_left_running`)."""
 
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -33,7 +34,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PRIME_RL_NO_SECRET", "1")
 
 
+def _collects(config) -> bool:
+    """Whether this process collects the tests: an xdist worker, or a run without workers."""
+    return hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+
+
 def pytest_configure(config) -> None:
+    if _collects(config):
+        # Collecting imports the test modules and what they import (torch, vLLM, verifiers): with the
+        # cyclic collector paused, and what they made frozen at the end, as our processes import
+        # (`prime_rl/runtime/imports.py`): they live as long as this process.
+        gc.disable()
     # The suite starts some 400 Python processes that import prime_rl, its environments and these
     # tests' helpers from source. Where PYTHONDONTWRITEBYTECODE is set (CI machines set it), none of
     # them saves what it compiled, so each compiled the package again: 0.3-0.4 s of CPU apiece.
@@ -46,6 +57,18 @@ def pytest_configure(config) -> None:
     root = Path(__file__).parent.parent
     for folder in ("src", "environments", "tests"):
         compileall.compile_dir(root / folder, quiet=1)
+
+
+def pytest_collection_finish(session) -> None:
+    if _collects(session.config):
+        gc.freeze()
+        gc.enable()
+
+
+def pytest_unconfigure(config) -> None:
+    # Collectable again at exit, as an ordinary process's are (nanobind, in triton, otherwise
+    # reports each of its objects as leaked).
+    gc.unfreeze()
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -220,11 +220,18 @@ def test_two_trainer_ranks_one_frozen_mid_run_the_other_gives_up_and_rl_restarts
 
 
 def engine_core(run: Path, other_than: int = 0) -> activity.State:
-    """The live record of vLLM's engine core in the orchestrator (engine mode), waiting for a new one."""
+    """The live record of vLLM's engine core in the orchestrator (engine mode), waiting for a new one
+    that is generating: frozen or killed then, it has requests in flight, which its end fails (idle,
+    it lost none: the orchestrator waits for the trainer most of a tiny model's step)."""
     deadline = time.monotonic() + 300
     while True:
         for s in activity.read_all(run / "activity"):
-            if s.label == activity.ENGINE_CORE and s.running() and s.pid != other_than:
+            if (
+                s.label == activity.ENGINE_CORE
+                and s.running()
+                and s.pid != other_than
+                and s.doing == "generating"
+            ):
                 return s
         assert time.monotonic() < deadline, "no engine core record"
         time.sleep(0.2)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from prime_rl.engine.sampling import BadRequestError, Completion, SamplingArgs
 from prime_rl.engine.server import is_cpu_build, server_command, server_env
+from prime_rl.runtime.imports import heavy_imports
 
 if TYPE_CHECKING:
     # The caller builds the config; the engine only reads it, and loads no process package.
@@ -287,11 +288,12 @@ class LocalEngine:
 def _build(argv: list[str], output_dir: Path):
     """vLLM's engine for the command line `argv`, built as vLLM's API server builds its own; its
     engine core keeps an activity record in the run `output_dir`'s folder (`core_record.py`)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm.v1.engine.async_llm import AsyncLLM
+    with heavy_imports():
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.v1.engine.async_llm import AsyncLLM
 
     from prime_rl.engine.core_record import keep_records
     from prime_rl.engine.forked import fork_engine_processes

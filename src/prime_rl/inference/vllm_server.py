@@ -44,6 +44,7 @@ from prime_rl.auth.store import RemoteStore, StoreRefused
 from prime_rl.inference.adapters import make_adapter_router
 from prime_rl.inference.authenticated import Authenticated, log_refusal
 from prime_rl.runtime import activity, secret
+from prime_rl.runtime.imports import heavy_imports
 from prime_rl.runtime.layout import READY, verify_weights
 from prime_rl.transport.weight_transfer import DTYPES, chunk_bytes, plan_from_json
 
@@ -285,11 +286,12 @@ def main() -> None:
     label = os.environ.get(activity.ENV_LABEL, "inference")
     activity.start(label, "inference", weights_dir.parent, doing="starting vLLM")
 
-    import vllm.entrypoints.launchers.api_server.entry as entry
+    with heavy_imports(freeze=True):  # this process's own start
+        import vllm.entrypoints.launchers.api_server.entry as entry
 
-    from prime_rl.engine.forked import fork_engine_processes
-    from prime_rl.engine.front_end import speed_up_front_end
-    from prime_rl.engine.server import is_cpu_build
+        from prime_rl.engine.forked import fork_engine_processes
+        from prime_rl.engine.front_end import speed_up_front_end
+        from prime_rl.engine.server import is_cpu_build
 
     if is_cpu_build():
         fork_engine_processes(entry)

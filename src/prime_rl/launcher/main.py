@@ -7,6 +7,7 @@ from prime_rl.config import parse_config
 from prime_rl.config.cli import to_toml
 from prime_rl.launcher.config import RLConfig
 from prime_rl.launcher.preflight import check_rl
+from prime_rl.runtime.imports import heavy_imports
 
 
 def _dry_run(config: RLConfig) -> str:
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         # Every check that needs no process runs here, so a mistake costs seconds, not a vLLM start-up.
-        config = parse_config(RLConfig, argv, prog="rl", check=check_rl, dry_run=_dry_run)
+        with heavy_imports(freeze=True):  # the checks import the envs: this process's own start
+            config = parse_config(RLConfig, argv, prog="rl", check=check_rl, dry_run=_dry_run)
         if config.deployment.type == "slurm":
             raise SystemExit(submit(config))
     except SlurmError as e:  # (a job that cannot be rendered, with --dry-run too, or submitted)

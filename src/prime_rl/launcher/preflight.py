@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from prime_rl.config import raise_problems
 from prime_rl.inference.preflight import inference_problems
 from prime_rl.orchestrator.preflight import orchestrator_problems, teacher_problem
+from prime_rl.runtime.imports import heavy_imports
 from prime_rl.trainer.preflight import trainer_problems
 
 if TYPE_CHECKING:
@@ -24,14 +25,16 @@ def check_rl(config: RLConfig) -> None:
     from prime_rl.model.local import num_experts
 
     teacher = config.teacher
-    raise_problems(
-        inference_problems(
-            served(config, num_experts(config.inference.model.name)),
-            "inference.",
-            lora_key=None if config.inference.lora else "trainer.lora",
-            routes_key=None if config.inference.return_routes else "orchestrator.return_routes",
+    with heavy_imports():  # the envs' modules (and verifiers), the plugins the config names
+        problems = (
+            inference_problems(
+                served(config, num_experts(config.inference.model.name)),
+                "inference.",
+                lora_key=None if config.inference.lora else "trainer.lora",
+                routes_key=None if config.inference.return_routes else "orchestrator.return_routes",
+            )
+            + orchestrator_problems(config.orchestrator, "orchestrator.")
+            + trainer_problems(config.trainer, "trainer.")
+            + ([teacher_problem("teacher.model.name", teacher.model.name, config.model)] if teacher else [])
         )
-        + orchestrator_problems(config.orchestrator, "orchestrator.")
-        + trainer_problems(config.trainer, "trainer.")
-        + ([teacher_problem("teacher.model.name", teacher.model.name, config.model)] if teacher else [])
-    )
+    raise_problems(problems)

@@ -24,6 +24,7 @@ from prime_rl.model.local import tokenizer_mismatch
 from prime_rl.model.reward import RewardModelError, check_reward_model_dir
 from prime_rl.orchestrator.rewards import CustomReward, unknown_kwargs
 from prime_rl.orchestrator.rewards.reward_model import RewardModelReward
+from prime_rl.runtime.imports import heavy_imports
 
 if TYPE_CHECKING:
     from prime_rl.orchestrator.config import OrchestratorConfig
@@ -126,4 +127,6 @@ def orchestrator_problems(config: OrchestratorConfig, prefix: str = "") -> list[
 
 
 def check_orchestrator(config: OrchestratorConfig) -> None:
-    raise_problems(orchestrator_problems(config))
+    with heavy_imports():  # the envs' modules (and verifiers), the plugins the config names
+        problems = orchestrator_problems(config)
+    raise_problems(problems)

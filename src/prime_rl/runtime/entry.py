@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 
+from prime_rl.runtime.imports import heavy_imports
 from prime_rl.runtime.logging_setup import setup_logging
 from prime_rl.runtime.shutdown import Stopped, exit_stopped, take_signals
 
@@ -19,7 +20,8 @@ def _run(process: str, module: str, announce: bool = True) -> None:
     setup_logging(process)  # the stop line names the process; `main` sets logging up again, fully
     take_signals(announce=announce)
     try:
-        main = importlib.import_module(module).main
+        with heavy_imports(freeze=True):  # this process's own start
+            main = importlib.import_module(module).main
     except Stopped:
         exit_stopped()
     main()

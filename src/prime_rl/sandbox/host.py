@@ -38,6 +38,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from prime_rl.runtime.imports import heavy_imports
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -223,11 +225,12 @@ class Host:
 def main() -> None:
     path, modules = sys.argv[1], sys.argv[2:]
     host = Host(Limits.from_env())
-    for module in modules:  # paid once, before the first worker forks; a function is called
-        if ":" in module:
-            resolve(module)()
-        else:
-            importlib.import_module(module)
+    with heavy_imports():
+        for module in modules:  # paid once, before the first worker forks; a function is called
+            if ":" in module:
+                resolve(module)()
+            else:
+                importlib.import_module(module)
     # What the imports made is never collected again: a worker's collections would otherwise touch
     # (and copy) every page of it.
     gc.collect()

@@ -27,9 +27,9 @@ import zmq.asyncio
 
 from prime_rl.environments import EnvError
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.envs.local import LocalEnvs
 from prime_rl.orchestrator.messages import Broken, Cancel, GroupDone, Job, Ready, Stop, ToWorker
 from prime_rl.runtime import activity
+from prime_rl.runtime.imports import heavy_imports
 from prime_rl.runtime.logging_setup import setup_logging
 from prime_rl.sandbox.tools_host import slow_call
 
@@ -56,6 +56,8 @@ async def serve(address: str, config: OrchestratorConfig) -> None:
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(address)
     parent = os.getppid()
+    with heavy_imports():  # the env side: verifiers, the envs' modules (seconds of CPU)
+        from prime_rl.orchestrator.envs.local import LocalEnvs
     envs = LocalEnvs(config)
     try:
         await envs.start()
