@@ -15,6 +15,7 @@ leaves no rank behind in a collective.
 """
 
 import ctypes
+import gc
 import importlib
 import os
 import runpy
@@ -56,7 +57,9 @@ def main() -> None:
     world_size, args = int(sys.argv[1]), sys.argv[2:]
     module = args[0] == "-m"
     target, args = (args[1], args[2:]) if module else (args[0], args[1:])
-    # What the ranks import, imported once: each forked rank finds it loaded.
+    # What the ranks import, imported once: each forked rank finds it loaded. With the collector
+    # paused, and frozen before the forks: no rank's collection walks (and copies) it again.
+    gc.disable()
     import torch.distributed  # noqa: F401
     import transformers.modeling_layers  # noqa: F401 (what loading a model imports, torch's compiler too)
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
@@ -68,6 +71,8 @@ def main() -> None:
         importlib.import_module(target)  # its imports (it runs again, as __main__, in each rank)
 
     port = free_port()
+    gc.freeze()
+    gc.enable()
     ranks: dict[int, int] = {}
     for rank in range(world_size):
         pid = os.fork()

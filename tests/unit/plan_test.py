@@ -209,7 +209,7 @@ def test_the_trainer_command_on_one_machine_and_on_each_trainer_node(tmp_path):
         assert args["--rdzv-id"] == "run-7" and args["--rdzv-conf"] == f"is_host={is_host}"
         assert args["--local-addr"] == f"10.0.0.{node + 1}"
         cfg = tmp_path / "configs" / f"node{node}" / "trainer.toml"
-        assert cmd[-3:] == ["prime_rl.trainer.main", "@", str(cfg)]
+        assert cmd[-3:] == [str(Path(sys.executable).parent / "trainer"), "@", str(cfg)]
 
 
 def test_context_parallelism_gives_the_orchestrator_data_parallel_ranks():

@@ -145,7 +145,9 @@ def trainer_command(d: DeploymentConfig, config: list[str], run_id: str, master_
     (`config_args`): the plain trainer, torchrun on one machine, or one torchrun agent of a
     multi-node world (c10d rendezvous on the first trainer node, which hosts its store; ranks are
     handed out by the rendezvous, and any mapping works: each rank pulls its own micro-batches)."""
-    module = ["-m", "prime_rl.trainer.main", *config]
+    # Every rank starts as the `trainer` script (torchrun runs it with this Python), as one rank does:
+    # signals taken before its imports, which run with the collector paused (`runtime/entry.py`).
+    script = [str(Path(sys.executable).parent / "trainer"), *config]
     torchrun = [
         sys.executable,
         "-m",
@@ -164,11 +166,11 @@ def trainer_command(d: DeploymentConfig, config: list[str], run_id: str, master_
             "--rdzv-id", run_id,
             "--rdzv-conf", f"is_host={is_host}",
             "--local-addr", d.nodes[d.node].host,
-            *module,
+            *script,
         ]  # fmt: skip
     if d.trainer_ranks > 1:
-        return [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(master_port), *module]
-    return [str(Path(sys.executable).parent / "trainer"), *config]
+        return [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(master_port), *script]
+    return script
 
 
 def _server(
