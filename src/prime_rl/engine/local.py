@@ -41,7 +41,7 @@ def engine_argv(config: InferenceConfig) -> list[str]:
     """vLLM's command line for `config`: the server's, without the interpreter, module and our flags."""
     from prime_rl.runtime import secret
 
-    argv = server_command(config)[3:]  # python -m prime_rl.inference.vllm_server
+    argv = server_command(config)[4:]  # python -m prime_rl.runtime.start prime_rl.inference.vllm_server
     out, i = [], 0
     while i < len(argv):
         if argv[i] in OUR_FLAGS:

