@@ -26,8 +26,6 @@ pytestmark = pytest.mark.slow
 RL = str(Path(sys.executable).parent / "rl")
 FLOOR_S = 15
 """The adaptive stall timeout's floor in these runs (5x the slowest step is ~20-30 s here)."""
-FIRST_STEP_S = 90
-"""The stall timeout before the watchdog has timed a step (the default, 600 s, is for big models)."""
 
 
 def trainer_steps(run: Path) -> list[int]:
@@ -67,10 +65,10 @@ def run_with_freezes(tmp_path: Path, model: Path, kinds: list[str], steps: int, 
     extra = (
         f"[trainer.ckpt]\ninterval = 2\n[deployment]\nmax_restarts = {restarts}\nrestart_backoff_s = 0.5\n"
     )
-    # Until the watchdog has timed a whole step it uses the first step's timeout: polling every 0.5 s,
-    # it can miss a tiny model's steps of well under a second (it once saw too few to time one, and
-    # the freeze waited out the default 600 s), so that timeout is bounded here too.
-    extra += f"stall_floor_s = {FLOOR_S}\nstall_first_step_s = {FIRST_STEP_S}\n"
+    # The first step's timeout stays the default (600 s): a freeze is declared within the adaptive one
+    # (the test checks), which needs the trainer's own step times (its steps here are shorter than
+    # the watchdog's polls are apart).
+    extra += f"stall_floor_s = {FLOOR_S}\n"
     toml = write_config(tmp_path, model, "reverse-text", steps=steps, extra=extra)
     run = tmp_path / "run"
     console = tmp_path / "rl.console"

@@ -206,25 +206,6 @@ def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_a
     assert seen and not alive(sorted(seen))
 
 
-def test_a_failing_process_stops_everything(tiny_model, tmp_path):
-    # An env that imports (so `rl`'s checks pass and everything starts) but fails to load.
-    toml = write_config(tmp_path, tiny_model, "empty-env", steps=3)
-    env = {**os.environ, "PYTHONPATH": ENVS}
-    proc = subprocess.Popen(
-        [RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    seen: set[int] = set()
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        seen.update(child_pids(proc.pid))
-        time.sleep(0.5)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode not in (0, None), out + err
-    assert "orchestrator exited with status 2" in err  # an env that does not load: a restart would repeat it
-    assert "empty-env" in (tmp_path / "run" / "logs" / "orchestrator.log").read_text()
-    assert seen and not alive(sorted(seen))  # no orphans: vLLM and the trainer are gone too
-
-
 def test_ctrl_c_stops_everything(tiny_model, tmp_path):
     toml = write_config(tmp_path, tiny_model, "reverse-text", steps=500)
     proc = subprocess.Popen([RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -336,15 +317,35 @@ def test_env_workers_ask_the_teacher_for_every_rollout_against_real_servers(dist
     assert all(r["error"] is None and "teacher_kl" in r["metrics"] for r in rollouts), rollouts[0]
 
 
-def test_an_env_whose_every_rollout_fails_stops_rl_with_one_line_and_is_not_retried(tiny_model, tmp_path):
-    toml = write_config(
-        tmp_path, tiny_model, "failing-env", steps=5, extra="[deployment]\nmax_restarts = 3\n"
-    )
+@pytest.fixture(scope="module")
+def failing_env_run(tiny_model, tmp_path_factory):
+    """One `rl` run of an env whose every rollout fails (its reward raises), with restarts allowed:
+    the two tests below read it. Returns (rl's status, its stdout, its stderr, its run folder, the
+    processes it started, as seen while it ran)."""
+    tmp = tmp_path_factory.mktemp("failing_env")
+    toml = write_config(tmp, tiny_model, "failing-env", steps=5, extra="[deployment]\nmax_restarts = 3\n")
     env = {**os.environ, "PYTHONPATH": ENVS}
-    cmd = [RL, "@", str(toml), "--orchestrator.max-failed-groups", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    console = proc.stdout + proc.stderr
-    assert proc.returncode == 2, console[-3000:]
+    out_path, err_path = tmp / "rl.out", tmp / "rl.err"  # files: a full pipe would stall rl
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen([RL, "@", str(toml), "--orchestrator.max-failed-groups", "4"], stdout=out,
+                                stderr=err, text=True, env=env)  # fmt: skip
+    seen: set[int] = set()
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seen.update(child_pids(proc.pid))
+        time.sleep(0.5)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    return proc.returncode, out_path.read_text(), err_path.read_text(), tmp / "run", seen
+
+
+@pytest.mark.xdist_group("failing_env")
+def test_an_env_whose_every_rollout_fails_stops_rl_with_one_line_and_is_not_retried(failing_env_run):
+    code, out, err, _, _ = failing_env_run
+    console = out + err
+    assert code == 2, console[-3000:]
     errors = [line for line in console.splitlines() if "orchestrator: error:" in line]
     assert len(errors) == 1, console[-3000:]
     assert "env 'failing-env': the last 4 groups failed entirely" in errors[0]
@@ -353,3 +354,21 @@ def test_an_env_whose_every_rollout_fails_stops_rl_with_one_line_and_is_not_retr
     assert "rl: orchestrator exited with status 2; stopping the others" in console
     assert "restarting it" not in console  # an env error is never retried
     assert "Traceback" not in console
+
+
+@pytest.mark.xdist_group("failing_env")
+def test_a_failing_process_stops_everything(failing_env_run):
+    """The orchestrator failing (status 2, the env's error) stops the whole run: vLLM and the trainer
+    are gone when `rl` returns, none left behind as an orphan."""
+    code, _, err, run, seen = failing_env_run
+    assert code not in (0, None), err[-3000:]
+    assert "orchestrator exited with status 2" in err
+    assert "failing-env" in (run / "logs" / "orchestrator.log").read_text()
+    assert {"inference", "trainer"} <= {p.stem for p in (run / "logs").glob("*.log")} and len(seen) >= 3
+    # rl reaps its children; a grandchild is waited for on a condition, not a guess of its speed.
+    left = []
+    for pid in alive(sorted(seen)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            left.append(psutil.Process(pid))
+    psutil.wait_procs(left, timeout=120)
+    assert not alive(sorted(seen))

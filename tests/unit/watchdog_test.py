@@ -137,16 +137,16 @@ def sleepers():
 
 
 def fake(folder: Path, pid: int, label: str, kind: str, doing: str, waits_on: str = "", step: int = 0,
-         at: float = 0.0, io: bool = False, beat: float | None = None) -> None:  # fmt: skip
+         at: float = 0.0, io: bool = False, beat: float | None = None, step_s: float = 0.0) -> None:  # fmt: skip
     """Write `pid`'s record as its process would: its state begun at time `at`, its heartbeat at
-    `beat` (default: `at`)."""
+    `beat` (default: `at`), its last whole step `step_s` long."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{label}.{pid}"
     if not path.exists():
         path.write_bytes(bytes(activity.SIZE))
     body = json.dumps({"label": label, "kind": kind, "pid": pid, "host": "h", "started": activity.start_ticks(pid),
                        "doing": doing, "waits_on": waits_on, "step": step, "since": at, "io": io,
-                       "progress": 0}).encode()  # fmt: skip
+                       "progress": 0, "step_s": step_s}).encode()  # fmt: skip
     data = bytearray(path.read_bytes())
     seq = struct.unpack("<Q", data[:8])[0] + 2
     data[: activity.HEADER.size] = activity.HEADER.pack(seq, at if beat is None else beat, 0.0, len(body))
@@ -162,9 +162,10 @@ def test_a_stall_is_declared_after_the_adaptive_timeout_and_not_before(sleepers,
     fake(folder, orch, "orchestrator", "orchestrator", "step 0: collecting rollouts", "inference", at=t0)
     dog = Watchdog(folder, timeout_s=None, floor_s=60.0, first_step_s=600.0)
     assert dog.check(t0) is None
-    # Steps: start-up (not counted), then 10 s, 10 s, 30 s: 5x the slowest = 150 s (above the floor).
-    for step, at in ((0, 100), (1, 110), (2, 120), (3, 150)):
-        fake(folder, trainer, "trainer-rank0", "trainer", f"step {step}: training", step=step, at=t0 + at)
+    # Steps: start-up, the first step (10 s, which the trainer does not time), then 10 s and 30 s,
+    # each said by the trainer at its next step: 5x the slowest = 150 s (above the floor).
+    for step, at, took in ((0, 100, 0.0), (1, 110, 0.0), (2, 120, 10.0), (3, 150, 30.0)):
+        fake(folder, trainer, "trainer-rank0", "trainer", f"step {step}: training", step=step, at=t0 + at, step_s=took)  # fmt: skip
         fake(
             folder,
             orch,
@@ -208,15 +209,38 @@ def test_a_trainer_resumed_from_a_checkpoint_times_neither_the_jump_to_its_step_
     dog = Watchdog(folder, timeout_s=None, floor_s=10.0, first_step_s=600.0)
     fake(folder, trainer, "trainer-rank0", "trainer", "loading the model and its checkpoint", at=t0, io=True)
     assert dog.check(t0) is None
-    # Resumed at step 4 after 5 s of loading; step 4 waits 40 s for its batches, then 1 s steps.
-    for step, at in ((4, 5), (5, 45), (6, 46), (7, 47)):
+    # Resumed at step 4 after 5 s of loading; step 4 waits 40 s for its batches (the trainer does not
+    # time its first step), then 1 s steps.
+    for step, at, took in ((4, 5, 0.0), (5, 45, 0.0), (6, 46, 1.0), (7, 47, 1.0)):
         waiting = f"waiting for the micro-batches of step {step}"
-        fake(folder, trainer, "trainer-rank0", "trainer", waiting, "orchestrator", step=step, at=t0 + at)
+        fake(folder, trainer, "trainer-rank0", "trainer", waiting, "orchestrator", step=step, at=t0 + at, step_s=took)  # fmt: skip
         assert dog.check(t0 + at) is None
         # Publishing the step is file work: the same step, no new one.
         fake(folder, trainer, "trainer-rank0", "trainer", "publishing", step=step, at=t0 + at + 0.5, io=True)
         assert dog.check(t0 + at + 0.5) is None
     assert dog.stall_timeout_s() == 10.0  # the floor: 5 x 1 s, not 5 x 40 s
+
+
+def test_steps_shorter_than_the_polls_are_timed_from_the_trainers_record(sleepers, tmp_path):
+    """A tiny model's steps take less than the watchdog's polls are apart: the polls see steps 0 and 3
+    only, and the timeout still adapts (from the step times the trainer's record says), where
+    timing steps from the polls it would stay the first step's 600 s."""
+    folder = tmp_path / "activity"
+    trainer = sleepers()
+    t0 = time.time()
+    dog = Watchdog(folder, timeout_s=None, floor_s=10.0, first_step_s=600.0)
+    for step, at, took in ((0, 0.0, 0.0), (3, 1.0, 0.4)):
+        fake(folder, trainer, "trainer-rank0", "trainer", f"step {step}: training", step=step, at=t0 + at, step_s=took)  # fmt: skip
+        assert dog.check(t0 + at) is None
+    assert dog.stall_timeout_s() == 10.0  # the floor: 5 x 0.4 s
+    # An orchestrator restart: step 3, in progress, waits 27.5 s for it (not a measure of a step);
+    # step 4 is the first whole one.
+    dog.restarted(t0 + 1.5)
+    assert dog.stall_timeout_s() == 600.0
+    for step, at, took in ((3, 2.0, 0.4), (4, 29.5, 27.5), (5, 30.0, 0.5), (6, 30.5, 0.5)):
+        fake(folder, trainer, "trainer-rank0", "trainer", f"step {step}: training", step=step, at=t0 + at, step_s=took)  # fmt: skip
+        assert dog.check(t0 + at) is None
+        assert dog.stall_timeout_s() == {3: 600.0, 4: 600.0, 5: 10.0, 6: 10.0}[step]
 
 
 def test_before_the_first_step_the_fixed_first_step_timeout_holds_and_a_fixed_one_overrides(

@@ -1,6 +1,7 @@
 """The collective weight broadcast's pieces: the chunk plan over a real gloo group, and the trainer
 falling back to files when the group cannot be formed (so no step goes unpublished)."""
 
+import logging
 import threading
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fake_server import FakeServer
-from prime_rl.auth.store import RemoteStore, StoreServer
+from prime_rl.auth.store import RemoteStore, StoreServer, Table
 from prime_rl.runtime.net import free_port
 from prime_rl.trainer.config import WeightBroadcastConfig
 from prime_rl.trainer.parallel.dist import World
@@ -93,9 +94,11 @@ def test_a_server_that_never_joins_makes_the_trainer_write_that_steps_files(tiny
     assert publisher.last_broadcast == 0.0
 
 
-def test_a_group_that_breaks_once_is_formed_again_and_the_step_is_broadcast():
+def test_a_group_that_breaks_once_is_formed_again_and_the_step_is_broadcast(caplog):
     # A server that refuses its first update (as when gloo's mesh lost a connection) and takes the
-    # second: the trainer tries a fresh group once, so the step still travels in memory.
+    # second: the trainer gives the first up at once (not after timeout_s, the default 120 s, waiting
+    # for a member that answered it will not join) and tries a fresh group, so the step still
+    # travels in memory.
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -130,10 +133,27 @@ def test_a_group_that_breaks_once_is_formed_again_and_the_step_is_broadcast():
     threading.Thread(target=http.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{http.server_address[1]}"
-        config = WeightBroadcastConfig(type="collective", servers=[url], port=free_port(), timeout_s=2)
-        pushed = Broadcaster(config).push(1, state)
+        config = WeightBroadcastConfig(type="collective", servers=[url], port=free_port())
+        with caplog.at_level(logging.WARNING, logger="prime_rl.trainer.weights.broadcast"):
+            pushed = Broadcaster(config).push(1, state)
     finally:
         http.shutdown()
     assert pushed.servers == [url]
     assert len(posts) == 2 and posts[0] != posts[1]  # a fresh group, not the broken one
     assert torch.equal(received["w"], state["w"])
+    (retry,) = [r.getMessage() for r in caplog.records if "trying once more" in r.getMessage()]
+    assert "was abandoned" in retry and f"{url} answered HTTP 500" in retry, retry
+
+
+def test_a_wait_on_an_abandoned_update_ends_at_once_and_names_why():
+    table = Table()
+    table.set("prime_rl/step_1/a/0", b"rank 0")
+    table.abandon("prime_rl/step_1/a/", "http://server answered HTTP 500")
+    with pytest.raises(RuntimeError, match="abandoned: http://server answered HTTP 500"):
+        table.wait(["prime_rl/step_1/a/0", "prime_rl/step_1/a/1"], timeout_s=3600)
+    table.wait(["prime_rl/step_1/a/0"], timeout_s=3600)  # a key that is there is there
+    table.set("prime_rl/step_2/b/0", b"rank 0")  # another update waits as before
+    table.wait(["prime_rl/step_2/b/0"], timeout_s=3600)
+    table.drop("prime_rl/step_1/a/")  # the update is gone, and so is its abandonment
+    with pytest.raises(TimeoutError):
+        table.wait(["prime_rl/step_1/a/1"], timeout_s=0)

@@ -106,6 +106,8 @@ class Table:
 
     values: dict[str, bytes] = field(default_factory=dict)
     changed: threading.Condition = field(default_factory=threading.Condition)
+    abandoned: dict[str, str] = field(default_factory=dict)
+    """Prefix -> why: an update given up (a member refused it), whose waits end at once."""
 
     def set(self, key: str, value: bytes) -> None:
         with self.changed:
@@ -116,6 +118,9 @@ class Table:
         deadline = time.monotonic() + timeout_s
         with self.changed:
             while not all(k in self.values for k in keys):
+                for prefix, why in self.abandoned.items():
+                    if any(k.startswith(prefix) for k in keys):
+                        raise RuntimeError(f"the update under {prefix} was abandoned: {why}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [k for k in keys if k not in self.values]
@@ -151,11 +156,19 @@ class Table:
         with self.changed:
             return self.values.pop(key, None) is not None
 
+    def abandon(self, prefix: str, why: str) -> None:
+        """Give up the update under `prefix`: every wait on its keys, now or later, raises at once
+        (a member that refused it will never write its keys; the others need not wait the timeout)."""
+        with self.changed:
+            self.abandoned[prefix] = why
+            self.changed.notify_all()
+
     def drop(self, prefix: str) -> None:
         """Forget one update's keys (its group is gone)."""
         with self.changed:
             for key in [k for k in self.values if k.startswith(prefix)]:
                 del self.values[key]
+            self.abandoned.pop(prefix, None)
 
     def serve(self, op: str, args: list):
         """One request from a client: the answer."""

@@ -4,8 +4,8 @@ The processes of a run say what they are doing (`prime_rl.runtime.activity`). Th
 any of them changes what it is doing, raises its progress counter, or reads or writes files in a
 state marked `io`; a run whose states have all stood still for the stall timeout is stalled, and so
 is one process that has been frozen that long while the others go on. The timeout adapts to the
-run: STALL_FACTOR times the slowest trainer step seen so far (the first step after a start or a
-restart not counted), at least `deployment.stall_floor_s`, and `deployment.stall_first_step_s`
+run: STALL_FACTOR times the slowest trainer step seen so far (as the trainer times it; the first
+step after a start or a restart not counted), at least `deployment.stall_floor_s`, and `deployment.stall_first_step_s`
 until then; a fixed `deployment.stall_timeout_s` overrides it.
 
 The culprit of a stall is the process that waits on no one: first one that is frozen (stopped by a
@@ -69,9 +69,9 @@ class Watchdog:
     _io: dict[int, int] = field(default_factory=dict)
     _progress_at: float = field(default_factory=time.time)
     _step: int | None = None
-    _step_at: float = 0.0
-    _timed: bool = False
-    """Whether `_step_at` is the start of a whole step (not start-up, not a restart)."""
+    """The trainer's step (None: not seen since the start or the last restart)."""
+    _counts_from: int | None = None
+    """The trainer's step from which the step times its records say count (module docstring)."""
     _slowest_s: float = 0.0
 
     def stall_timeout_s(self) -> float:
@@ -88,7 +88,7 @@ class Watchdog:
     def restarted(self, now: float | None = None) -> None:
         """A process was restarted: its successor gets the first step's time again."""
         now = time.time() if now is None else now
-        self._progress_at, self._slowest_s, self._step, self._timed = now, 0.0, None, False
+        self._progress_at, self._slowest_s, self._step, self._counts_from = now, 0.0, None, None
 
     def check(
         self, now: float | None = None, host: str | None = None, keep: Callable[[State], bool] | None = None
@@ -109,7 +109,7 @@ class Watchdog:
         ):
             self._progress_at = now
         self._seen, self._io = seen, io
-        self._time_steps(states, now)
+        self._time_steps(states)
         timeout_s = self.stall_timeout_s()
         if not states or timeout_s <= 0:
             return None
@@ -133,22 +133,23 @@ class Watchdog:
         culprit, why = verdict
         return Stall(culprit, why, idle_s, timeout_s, step if step is not None else culprit.step)
 
-    def _time_steps(self, states: list[State], now: float) -> None:
-        """The slowest trainer step so far: the time between two step changes, the first one after
-        start-up or a restart not counted (it holds the model's load and the first rollouts)."""
+    def _time_steps(self, states: list[State]) -> None:
+        """The slowest trainer step so far, as the trainers' records say (`State.step_s`: each
+        trainer times its own steps, so a poll that misses a step shorter than the polls' interval
+        still reads the time of the one before). Times count from two steps past the step seen first
+        after the start or a restart: the step then in progress may be waiting for the restarted
+        process, and the next is the first whole one."""
         # A trainer's step in an io state is no news: while it loads it says 0, not yet the step it
-        # resumes at (that jump is no step trained; timed, the slow first step after it would be),
-        # and publishing or checkpointing repeats the step it just trained.
-        steps = [s.step for s in states if s.kind == "trainer" and not s.io]
-        if not steps:
+        # resumes at (that jump is no step trained), and publishing or checkpointing repeats the
+        # step it just trained.
+        trainers = [s for s in states if s.kind == "trainer" and not s.io]
+        if not trainers:
             return
-        step = max(steps)
-        if self._step is not None and step > self._step:
-            if self._timed:
-                self._slowest_s = max(self._slowest_s, now - self._step_at)
-            self._timed = True
-        if self._step is None or step != self._step:
-            self._step, self._step_at = step, now
+        self._step = max(s.step for s in trainers)
+        if self._counts_from is None:
+            self._counts_from = self._step + 2
+        if self._step >= self._counts_from:
+            self._slowest_s = max(self._slowest_s, *(s.step_s for s in trainers))
 
 
 def beat_of(s: State) -> float:

@@ -9,7 +9,7 @@ A record is a 4 KiB file `<output_dir>/activity/<label>.<pid>` that the process 
     [16:24] loop beat: wall time (f64), written every BEAT_S by its asyncio loop (0: no loop)
     [24:28] length of the state (u32), then the state as JSON: label, kind, pid, host, started
             (the kernel's start time of the process, so that a reused pid is not taken for it),
-            doing, waits_on, step, since, io, progress
+            doing, waits_on, step, since, io, progress, step_s
 
 A process that stops beating is frozen (SIGSTOP, a C call that holds the GIL, a dead-locked
 interpreter); one whose loop stops beating has a blocked event loop; one that beats but whose state
@@ -93,6 +93,9 @@ class State:
     loop_beat: float
     """Wall time of its event loop's last beat, 0.0 for a process without one."""
     path: Path
+    step_s: float = 0.0
+    """How long its last whole step took (a trainer's; 0.0 until it has trained one past its first,
+    which holds the model's load): the watchdog's measure of a step, whichever polls it missed."""
 
     @property
     def stack_path(self) -> Path:
@@ -119,6 +122,7 @@ class _Record:
             "since": time.time(),
             "io": False,
             "progress": 0,
+            "step_s": 0.0,
         }
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -155,6 +159,10 @@ class _Record:
         if self.fields["progress"] != progress:
             self.fields["progress"] = progress
             self._write_state()
+
+    def took(self, seconds: float) -> None:
+        self.fields["step_s"] = seconds
+        self._write_state()
 
     def beat(self, offset: int) -> None:
         self.map[offset : offset + 8] = struct.pack("<d", time.time())
@@ -240,6 +248,13 @@ def progress(count: int) -> None:
         _record.advance(count)
 
 
+def step_took(seconds: float) -> None:
+    """Say how long the step just trained took, start to start (not for the first step after the
+    process started: it holds the model's load and the first rollouts)."""
+    if _record is not None:
+        _record.took(seconds)
+
+
 @contextlib.contextmanager
 def waiting(what: str, on: str):
     """Inside, this process's state is its current one plus `what`, waiting for the `on` kind (a
@@ -300,6 +315,7 @@ def read(path: Path) -> State | None:
                     beat,
                     loop_beat,
                     path,
+                    float(f.get("step_s", 0.0)),
                 )
             except (ValueError, KeyError, TypeError):
                 pass

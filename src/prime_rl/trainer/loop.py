@@ -105,6 +105,8 @@ def train_loop(
             metrics["time/wait_for_data"] = t_wait
             metrics["time/checkpoint"] = t_ckpt  # the previous step's, which this step's clock includes
             metrics["time/step"] = time.perf_counter() - t0
+            if step > start:  # the first holds the load and the first rollouts: no measure of a step
+                activity.step_took(metrics["time/step"])
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
                 log.info(steps.line(step, metrics))

@@ -131,7 +131,8 @@ class Broadcaster:
 
     def _invite(self, url: str, body: dict, answers: dict[str, str]) -> None:
         """Ask one server to receive the update (its own thread: it answers once it has the weights);
-        its answer, 'ok' or why not, goes into `answers`."""
+        its answer, 'ok' or why not, goes into `answers`. A refusal abandons the update: a server
+        that will not join leaves the group unformed, and nobody waits `timeout_s` for it."""
         import httpx
 
         try:
@@ -147,6 +148,8 @@ class Broadcaster:
             )
         except httpx.HTTPError as e:
             answers[url] = f"{type(e).__name__}: {e}"
+        if answers[url] != "ok":
+            self._store.table.abandon(body["prefix"], f"{url} answered {answers[url]}")
 
     def _send(self, prefix: str, world: int, state, plan, phases: dict[str, float]) -> Exception | None:
         """Join the update's group as rank 0 and send the chunks; the error, if a server went away
