@@ -15,6 +15,7 @@ import pytest
 
 from helpers.cores import deployment_keys
 from prime_rl.runtime import secret
+from prime_rl.runtime.monitor import read_metrics
 from prime_rl.runtime.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -206,20 +207,43 @@ def test_in_engine_mode_the_orchestrator_serves_the_policy_itself_reward_rises_a
     assert seen and not alive(sorted(seen))
 
 
-def test_ctrl_c_stops_everything(tiny_model, tmp_path):
-    toml = write_config(tmp_path, tiny_model, "reverse-text", steps=500)
-    proc = subprocess.Popen([RL, "@", str(toml)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def critic_run(tiny_model, tmp_path_factory):
+    """One `rl` run with a critic (GAE, one warm-up step) and KL in the reward under the adaptive
+    controller, stopped with Ctrl-C once the trainer logged 4 steps: the two tests below read it.
+    Returns (rl's status, its stdout, its stderr, the trainer's first 4 steps' metrics, the
+    processes it started, as seen while it ran)."""
+    tmp = tmp_path_factory.mktemp("critic")
+    toml = write_config(tmp, tiny_model, "short-answer-env", steps=500)
+    flags = ["--orchestrator.filters", "[]", "--trainer.advantage.type", "gae",
+             "--trainer.advantage.batch-normalize", "all", "--trainer.critic.warmup-steps", "1",
+             "--trainer.kl-reward.beta", "0.1", "--trainer.kl-reward.estimator", "k3",
+             "--trainer.kl-reward.target", "1e-6",
+             "--trainer.kl-reward.horizon", "32"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": ENVS}
+    out_path, err_path = tmp / "rl.out", tmp / "rl.err"  # files: a full pipe would stall rl
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen([RL, "@", str(toml), *flags], stdout=out, stderr=err, text=True, env=env)
+    metrics = tmp / "run" / "trainer" / "metrics.jsonl"
     seen: set[int] = set()
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        seen.update(child_pids(proc.pid))
-        if (tmp_path / "run" / "weights" / "step_1" / "READY").exists():
-            break
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out + err
+    try:
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and len(read_metrics(metrics)) >= 4):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                seen.update(child_pids(proc.pid))
+            assert proc.poll() is None, out_path.read_text()[-3000:] + err_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no 4 trainer steps"
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    return proc.returncode, out_path.read_text(), err_path.read_text(), read_metrics(metrics)[:4], seen
+
+
+@pytest.mark.xdist_group("critic_run")
+def test_ctrl_c_stops_everything(critic_run):
+    code, out, err, _, seen = critic_run
+    assert code == 130, out[-3000:] + err[-3000:]
     assert "stopping every process" in err
     # rl reaps its children; wait for any grandchild on a condition, not a guess of its speed.
     left = []
@@ -227,24 +251,17 @@ def test_ctrl_c_stops_everything(tiny_model, tmp_path):
         with contextlib.suppress(psutil.NoSuchProcess):
             left.append(psutil.Process(pid))
     psutil.wait_procs(left, timeout=120)
-    assert not alive(sorted(seen))
+    assert seen and not alive(sorted(seen))
 
 
-def test_rl_with_a_critic_and_adaptive_kl_in_the_reward(tiny_model, tmp_path):
+@pytest.mark.xdist_group("critic_run")
+def test_rl_with_a_critic_and_adaptive_kl_in_the_reward(critic_run):
     """GAE with a critic that warms up for one step, and KL in the reward under the adaptive
     controller, through `rl` end to end: the critic trains from step 0, the policy from step 1,
     and beta follows the measured KL."""
-    toml = write_config(tmp_path, tiny_model, "short-answer-env", steps=4)
-    flags = ["--orchestrator.filters", "[]", "--trainer.advantage.type", "gae",
-             "--trainer.advantage.batch-normalize", "all", "--trainer.critic.warmup-steps", "1",
-             "--trainer.kl-reward.beta", "0.1", "--trainer.kl-reward.estimator", "k3",
-             "--trainer.kl-reward.target", "1e-6",
-             "--trainer.kl-reward.horizon", "32"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ENVS}
-    proc = subprocess.run([RL, "@", str(toml), *flags], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "explained_var" in proc.stdout and "critic warm-up" in proc.stdout
-    trainer = [json.loads(line) for line in (tmp_path / "run" / "trainer" / "metrics.jsonl").open()]
+    code, out, err, trainer, _ = critic_run
+    assert code == 130 and len(trainer) == 4, out[-3000:] + err[-3000:]  # (stopped by Ctrl-C after 4)
+    assert "explained_var" in out and "critic warm-up" in out
     assert [m["critic/policy_trained"] for m in trainer] == [0.0, 1.0, 1.0, 1.0]
     assert all(m["critic/value_loss/all/mean"] > 0 and m["critic/grad_norm"] > 0 for m in trainer)
     betas = [m["kl_reward/beta"] for m in trainer]
