@@ -55,9 +55,10 @@ tokenizer, and the fake reads them with it (the shipped tiny models share one to
 
 @functools.cache
 def tokenizer():
-    from transformers import AutoTokenizer
+    # The class `AutoTokenizer` picks, without importing torch (seconds in a process of its own).
+    from prime_rl.model.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL)
+    return load_tokenizer(MODEL)
 
 
 def chatml_messages(ids: list[int]) -> list[dict]:
@@ -249,10 +250,20 @@ class FakeServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
 
-if __name__ == "__main__":
-    # A server in its own process, for tests that kill it: `python fake_server.py PORT [DELAY_S]`.
+def main() -> None:
+    """A server in its own process, for tests that kill it: `python -m prime_rl.runtime.start
+    fake_server PORT [DELAY_S]` (tests/ on PYTHONPATH), started as our processes start: imports with
+    the collector paused."""
     import sys
 
+    from prime_rl.runtime.imports import heavy_imports
+
+    with heavy_imports():
+        tokenizer()
     delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     with FakeServer(script=lambda req, i: Reply(delay_s=delay), port=int(sys.argv[1])):
         threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ serves again, and finishes every step once with exact rollout accounting."""
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -39,7 +40,16 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(FAKE_SERVER), str(self.port), str(self.delay_s)])
+        env = {**os.environ, "PYTHONPATH": str(FAKE_SERVER.parent)}
+        args = [
+            sys.executable,
+            "-m",
+            "prime_rl.runtime.start",
+            "fake_server",
+            str(self.port),
+            str(self.delay_s),
+        ]
+        self.proc = subprocess.Popen(args, env=env)
         wait_for(lambda: self.get("/health") is not None, "the fake server to start")
 
     def kill(self) -> None:

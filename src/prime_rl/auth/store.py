@@ -45,6 +45,8 @@ MAX_FRAME = 1 << 20
 UNKEYED = b"prime-rl-unkeyed"
 """The key without a run secret: the same protocol, proving nothing (loopback by hand)."""
 LOG_EVERY_S = 10.0
+OPS = ("set", "get", "wait", "check", "add", "compare_set", "append", "delete", "num_keys")
+"""What a client may ask of the store (`Table`'s methods of these names)."""
 TAG = 16
 
 
@@ -106,8 +108,7 @@ class Table:
 
     values: dict[str, bytes] = field(default_factory=dict)
     changed: threading.Condition = field(default_factory=threading.Condition)
-    abandoned: dict[str, str] = field(default_factory=dict)
-    """Prefix -> why: an update given up (a member refused it), whose waits end at once."""
+    abandoned: dict[str, str] = field(default_factory=dict)  # prefix -> why (`abandon`)
 
     def set(self, key: str, value: bytes) -> None:
         with self.changed:
@@ -157,8 +158,8 @@ class Table:
             return self.values.pop(key, None) is not None
 
     def abandon(self, prefix: str, why: str) -> None:
-        """Give up the update under `prefix`: every wait on its keys, now or later, raises at once
-        (a member that refused it will never write its keys; the others need not wait the timeout)."""
+        """Give up the update under `prefix` (a member refused it: its keys never come): every wait
+        on its keys, now or later, raises at once."""
         with self.changed:
             self.abandoned[prefix] = why
             self.changed.notify_all()
@@ -170,29 +171,17 @@ class Table:
                 del self.values[key]
             self.abandoned.pop(prefix, None)
 
+    def check(self, keys: list[str]) -> bool:  # (each look at the dict is atomic: no lock)
+        return all(k in self.values for k in keys)
+
+    def num_keys(self) -> int:
+        return len(self.values)
+
     def serve(self, op: str, args: list):
-        """One request from a client: the answer."""
-        if op == "set":
-            return self.set(args[0], args[1])
-        if op == "get":
-            return self.get(args[0], args[1])
-        if op == "wait":
-            return self.wait(args[0], args[1])
-        if op == "check":
-            with self.changed:
-                return all(k in self.values for k in args[0])
-        if op == "add":
-            return self.add(args[0], args[1])
-        if op == "compare_set":
-            return self.compare_set(*args)
-        if op == "append":
-            return self.append(args[0], args[1])
-        if op == "delete":
-            return self.delete(args[0])
-        if op == "num_keys":
-            with self.changed:
-                return len(self.values)
-        raise ValueError(f"unknown store operation {op!r}")
+        """One request from a client: the answer (a malformed one raises, answered as an error)."""
+        if op not in OPS:
+            raise ValueError(f"unknown store operation {op!r}")
+        return getattr(self, op)(*args)
 
 
 def _bytes(value) -> bytes:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from pathlib import Path
 
 from prime_rl.runtime.activity import ENGINE_CORE, State, start_ticks
 
@@ -19,20 +18,31 @@ from prime_rl.runtime.activity import ENGINE_CORE, State, start_ticks
 def process_tree(root: int) -> list[int]:
     """`root` and every live process descended from it (read from /proc). By descent, not by
     process group: torchrun starts each rank in a session of its own."""
+    return process_trees([root])[root]
+
+
+def process_trees(roots: list[int]) -> dict[int, list[int]]:
+    """`process_tree` of each root, from one read of /proc (`rl` looks at its children's trees every
+    second, and /proc holds every process of the machine)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = (entry / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2 :].split()
-                if fields[0] != "Z":
-                    children.setdefault(int(fields[1]), []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return sorted(tree)
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(f"/proc/{entry.name}/stat", "rb") as f:
+                        stat = f.read()
+                    fields = stat[stat.rindex(b")") + 2 :].split()
+                    if fields[0] != b"Z":
+                        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    trees = {}
+    for root in roots:
+        tree, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children.get(pid, [])
+        trees[root] = sorted(tree)
+    return trees
 
 
 def tree_of(root: int) -> list[tuple[int, int]]:

@@ -34,7 +34,7 @@ from prime_rl.launcher.child import Child, start_child
 from prime_rl.launcher.config import RLConfig
 from prime_rl.launcher.machine import here
 from prime_rl.launcher.plan import Plan, Server, plan
-from prime_rl.launcher.processes import kill_culprit, kill_tree, process_tree, tree_of
+from prime_rl.launcher.processes import kill_culprit, kill_tree, process_trees, tree_of
 from prime_rl.launcher.watchdog import Watchdog, look, stall_line, waiting_line
 from prime_rl.launcher.wiring import hosts
 from prime_rl.runtime import activity, secret
@@ -326,7 +326,9 @@ class Launcher:
     def _watch_for_stall(self, children: list[Child]) -> None:
         """A stalled run (`watchdog.py`): one line, the stacks, and the hung process killed, so that
         the loop restarts it, or stops the run, as for a process that died."""
-        trees = {c.name: process_tree(c.proc.pid) for c in children if c.proc.poll() is None}
+        live = {c.name: c.proc.pid for c in children if c.proc.poll() is None}
+        found_trees = process_trees(list(live.values()))
+        trees = {name: found_trees[pid] for name, pid in live.items()}
         found = look(self.watchdog, trees, self.log_dir, socket.gethostname())
         if found is None:
             # A long wait says what everyone is doing, once a while (a stall, or just a long step).

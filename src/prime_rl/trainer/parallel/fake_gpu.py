@@ -254,35 +254,10 @@ def cuda_attention(sdpa: Callable) -> Callable:
     def attention(
         query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ):
-        if query.device.type != FAKE_GPU:
-            return sdpa(
-                query,
-                key,
-                value,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
-        same_heads = key.shape[-3] == query.shape[-3]
-        half = query.dtype in (torch.float16, torch.bfloat16)
-        if attn_mask is None and half and (same_heads or enable_gqa) and query.shape[-1] <= 256:
-            if not same_heads:
-                rep = query.shape[-3] // key.shape[-3]
-                key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
-            out = torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, False, scale=scale
-            )
-            return out[0]
-        if same_heads and query.shape[-1] <= 256:
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:
-                bias = torch.where(bias, 0.0, float("-inf")).to(query.dtype)
-            out = torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
-            )
-            return out[0]
+        if query.device.type == FAKE_GPU:
+            out = _fused_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            if out is not None:
+                return out
         return sdpa(
             query,
             key,
@@ -295,6 +270,29 @@ def cuda_attention(sdpa: Callable) -> Callable:
         )
 
     return attention
+
+
+def _fused_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The output of the fused kernel CUDA would pick (`cuda_attention`), None for its math kernel."""
+    same_heads = key.shape[-3] == query.shape[-3]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if attn_mask is None and half and (same_heads or enable_gqa) and query.shape[-1] <= 256:
+        if not same_heads:
+            rep = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )
+        return out[0]
+    if same_heads and query.shape[-1] <= 256:
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.where(bias, 0.0, float("-inf")).to(query.dtype)
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, query.requires_grad, dropout_p, is_causal, scale=scale
+        )
+        return out[0]
+    return None
 
 
 # --- models with no data ---------------------------------------------------------------------------
