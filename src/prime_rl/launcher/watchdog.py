@@ -5,8 +5,8 @@ any of them changes what it is doing, raises its progress counter, or reads or w
 state marked `io`; a run whose states have all stood still for the stall timeout is stalled, and so
 is one process that has been frozen that long while the others go on. The timeout adapts to the
 run: STALL_FACTOR times the slowest trainer step seen so far (as the trainer times it; the first
-step after a start or a restart not counted), at least `deployment.stall_floor_s`, and `deployment.stall_first_step_s`
-until then; a fixed `deployment.stall_timeout_s` overrides it.
+step after a start or a restart not counted), at least `deployment.stall_floor_s`, and
+`deployment.stall_first_step_s` until then; a fixed `deployment.stall_timeout_s` overrides it.
 
 The culprit of a stall is the process that waits on no one: first one that is frozen (stopped by a
 signal, no heartbeat, or an event loop that stopped beating), else one whose state waits for nobody
