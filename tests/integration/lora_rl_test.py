@@ -149,9 +149,15 @@ def tell(served, runs: Path, tiny_model, keys: dict[str, Path]) -> Story:
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(name))
         for name in ("alice", "bob")
     }  # fmt: skip
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        story.first[name] = (proc.returncode, out)
+    try:
+        for name, proc in procs.items():
+            out, _ = proc.communicate(timeout=900)
+            story.first[name] = (proc.returncode, out)
+    finally:  # one that hung (or a failed wait) does not outlive the fixture
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     if any(code for code, _ in story.first.values()):
         return story
     for name in procs:

@@ -45,8 +45,7 @@ MAX_FRAME = 1 << 20
 UNKEYED = b"prime-rl-unkeyed"
 """The key without a run secret: the same protocol, proving nothing (loopback by hand)."""
 LOG_EVERY_S = 10.0
-OPS = ("set", "get", "wait", "check", "add", "compare_set", "append", "delete", "num_keys")
-"""What a client may ask of the store (`Table`'s methods of these names)."""
+OPS = ("set", "get", "wait", "check", "add", "compare_set", "append", "delete", "num_keys")  # Table's
 TAG = 16
 
 
